@@ -1,0 +1,24 @@
+"""Array kernels and region rules, one module per op.
+
+Kernels take the array module of their inputs (numpy here, cupy on GPU workers).
+"""
+
+from ops.base import Op, array_module, dims_of
+from ops.rect import Rect
+from ops.concat import Concat
+from ops.conv import Conv2d
+from ops.elementwise import Add, Relu
+from ops.errors import ShapeError
+from ops.flatten import Flatten
+from ops.input import Input
+from ops.linear import Linear
+from ops.loss import SoftmaxCrossEntropy
+from ops.pool import Pool2d
+from ops.sgd import sgd_update
+
+OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy)}
+
+__all__ = [
+    "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "sgd_update",
+    "Input", "Conv2d", "Pool2d", "Linear", "Relu", "Add", "Concat", "Flatten", "SoftmaxCrossEntropy",
+]

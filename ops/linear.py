@@ -1,0 +1,54 @@
+"""Fully-connected layer: y = x @ W.T + b, weight (out, in).  Splits over {n, c}."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ops.base import Op
+from ops.errors import ShapeError
+from ops.rect import Rect
+
+
+@dataclass(frozen=True)
+class Linear(Op):
+    out_features: int
+
+    kind = "linear"
+
+    def __post_init__(self):
+        if len(self.in_shapes[0]) != 2:
+            raise ShapeError(
+                f"linear needs a rank-2 (n, c) input, got shape {tuple(self.in_shapes[0])}; flatten it first"
+            )
+        if self.out_features < 1:
+            raise ShapeError(f"linear out_features must be >= 1, got {self.out_features}")
+
+    @property
+    def out_shape(self):
+        return (self.in_shapes[0][0], self.out_features)
+
+    def param_shapes(self):
+        return {"weight": (self.out_features, self.in_shapes[0][1]), "bias": (self.out_features,)}
+
+    def input_rects(self, out):
+        # A channel split still reads every input feature (the paper's Figure 2b).
+        return [Rect((out.lo[0], 0), (out.hi[0], self.in_shapes[0][1]))]
+
+    def param_rects(self, out):
+        c0, c1 = out.lo[1], out.hi[1]
+        return {"weight": Rect((c0, 0), (c1, self.in_shapes[0][1])), "bias": Rect((c0,), (c1,))}
+
+    def flops(self, out):
+        return 2 * out.volume * self.in_shapes[0][1]
+
+    def forward(self, xs, params, out):
+        y = xs[0] @ params["weight"].T
+        y += params["bias"]
+        return y
+
+    def backward(self, dy, xs, y, params, out, need_dx):
+        grads = {"weight": dy.T @ xs[0], "bias": dy.sum(axis=0)}
+        return [dy @ params["weight"] if need_dx[0] else None], grads
+
+    def attrs(self):
+        return {"out_features": self.out_features}

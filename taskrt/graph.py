@@ -1,0 +1,239 @@
+"""The graph-building API: layers, their shapes (inferred at build time) and their order.
+
+    g = Graph("lenet")
+    x = g.input("image", shape=(64, 1, 28, 28))
+    y = g.conv2d(x, 6, kernel=5, padding=2, activation="relu", name="conv1")
+
+Every method returns a Tensor (the layer's output).  Mistakes are caught here, before any
+work starts, with the layer's name in the message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from math import prod
+
+import networkx as nx
+
+from ops import OPS, Add, Concat, Conv2d, Flatten, Input, Linear, Op, Pool2d, Relu, ShapeError, SoftmaxCrossEntropy
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.]+$")
+PREFIX = {"conv2d": "conv", "pool2d": "pool", "linear": "fc", "relu": "relu", "flatten": "flatten",
+          "concat": "concat", "add": "add", "softmax_cross_entropy": "loss", "input": "input"}
+
+
+class GraphError(ValueError):
+    """A graph that cannot be built; the message names the layer."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """The output of one layer."""
+
+    graph: Graph
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.graph.layers[self.name].shape
+
+    def __repr__(self):
+        return f"Tensor({self.name!r}, shape={self.shape})"
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    op: Op
+    inputs: tuple[str, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.op.out_shape
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return self.op.dims
+
+    @property
+    def is_input(self) -> bool:
+        return self.op.kind == "input"
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.op.param_shapes()
+
+
+def _pair(value, what, layer) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    try:
+        a, b = value
+        return (int(a), int(b))
+    except (TypeError, ValueError):
+        raise GraphError(f"layer {layer!r}: {what} must be an int or a pair (h, w), got {value!r}") from None
+
+
+class Graph:
+    def __init__(self, name: str = "net"):
+        self.name = name
+        self.layers: dict[str, Layer] = {}  # insertion order is a topological order
+
+    # ---- building -------------------------------------------------------------------------
+    def input(self, name: str, shape, dtype: str = "float") -> Tensor:
+        return self._add("input", name, [], lambda _: Input((), tuple(int(s) for s in shape), dtype))
+
+    def conv2d(self, x, out_channels: int, kernel, stride=1, padding=0, activation=None, name=None) -> Tensor:
+        def make(layer):
+            return Conv2d(
+                (x.shape,), int(out_channels), _pair(kernel, "kernel", layer), _pair(stride, "stride", layer),
+                _pair(padding, "padding", layer), activation,
+            )
+        return self._add("conv2d", name, [x], make)
+
+    def pool2d(self, x, kernel, stride=None, padding=0, mode="max", name=None) -> Tensor:
+        def make(layer):
+            k = _pair(kernel, "kernel", layer)
+            s = k if stride is None else _pair(stride, "stride", layer)
+            return Pool2d((x.shape,), k, s, _pair(padding, "padding", layer), mode)
+        return self._add("pool2d", name, [x], make)
+
+    def linear(self, x, out_features: int, name=None) -> Tensor:
+        return self._add("linear", name, [x], lambda _: Linear((x.shape,), int(out_features)))
+
+    def relu(self, x, name=None) -> Tensor:
+        return self._add("relu", name, [x], lambda _: Relu((x.shape,)))
+
+    def flatten(self, x, name=None) -> Tensor:
+        return self._add("flatten", name, [x], lambda _: Flatten((x.shape,)))
+
+    def concat(self, xs, name=None) -> Tensor:
+        xs = list(xs)
+        return self._add("concat", name, xs, lambda _: Concat(tuple(x.shape for x in xs)))
+
+    def add(self, a, b, name=None) -> Tensor:
+        return self._add("add", name, [a, b], lambda _: Add((a.shape, b.shape)))
+
+    def softmax_cross_entropy(self, logits, labels=None, name=None) -> Tensor:
+        """Mean cross-entropy over the batch.  Without `labels`, an int64 input named
+        "labels" (shape (n,)) is added for them."""
+        if labels is None:
+            self._check_tensor(logits, name or "loss")
+            label_name = "labels" if "labels" not in self.layers else f"{name or 'loss'}_labels"
+            labels = self.input(label_name, shape=(logits.shape[0],), dtype="int64")
+        return self._add("softmax_cross_entropy", name, [logits, labels],
+                         lambda _: SoftmaxCrossEntropy((logits.shape, labels.shape)))
+
+    def _add(self, kind: str, name, inputs, make) -> Tensor:
+        name = self._new_name(kind) if name is None else name
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise GraphError(
+                f"layer name {name!r} is not valid: use letters, digits, '_' and '.' only "
+                "(task keys are '<layer>-<phase>', so a '-' would break dashboard grouping)"
+            )
+        if name in self.layers:
+            raise GraphError(f"layer {name!r}: a layer of that name already exists ({self.layers[name].kind})")
+        for x in inputs:
+            self._check_tensor(x, name)
+        try:
+            op = make(name)
+        except ShapeError as e:
+            raise GraphError(f"layer {name!r} ({kind}): {e}") from None
+        self.layers[name] = Layer(name, op, tuple(x.name for x in inputs))
+        return Tensor(self, name)
+
+    def _check_tensor(self, x, layer):
+        if not isinstance(x, Tensor):
+            raise GraphError(f"layer {layer!r}: expected a Tensor from this graph, got {type(x).__name__}")
+        if x.graph is not self or x.name not in self.layers:
+            raise GraphError(f"layer {layer!r}: tensor {x.name!r} belongs to another graph")
+
+    def _new_name(self, kind: str) -> str:
+        prefix, k = PREFIX[kind], 1
+        while f"{prefix}{k}" in self.layers:
+            k += 1
+        return f"{prefix}{k}"
+
+    # ---- reading ----------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Layer:
+        return self.layers[name]
+
+    def __iter__(self):
+        return iter(self.layers.values())
+
+    def __len__(self):
+        return len(self.layers)
+
+    @property
+    def inputs(self) -> list[Layer]:
+        return [layer for layer in self if layer.is_input]
+
+    @property
+    def losses(self) -> list[Layer]:
+        return [layer for layer in self if layer.kind == "softmax_cross_entropy"]
+
+    def consumers(self, name: str) -> list[tuple[str, int]]:
+        """(layer, input index) of every use of `name`'s output."""
+        return [(layer.name, i) for layer in self for i, src in enumerate(layer.inputs) if src == name]
+
+    def needs_backward(self) -> set[str]:
+        """Layers whose backward must run: those with parameters at or upstream of them.
+
+        A layer fed only by inputs and parameter-free layers has no gradient to pass on,
+        so neither its backward nor any input gradient it would produce is computed.
+        """
+        needed: set[str] = set()
+        for layer in self:
+            if layer.param_shapes or any(src in needed for src in layer.inputs):
+                needed.add(layer.name)
+        return needed
+
+    def num_params(self) -> int:
+        return sum(prod(s) for layer in self for s in layer.param_shapes.values())
+
+    def to_networkx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for layer in self:
+            g.add_node(layer.name)
+            for src in layer.inputs:
+                g.add_edge(src, layer.name)
+        return g
+
+    # ---- description ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "layers": [
+                {"name": l.name, "kind": l.kind, "inputs": list(l.inputs), **l.op.attrs()} for l in self
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Graph:
+        """Rebuild a graph from `to_dict` (used by checkpoints)."""
+        g = cls(data["name"])
+        for spec in data["layers"]:
+            spec = dict(spec)
+            name, kind, inputs = spec.pop("name"), spec.pop("kind"), spec.pop("inputs")
+            if kind not in OPS:
+                raise GraphError(f"layer {name!r}: unknown kind {kind!r}; known: {sorted(OPS)}")
+            in_shapes = tuple(g.layers[src].shape for src in inputs)
+            attrs = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+            g.layers[name] = Layer(name, OPS[kind](in_shapes, **attrs), tuple(inputs))
+        return g
+
+    def summary(self) -> str:
+        rows = [f"{'layer':<16} {'kind':<22} {'output shape':<22} params"]
+        for layer in self:
+            n = sum(prod(s) for s in layer.param_shapes.values())
+            rows.append(f"{layer.name:<16} {layer.kind:<22} {str(layer.shape):<22} {n:,}")
+        rows.append(f"total parameters: {self.num_params():,}")
+        return "\n".join(rows)
+
+    def __repr__(self):
+        return f"Graph({self.name!r}, {len(self)} layers)"

@@ -1,0 +1,70 @@
+"""Parameters: deterministic initialization, and packing of a shard into one flat array.
+
+A shard (the part of a layer's parameters one task reads) travels and is updated as a single
+flat array: one key per shard in Dask, one message per transfer, and a byte count that is
+exactly the array's size.
+"""
+
+from __future__ import annotations
+
+import zlib
+from math import prod
+
+import numpy as np
+
+from ops.rect import Rect
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+def resolve_dtype(dtype) -> np.dtype:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return np.dtype(DTYPES[name])
+
+
+def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str, np.ndarray]]:
+    """He-normal weights (std sqrt(2 / fan_in)), zero biases.
+
+    Each layer draws from its own generator seeded by (seed, layer name), so a layer's initial
+    values do not depend on the rest of the graph.
+    """
+    dtype = resolve_dtype(dtype)
+    params = {}
+    for layer in graph:
+        shapes = layer.param_shapes
+        if not shapes:
+            continue
+        rng = np.random.default_rng([seed, zlib.crc32(layer.name.encode())])
+        w_shape = shapes["weight"]
+        fan_in = prod(w_shape[1:])
+        params[layer.name] = {
+            "weight": (rng.standard_normal(w_shape) * np.sqrt(2.0 / fan_in)).astype(dtype),
+            "bias": np.zeros(shapes["bias"], dtype=dtype),
+        }
+    return params
+
+
+def shard_sizes(rects: dict[str, Rect]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each parameter in a shard, in packing order (sorted by name)."""
+    return [(name, rects[name].shape) for name in sorted(rects)]
+
+
+def pack(arrays: dict, xp=np):
+    """Concatenate a shard's parameters (sorted by name) into one flat array."""
+    return xp.concatenate([arrays[name].ravel() for name in sorted(arrays)])
+
+
+def unpack(flat, layout: list[tuple[str, tuple[int, ...]]]) -> dict:
+    """Views of a flat shard as named arrays; `layout` as from `shard_sizes`."""
+    out, start = {}, 0
+    for name, shape in layout:
+        size = prod(shape)
+        out[name] = flat[start : start + size].reshape(shape)
+        start += size
+    return out
+
+
+def slice_params(params: dict[str, np.ndarray], rects: dict[str, Rect]) -> dict[str, np.ndarray]:
+    return {name: params[name][rects[name].relative_to(Rect.full(params[name].shape))] for name in rects}
