@@ -14,9 +14,11 @@ class Concat(Op):
     kind = "concat"
 
     def __post_init__(self):
-        first = tuple(self.in_shapes[0])
         if len(self.in_shapes) < 2:
             raise ShapeError(f"concat needs at least two inputs, got {len(self.in_shapes)}")
+        first = tuple(self.in_shapes[0])
+        if len(first) not in (2, 4):
+            raise ShapeError(f"concat needs rank-4 (n, c, h, w) or rank-2 (n, c) inputs, got shape {first}")
         for i, s in enumerate(self.in_shapes[1:], start=1):
             if len(s) != len(first) or tuple(s[:1]) + tuple(s[2:]) != first[:1] + first[2:]:
                 raise ShapeError(

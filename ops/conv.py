@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from ops.base import Op, array_module
 from ops.errors import ShapeError
-from ops.windows import col2im, crop, halo, im2col, out_size, pad, tile_padding
+from ops.windows import (
+    col2im_block, crop, halo, im2col_block, out_size, pad, row_blocks, tile_padding, window_view_nhwc,
+)
 from ops.rect import Rect
 
 
@@ -86,33 +88,52 @@ class Conv2d(Op):
     def _pads(self, out):
         return tile_padding(out, self.kernel, self.stride, self.padding, self.in_shapes[0][2:])
 
+    # Kernels work in NHWC so that im2col copies contiguous channel runs; tensors stay NCHW.
+    def _windows(self, x, out):
+        xp = array_module(x)
+        x_nhwc = pad(xp.ascontiguousarray(x.transpose(0, 2, 3, 1)), self._pads(out), axes=(1, 2))
+        return x_nhwc.shape, window_view_nhwc(x_nhwc, self.kernel, self.stride)
+
+    def _weight_matrix(self, w):
+        return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1)  # columns (i, j, c), as im2col_block
+
     def forward(self, xs, params, out):
         x, w, b = xs[0], params["weight"], params["bias"]
+        xp = array_module(x)
         n, cout, ho, wo = out.shape
-        cols = im2col(pad(x, self._pads(out)), self.kernel, self.stride)
-        y = cols @ w.reshape(cout, -1).T
+        _, view = self._windows(x, out)
+        wt = self._weight_matrix(w).T
+        y = xp.empty((n, ho, wo, cout), dtype=x.dtype)
+        for block in row_blocks(n, ho, wo):
+            xp.matmul(im2col_block(view, block), wt, out=y[block].reshape(-1, cout))
         y += b
-        y = y.reshape(n, ho, wo, cout).transpose(0, 3, 1, 2)
-        xp = array_module(y)
         if self.activation == "relu":
             xp.maximum(y, 0, out=y)
-        return xp.ascontiguousarray(y)
+        return xp.ascontiguousarray(y.transpose(0, 3, 1, 2))
 
     def backward(self, dy, xs, y, params, out, need_dx):
         x, w = xs[0], params["weight"]
+        xp = array_module(x)
         n, cout, ho, wo = out.shape
         if self.activation == "relu":
             dy = dy * (y > 0)
-        dy2 = dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, cout)
-        pads = self._pads(out)
-        xpad = pad(x, pads)
-        cols = im2col(xpad, self.kernel, self.stride)
-        grads = {"weight": (dy2.T @ cols).reshape(w.shape), "bias": dy2.sum(axis=0)}
-        if not need_dx[0]:
+        dy_nhwc = xp.ascontiguousarray(dy.transpose(0, 2, 3, 1))
+        padded_shape, view = self._windows(x, out)
+        wm = self._weight_matrix(w)
+        dw = xp.zeros_like(wm)
+        dx_pad = xp.zeros(padded_shape, dtype=x.dtype) if need_dx[0] else None
+        for block in row_blocks(n, ho, wo):
+            d = dy_nhwc[block].reshape(-1, cout)
+            dw += d.T @ im2col_block(view, block)
+            if dx_pad is not None:
+                dcols = (d @ wm).reshape(*dy_nhwc[block].shape[:3], *self.kernel, x.shape[1])
+                col2im_block(dx_pad, dcols, block, self.stride)
+        dw = dw.reshape(cout, *self.kernel, x.shape[1]).transpose(0, 3, 1, 2)
+        grads = {"weight": xp.ascontiguousarray(dw), "bias": dy_nhwc.reshape(-1, cout).sum(axis=0)}
+        if dx_pad is None:
             return [None], grads
-        dcols = (dy2 @ w.reshape(cout, -1)).reshape(n, ho, wo, x.shape[1], *self.kernel)
-        dxpad = col2im(dcols.transpose(0, 3, 1, 2, 4, 5), xpad.shape, self.stride, x.dtype)
-        return [crop(dxpad, pads)], grads
+        dx = crop(dx_pad, self._pads(out), axes=(1, 2))
+        return [xp.ascontiguousarray(dx.transpose(0, 3, 1, 2))], grads
 
     def attrs(self):
         return {

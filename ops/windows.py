@@ -29,12 +29,14 @@ def tile_padding(out_rect, kernel, stride, padding, in_hw):
     return (pt, pb), (pl, pr)
 
 
-def pad(x, pads, value=0.0):
+def pad(x, pads, value=0.0, axes=(2, 3)):
+    """Pad the two spatial axes (NCHW by default; axes=(1, 2) for NHWC)."""
     (pt, pb), (pl, pr) = pads
     if pt == pb == pl == pr == 0:
         return x
-    xp = array_module(x)
-    return xp.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)), mode="constant", constant_values=value)
+    widths = [(0, 0)] * x.ndim
+    widths[axes[0]], widths[axes[1]] = (pt, pb), (pl, pr)
+    return array_module(x).pad(x, widths, mode="constant", constant_values=value)
 
 
 def windows(xp_padded, kernel, stride):
@@ -44,11 +46,47 @@ def windows(xp_padded, kernel, stride):
     return v[:, :, :: stride[0], :: stride[1]]
 
 
-def im2col(xp_padded, kernel, stride):
-    """Rows are output positions (n, ho, wo), columns are (c, i, j): shape (N*Ho*Wo, C*kh*kw)."""
-    v = windows(xp_padded, kernel, stride)
-    n, c, ho, wo, kh, kw = v.shape
-    return v.transpose(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kh * kw)
+def window_view_nhwc(x_padded_nhwc, kernel, stride):
+    """View (N, Ho, Wo, C, kh, kw) of every window of a padded NHWC tile; no copy."""
+    xp = array_module(x_padded_nhwc)
+    v = xp.lib.stride_tricks.sliding_window_view(x_padded_nhwc, kernel, axis=(1, 2))
+    return v[:, :: stride[0], :: stride[1]]
+
+
+def row_blocks(n: int, ho: int, wo: int, rows: int = 2048):
+    """Blocks (sample slice, output-row slice) of about `rows` output positions each.
+
+    im2col on a block instead of the whole tile keeps the column matrix in cache (it can be
+    hundreds of MB for a whole tile) while the GEMM stays large enough to run at full rate.
+    """
+    if ho * wo >= rows:
+        step = max(1, rows // wo)
+        for i in range(n):
+            for h in range(0, ho, step):
+                yield slice(i, i + 1), slice(h, min(ho, h + step))
+    else:
+        step = max(1, rows // (ho * wo))
+        for i in range(0, n, step):
+            yield slice(i, min(n, i + step)), slice(0, ho)
+
+
+def im2col_block(view, block):
+    """Columns of one block: rows (n, ho, wo), columns (i, j, c), channels innermost so every
+    copied run is contiguous (several times faster than gathering from NCHW)."""
+    v = view[block]
+    bn, bh, wo, c, kh, kw = v.shape
+    return v.transpose(0, 1, 2, 4, 5, 3).reshape(bn * bh * wo, kh * kw * c)
+
+
+def col2im_block(dx_padded_nhwc, dcols, block, stride):
+    """Adjoint of `im2col_block`: add window gradients (bn, bh, Wo, kh, kw, C) into the padded tile."""
+    sn, sh = block
+    _, bh, wo, kh, kw, _ = dcols.shape
+    s0, s1 = stride
+    rows = dx_padded_nhwc[sn, sh.start * s0 : (sh.stop - 1) * s0 + kh]
+    for i in range(kh):
+        for j in range(kw):
+            rows[:, i : i + s0 * (bh - 1) + 1 : s0, j : j + s1 * (wo - 1) + 1 : s1, :] += dcols[:, :, :, i, j, :]
 
 
 def col2im(cols6, padded_shape, stride, dtype):
@@ -63,7 +101,9 @@ def col2im(cols6, padded_shape, stride, dtype):
     return dx
 
 
-def crop(x_padded, pads):
+def crop(x_padded, pads, axes=(2, 3)):
     (pt, pb), (pl, pr) = pads
-    h, w = x_padded.shape[2], x_padded.shape[3]
-    return x_padded[:, :, pt : h - pb, pl : w - pr]
+    index = [slice(None)] * x_padded.ndim
+    index[axes[0]] = slice(pt, x_padded.shape[axes[0]] - pb)
+    index[axes[1]] = slice(pl, x_padded.shape[axes[1]] - pr)
+    return x_padded[tuple(index)]

@@ -70,6 +70,8 @@ class Layer:
 
 
 def _pair(value, what, layer) -> tuple[int, int]:
+    if isinstance(value, (str, bytes)):  # "33" would otherwise unpack to (3, 3)
+        raise GraphError(f"layer {layer!r}: {what} must be an int or a pair (h, w), got {value!r}")
     if isinstance(value, int):
         return (value, value)
     try:
@@ -122,22 +124,28 @@ class Graph:
     def softmax_cross_entropy(self, logits, labels=None, name=None) -> Tensor:
         """Mean cross-entropy over the batch.  Without `labels`, an int64 input named
         "labels" (shape (n,)) is added for them."""
+        name = self._new_name("softmax_cross_entropy") if name is None else name
         if labels is None:
-            self._check_tensor(logits, name or "loss")
-            label_name = "labels" if "labels" not in self.layers else f"{name or 'loss'}_labels"
+            # Check everything before adding the labels input, so a failed call leaves no stray input.
+            self._check_name(name)
+            self._check_tensor(logits, name)
+            try:
+                SoftmaxCrossEntropy((logits.shape, (logits.shape[0],)))
+            except ShapeError as e:
+                raise GraphError(f"layer {name!r} (softmax_cross_entropy): {e}") from None
+            label_name = "labels" if "labels" not in self.layers else f"{name}_labels"
             labels = self.input(label_name, shape=(logits.shape[0],), dtype="int64")
+        elif isinstance(labels, Tensor) and labels.graph is self and labels.name in self.layers:
+            src = self.layers[labels.name]
+            if not (src.is_input and src.op.dtype == "int64"):
+                raise GraphError(f"layer {name!r}: labels must be an int64 input layer, got {labels.name!r} "
+                                 f"({src.kind}, dtype {getattr(src.op, 'dtype', 'float')!r})")
         return self._add("softmax_cross_entropy", name, [logits, labels],
                          lambda _: SoftmaxCrossEntropy((logits.shape, labels.shape)))
 
     def _add(self, kind: str, name, inputs, make) -> Tensor:
         name = self._new_name(kind) if name is None else name
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise GraphError(
-                f"layer name {name!r} is not valid: use letters, digits, '_' and '.' only "
-                "(task keys are '<layer>-<phase>', so a '-' would break dashboard grouping)"
-            )
-        if name in self.layers:
-            raise GraphError(f"layer {name!r}: a layer of that name already exists ({self.layers[name].kind})")
+        self._check_name(name)
         for x in inputs:
             self._check_tensor(x, name)
         try:
@@ -146,6 +154,15 @@ class Graph:
             raise GraphError(f"layer {name!r} ({kind}): {e}") from None
         self.layers[name] = Layer(name, op, tuple(x.name for x in inputs))
         return Tensor(self, name)
+
+    def _check_name(self, name):
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise GraphError(
+                f"layer name {name!r} is not valid: use letters, digits, '_' and '.' only "
+                "(task keys are '<layer>-<phase>', so a '-' would break dashboard grouping)"
+            )
+        if name in self.layers:
+            raise GraphError(f"layer {name!r}: a layer of that name already exists ({self.layers[name].kind})")
 
     def _check_tensor(self, x, layer):
         if not isinstance(x, Tensor):
@@ -222,9 +239,16 @@ class Graph:
             name, kind, inputs = spec.pop("name"), spec.pop("kind"), spec.pop("inputs")
             if kind not in OPS:
                 raise GraphError(f"layer {name!r}: unknown kind {kind!r}; known: {sorted(OPS)}")
+            unknown = [src for src in inputs if src not in g.layers]
+            if unknown:
+                raise GraphError(f"layer {name!r}: inputs {unknown} are not defined before it")
             in_shapes = tuple(g.layers[src].shape for src in inputs)
             attrs = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
-            g.layers[name] = Layer(name, OPS[kind](in_shapes, **attrs), tuple(inputs))
+            try:
+                op = OPS[kind](in_shapes, **attrs)
+            except ShapeError as e:
+                raise GraphError(f"layer {name!r} ({kind}): {e}") from None
+            g.layers[name] = Layer(name, op, tuple(inputs))
         return g
 
     def summary(self) -> str:

@@ -1,0 +1,5 @@
+import sys
+
+from taskrt.cli import main
+
+sys.exit(main())
