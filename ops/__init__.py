@@ -4,7 +4,6 @@ Kernels take the array module of their inputs (numpy here, cupy on GPU workers).
 """
 
 from ops.base import Op, array_module, dims_of
-from ops.rect import Rect
 from ops.concat import Concat
 from ops.conv import Conv2d
 from ops.elementwise import Add, Relu
@@ -14,6 +13,7 @@ from ops.input import Input
 from ops.linear import Linear
 from ops.loss import SoftmaxCrossEntropy
 from ops.pool import Pool2d
+from ops.rect import Rect
 from ops.sgd import sgd_update
 
 OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy)}

@@ -6,10 +6,18 @@ from dataclasses import dataclass
 
 from ops.base import Op, array_module
 from ops.errors import ShapeError
-from ops.windows import (
-    col2im_block, crop, halo, im2col_block, out_size, pad, row_blocks, tile_padding, window_view_nhwc,
-)
 from ops.rect import Rect
+from ops.windows import (
+    col2im_block,
+    crop,
+    halo,
+    im2col_block,
+    out_size,
+    pad,
+    row_blocks,
+    tile_padding,
+    window_view_nhwc,
+)
 
 
 def check_window(what, in_shape, kernel, stride, padding):

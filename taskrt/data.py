@@ -51,7 +51,7 @@ def bind_inputs(graph, args, dtype, with_labels=True) -> dict[str, np.ndarray]:
 
 
 def _check_labels(graph, name, labels):
-    for loss_name, i in graph.consumers(name):
+    for loss_name, _ in graph.consumers(name):
         classes = graph[graph[loss_name].inputs[0]].shape[1]
         if labels.min() < 0 or labels.max() >= classes:
             raise InputError(
