@@ -1,0 +1,23 @@
+"""python -m bench <name> [--quick]: benchmarks writing results/<name>.json, .md and .png."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("name", choices=["kernels"], help="which benchmark")
+    parser.add_argument("--quick", action="store_true", help="a short version (CI)")
+    parser.add_argument("--out", default="results", help="folder for results (default: results/)")
+    args = parser.parse_args(argv)
+    if args.name == "kernels":
+        from bench import kernels
+
+        kernels.run(args.out, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
