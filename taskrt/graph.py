@@ -138,8 +138,8 @@ class Graph:
         elif isinstance(labels, Tensor) and labels.graph is self and labels.name in self.layers:
             src = self.layers[labels.name]
             if not (src.is_input and src.op.dtype == "int64"):
-                raise GraphError(f"layer {name!r}: labels must be an int64 input layer, got {labels.name!r} "
-                                 f"({src.kind}, dtype {getattr(src.op, 'dtype', 'float')!r})")
+                what = f"an input of dtype {src.op.dtype!r}" if src.is_input else f"a {src.kind} layer"
+                raise GraphError(f"layer {name!r}: labels must be an int64 input layer, got {labels.name!r}, {what}")
         return self._add("softmax_cross_entropy", name, [logits, labels],
                          lambda _: SoftmaxCrossEntropy((logits.shape, labels.shape)))
 

@@ -399,7 +399,10 @@ def test_softmax_cross_entropy_float_labels_rejected():
     g, x = image((6, 3, 4, 4))
     logits = g.linear(g.flatten(x), 10)
     y = g.input("y", shape=(6,))
-    raises(["'loss'", "labels", "int64", "'y'"], g.softmax_cross_entropy, logits, labels=y, name="loss")
+    raises(["'loss'", "labels", "int64", "'y'", "'float'"], g.softmax_cross_entropy, logits, labels=y, name="loss")
+    z = g.relu(g.input("z", shape=(6,), dtype="int64"), name="zr")
+    raises(["'loss'", "int64 input", "'zr'", "relu"], g.softmax_cross_entropy, logits, labels=z, name="loss")
+    assert "loss" not in g.layers
 
 
 def test_softmax_cross_entropy_bad_logits_leaves_no_stray_labels():

@@ -1,0 +1,79 @@
+"""ParallelConfig: how one layer's output tensor is split, and which device computes each part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+from math import prod
+
+from ops.rect import Rect
+
+DIMS = ("n", "c", "h", "w")
+
+
+def blocks(size: int, degree: int) -> list[tuple[int, int]]:
+    """[lo, hi) of `degree` blocks as equal as possible over `size`; the first ones get one more."""
+    q, r = divmod(size, degree)
+    edges = [0]
+    for i in range(degree):
+        edges.append(edges[-1] + q + (1 if i < r else 0))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@dataclass(frozen=True)
+class Part:
+    index: int
+    rect: Rect
+    device: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A degree per dimension (n, c, h, w) and the device of each part, parts numbered row-major
+    over the grid of degrees.  Devices default to 0 .. P-1."""
+
+    n: int = 1
+    c: int = 1
+    h: int = 1
+    w: int = 1
+    devices: tuple[int, ...] = field(default=None)
+
+    def __post_init__(self):
+        for dim in DIMS:
+            value = getattr(self, dim)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"degree {dim}={value!r} must be a positive int")
+        devices = tuple(range(self.total)) if self.devices is None else tuple(self.devices)
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in devices):
+            raise ValueError(f"devices must be ints, got {list(devices)}")
+        object.__setattr__(self, "devices", devices)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in DIMS}
+
+    @property
+    def total(self) -> int:
+        return prod(self.degrees.values())
+
+    def split_dims(self) -> list[str]:
+        return [dim for dim in DIMS if getattr(self, dim) > 1]
+
+    def parts(self, shape) -> list[Part]:
+        """The parts of a tensor of `shape` whose dimensions are the first len(shape) of (n, c, h, w)."""
+        dims = DIMS[: len(shape)]
+        ranges = [blocks(size, getattr(self, dim)) for size, dim in zip(shape, dims)]
+        return [
+            Part(i, Rect.from_ranges(combo), self.devices[i]) for i, combo in enumerate(product(*ranges))
+        ]
+
+    def to_dict(self) -> dict:
+        return {**{dim: getattr(self, dim) for dim in DIMS}, "devices": list(self.devices)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ParallelConfig:
+        return cls(**{k: data[k] for k in (*DIMS, "devices") if k in data})
+
+    def __str__(self) -> str:
+        degrees = ", ".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
+        return f"{{{degrees}}} on {list(self.devices)}"

@@ -1,0 +1,119 @@
+"""The thin Dask layer: a Plan plus the step number -> a task graph on the cluster.
+
+Every task is pinned to its device by the device's resource tag.  Keys are
+('<layer>-<phase>-it<step>', part...), which the dashboard groups as '<layer>-<phase>'.
+Parameter state enters the graph as the futures the previous step returned, data as the
+futures of tiles scattered straight to their devices, so nothing returns to the client
+between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import dask
+
+from ops.rect import Rect
+from taskrt.machine import MachineError, resource_tag
+from taskrt.plan import DATA, HYPER, STATE, TASK, Plan
+
+
+def step_key(key: tuple, step) -> tuple:
+    """('conv1-fwd', 0) at step '7-ab12' -> ('conv1-fwd-it7-ab12', 0), shown as 'conv1-fwd'."""
+    return (f"{key[0]}-it{step}", *key[1:])
+
+
+@dataclass
+class StepRun:
+    """A submitted step: its output futures and what is needed to account for it."""
+
+    step: int | str
+    plan: Plan
+    outputs: dict  # output name -> list of futures, or dict of futures
+    keys: set  # every key of the step (task keys and scattered data), to find its transfers
+    submitted: float
+    finished: float | None = None
+
+    def futures(self) -> list:
+        return [f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v)]
+
+
+class Executor:
+    def __init__(self, machine):
+        if machine.client is None:
+            raise MachineError(f"{machine!r} has no cluster to run on (simulated machines only plan and simulate)")
+        self.machine = machine
+        self.client = machine.client
+
+    def scatter(self, plan: Plan, arrays: dict) -> dict:
+        """Send each input tile straight to its device; returns {(layer, part): future}."""
+        address = self.machine.addresses()
+        by_device: dict[int, list] = {}
+        for layer, parts in plan.data.items():
+            full = arrays[layer]
+            for part in parts:
+                tile = full[part.rect.relative_to(Rect.full(full.shape))]
+                by_device.setdefault(part.device, []).append(((layer, part.index), tile.copy()))
+        futures = {}
+        for device, items in by_device.items():
+            scattered = self.client.scatter([tile for _, tile in items], workers=[address[device]],
+                                            hash=False, direct=True)
+            for (name, _), future in zip(items, scattered):
+                futures[name] = future
+        return futures
+
+    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
+        """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
+        def resolve(dep):
+            if dep.kind == TASK:
+                return step_key(dep.key, tag)
+            if dep.kind == STATE:
+                return state[dep.key]
+            if dep.kind == DATA:
+                return data[dep.key]
+            if dep.kind == HYPER:
+                return dict(hyper)
+            raise AssertionError(dep)
+
+        dsk, restriction = {}, {}
+        for task in plan.tasks:
+            key = step_key(task.key, tag)
+            dsk[key] = (task.spec, *[resolve(d) for d in task.deps])
+            restriction[key] = {resource_tag(task.device): 1}
+        names, wanted = [], []
+        for name, value in plan.outputs.items():
+            keys = list(value.values()) if isinstance(value, dict) else list(value)
+            names.append((name, value, len(keys)))
+            wanted += [step_key(k, tag) for k in keys]
+        submitted = time.perf_counter()
+        with dask.annotate(resources=lambda key: restriction[key]):
+            futures = self.client.get(dsk, wanted, sync=False)
+        outputs, i = {}, 0
+        for name, value, count in names:
+            chunk = futures[i : i + count]
+            outputs[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
+            i += count
+        keys = set(dsk) | {f.key for f in data.values()}
+        return StepRun(step, plan, outputs, keys, submitted)
+
+    def measured_bytes(self, keys: set) -> dict[tuple[int, int], int]:
+        """Bytes the workers' transfer logs record for `keys`, per (source, destination) device."""
+        device_of = {address: device for device, address in self.machine.addresses().items()}
+        logs = self.client.run(_incoming_transfers, sorted(map(str, keys)))
+        counts = Counter()
+        for receiver, entries in logs.items():
+            for sender, nbytes in entries:
+                counts[(device_of[sender], device_of[receiver])] += nbytes
+        return dict(counts)
+
+
+def _incoming_transfers(keys, dask_worker=None):
+    wanted = set(keys)
+    out = []
+    for entry in dask_worker.transfer_incoming_log:
+        for key, nbytes in entry["keys"].items():
+            if str(key) in wanted:
+                out.append((entry["who"], nbytes))
+    return out

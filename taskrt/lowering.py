@@ -1,0 +1,293 @@
+"""Lowering: (graph, strategy) -> the Plan of one step.  Pure: no Dask, no arrays.
+
+For every part of every layer it asks the op's region rule which Rect of each input the part
+reads, and takes it from the producer's parts that intersect it: in place when the producer's
+part is on the same device, as a whole tile when the consumer needs all of it, otherwise
+through a slice task on the producer's device so that only the intersection travels.
+Backward reads the same rule the other way, and the consumer's backward reuses the pieces its
+forward fetched.  Replicated parameter shards are synchronized through a parameter server on
+the shard's first device.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from taskrt.params import shard_sizes
+from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Shard, Task
+from taskrt.tasks import Alias, Backward, Element, Forward, Inputs, Loss, Params, Piece, ReduceGrads, Slice, Update
+
+MODES = ("train", "gradients", "predict")
+
+
+class _Deps:
+    """The dependency list of one task under construction; returns positions, no duplicates."""
+
+    def __init__(self, first=()):
+        self.deps: list[Dep] = list(first)
+
+    def add(self, dep: Dep) -> int:
+        if dep not in self.deps:
+            self.deps.append(dep)
+        return self.deps.index(dep)
+
+
+class _Lowering:
+    def __init__(self, graph, strategy, mode, itemsize):
+        self.graph, self.mode, self.itemsize = graph, mode, itemsize
+        self.parts = {layer.name: strategy[layer.name].parts(layer.shape) for layer in graph}
+        self.needed = graph.needs_backward() if mode != "predict" else set()
+        self.tasks: dict[tuple, Task] = {}
+        self.slices: dict[tuple, Dep] = {}
+        self.shards: dict[str, list[Shard]] = {}
+        self.shard_of: dict[tuple[str, int], int] = {}
+        self.fetched: dict[tuple[str, int], Dep] = {}
+        self.readers: dict[Dep, int] = {}  # the one device that reads each travelling key
+        self.aliases: dict[tuple[Dep, int], Dep] = {}
+        self.alias_count: dict[str, int] = {}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def itemsize_of(self, layer_name) -> int:
+        layer = self.graph[layer_name]
+        return 8 if layer.is_input and layer.op.dtype == "int64" else self.itemsize
+
+    def add(self, task: Task) -> Dep:
+        self.tasks[task.key] = task
+        return Dep(TASK, task.key)
+
+    def output_of(self, layer_name, part) -> Dep:
+        if self.graph[layer_name].is_input:
+            return Dep(DATA, (layer_name, part.index))
+        return Dep(TASK, (f"{layer_name}-fwd", part.index))
+
+    def nbytes_of(self, dep: Dep) -> int:
+        if dep.kind == DATA:
+            layer, index = dep.key
+            return self.parts[layer][index].rect.volume * self.itemsize_of(layer)
+        return self.tasks[dep.key].nbytes
+
+    def route(self, dep: Dep, home: int, device: int, layer: str) -> Dep:
+        """The key a task on `device` reads `dep` (living on `home`) through.
+
+        Every key that travels has exactly one reading device, so it has one holder when it
+        is fetched and Dask cannot take it from a replica elsewhere: the plan then names the
+        source of every transfer.  Each further reading device gets an alias: a task on
+        `home` returning the same array under a new key (no copy).
+        """
+        if home == device:
+            return dep
+        first = self.readers.setdefault(dep, device)
+        if first == device:
+            return dep
+        if (dep, device) not in self.aliases:
+            index = self.alias_count.get(layer, 0)
+            self.alias_count[layer] = index + 1
+            self.aliases[(dep, device)] = self.add(Task(
+                (f"{layer}-send", index), "send", layer, home, Alias(), (dep,), self.nbytes_of(dep)))
+        return self.aliases[(dep, device)]
+
+    def pieces(self, deps: _Deps, need, device, sources, slice_phase, slice_layer, itemsize):
+        """Pieces tiling `need` for a task on `device`.
+
+        `sources` are (producer part, dep, element, Rect the value covers).  A value on another
+        device travels whole only when it is a plain array the task needs all of; otherwise a
+        slice task on its device cuts out the intersection.
+        """
+        out = []
+        for part, dep, element, src in sources:
+            inter = src.intersect(need)
+            if inter.empty:
+                continue
+            if part.device != device:
+                if element is not None or inter != src:
+                    key = (dep, element, inter)
+                    if key not in self.slices:
+                        index = sum(1 for k in self.slices if k[0] == dep)
+                        self.slices[key] = self.add(Task(
+                            (f"{slice_layer}-{slice_phase}", *dep.key[1:], index), slice_phase, slice_layer,
+                            part.device, Slice(Piece(0, element, src, inter)), (dep,), inter.volume * itemsize,
+                        ))
+                    dep, element, src = self.slices[key], None, inter
+                dep = self.route(dep, part.device, device, slice_layer)
+            out.append(Piece(deps.add(dep), element, src, inter))
+        return tuple(out)
+
+    def inputs(self, deps: _Deps, layer, part) -> Inputs:
+        rects = layer.op.input_rects(part.rect)
+        all_pieces = []
+        for src_name, need in zip(layer.inputs, rects):
+            if need is None:
+                all_pieces.append(())
+                continue
+            sources = [(p, self.output_of(src_name, p), None, p.rect) for p in self.parts[src_name]]
+            all_pieces.append(self.pieces(deps, need, part.device, sources, "slice", src_name,
+                                          self.itemsize_of(src_name)))
+        return Inputs(tuple(rects), tuple(all_pieces))
+
+    # ---- parameters -------------------------------------------------------------------------
+    def plan_shards(self, layer):
+        shards: list[Shard] = []
+        for part in self.parts[layer.name]:
+            rects = layer.op.param_rects(part.rect)
+            match = next((s for s in shards if s.rects == rects), None)
+            if match is None:
+                layout = tuple(shard_sizes(rects))
+                nbytes = sum(prod(shape) for _, shape in layout) * self.itemsize
+                match = Shard(layer.name, len(shards), rects, layout, part.device, (), nbytes)
+                shards.append(match)
+            shards[match.index] = Shard(**{**match.__dict__, "devices": (*match.devices, part.device)})
+            self.shard_of[(layer.name, part.index)] = match.index
+        self.shards[layer.name] = shards
+
+    def params(self, deps: _Deps, layer, part) -> Params | None:
+        if not layer.param_shapes:
+            return None
+        shard = self.shards[layer.name][self.shard_of[(layer.name, part.index)]]
+        state = Dep(STATE, (layer.name, shard.index))
+        if part.device == shard.server:
+            return Params(deps.add(state), 0, shard.layout)
+        if (layer.name, shard.index) not in self.fetched:
+            self.fetched[(layer.name, shard.index)] = self.add(Task(
+                (f"{layer.name}-wfetch", shard.index), "wfetch", layer.name, shard.server,
+                Element(0), (state,), shard.nbytes,
+            ))
+        fetched = self.route(self.fetched[(layer.name, shard.index)], shard.server, part.device, layer.name)
+        return Params(deps.add(fetched), None, shard.layout)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, layer):
+        for part in self.parts[layer.name]:
+            deps = _Deps()
+            inputs = self.inputs(deps, layer, part)
+            if layer.kind == "softmax_cross_entropy":
+                spec = Loss(layer.op, part.rect, inputs, layer.shape[0])
+                key, phase, nbytes = (f"{layer.name}-loss", part.index), "loss", None
+                flops = layer.op.flops(part.rect) + layer.op.backward_flops(part.rect)
+            else:
+                spec = Forward(layer.op, part.rect, inputs, self.params(deps, layer, part))
+                key, phase = (f"{layer.name}-fwd", part.index), "fwd"
+                nbytes, flops = part.rect.volume * self.itemsize, layer.op.flops(part.rect)
+            self.add(Task(key, phase, layer.name, part.device, spec, tuple(deps.deps), nbytes, flops))
+
+    # ---- backward ---------------------------------------------------------------------------
+    def gradient_sources(self, layer_name):
+        """(consumer part, dep of its backward value, element, Rect) of every gradient of `layer_name`."""
+        for consumer_name, j in self.graph.consumers(layer_name):
+            consumer = self.graph[consumer_name]
+            if consumer_name not in self.needed:
+                continue
+            phase = "loss" if consumer.kind == "softmax_cross_entropy" else "bwd"
+            for part in self.parts[consumer_name]:
+                read = consumer.op.input_rects(part.rect)[j]
+                if read is not None:
+                    yield part, Dep(TASK, (f"{consumer_name}-{phase}", part.index)), j, read
+
+    def backward(self, layer):
+        sources = list(self.gradient_sources(layer.name))
+        for part in self.parts[layer.name]:
+            fwd = self.tasks[(f"{layer.name}-fwd", part.index)]
+            deps = _Deps(fwd.deps)  # same pieces and parameters as forward: already on this device
+            spec = fwd.spec
+            output = deps.add(Dep(TASK, fwd.key)) if layer.op.saves_output else None
+            dy = self._dy(deps, part, sources)
+            need_dx = tuple(src in self.needed for src in layer.inputs)
+            self.add(Task(
+                (f"{layer.name}-bwd", part.index), "bwd", layer.name, part.device,
+                Backward(layer.op, part.rect, spec.inputs, spec.params, output, dy, need_dx),
+                tuple(deps.deps), None, layer.op.backward_flops(part.rect),
+            ))
+
+    def _dy(self, deps, part, sources):
+        out = []
+        for q, dep, element, read in sources:
+            # slices of a consumer's input gradient are named after the consumer
+            consumer = dep.key[0].rsplit("-", 1)[0]
+            out += self.pieces(deps, part.rect, part.device, [(q, dep, element, read)], "gslice", consumer,
+                               self.itemsize)
+        return tuple(out)
+
+    # ---- parameter synchronization ----------------------------------------------------------
+    def synchronize(self, layer):
+        n_inputs = len(layer.inputs)
+        for shard in self.shards[layer.name]:
+            deps = _Deps([Dep(STATE, (layer.name, shard.index))] if self.mode == "train" else [])
+            grads = []
+            for part in self.parts[layer.name]:
+                if self.shard_of[(layer.name, part.index)] != shard.index:
+                    continue
+                bwd = Dep(TASK, (f"{layer.name}-bwd", part.index))
+                if part.device == shard.server:
+                    grads.append((deps.add(bwd), n_inputs))
+                else:
+                    grad = self.add(Task((f"{layer.name}-grad", part.index), "grad", layer.name, part.device,
+                                         Element(n_inputs), (bwd,), shard.nbytes))
+                    grads.append((deps.add(grad), None))
+            flops = 4 * shard.nbytes // self.itemsize * len(grads)
+            if self.mode == "train":
+                deps.add(HYPER_DEP)
+                self.add(Task((f"{layer.name}-update", shard.index), "update", layer.name, shard.server,
+                              Update(tuple(grads)), tuple(deps.deps), None, flops))
+            else:
+                self.add(Task((f"{layer.name}-reduce", shard.index), "reduce", layer.name, shard.server,
+                              ReduceGrads(tuple(grads)), tuple(deps.deps), shard.nbytes, flops))
+
+    # ---- whole step -------------------------------------------------------------------------
+    def build(self, target=None) -> Plan:
+        layers = list(self.graph)
+        for layer in layers:
+            if layer.param_shapes:
+                self.plan_shards(layer)
+        for layer in layers:
+            if layer.is_input or (self.mode == "predict" and layer.kind == "softmax_cross_entropy"):
+                continue
+            self.forward(layer)
+        for layer in reversed(layers):
+            if layer.name in self.needed and not layer.is_input and layer.kind != "softmax_cross_entropy":
+                self.backward(layer)
+                if layer.param_shapes:
+                    self.synchronize(layer)
+        outputs = self.outputs(target)
+        tasks = _prune(self.tasks, outputs)
+        used = {dep.key[0] for t in tasks for dep in t.deps if dep.kind == DATA}
+        data = {layer.name: self.parts[layer.name] for layer in self.graph.inputs if layer.name in used}
+        data_nbytes = {(name, p.index): p.rect.volume * self.itemsize_of(name)
+                       for name, parts in data.items() for p in parts}
+        shards = self.shards if self.mode != "predict" else {
+            name: s for name, s in self.shards.items() if any(t.layer == name for t in tasks)}
+        return Plan(self.mode, tasks, shards, data, data_nbytes, outputs)
+
+    def outputs(self, target):
+        if self.mode == "predict":
+            return {"logits": [(f"{target}-fwd", p.index) for p in self.parts[target]]}
+        losses = [(f"{layer.name}-loss", p.index) for layer in self.graph.losses for p in self.parts[layer.name]]
+        phase = "update" if self.mode == "train" else "reduce"
+        state = {(name, s.index): (f"{name}-{phase}", s.index) for name, shards in self.shards.items()
+                 for s in shards}
+        return {"loss": losses, "state" if self.mode == "train" else "grads": state}
+
+
+def _prune(tasks: dict[tuple, Task], outputs) -> list[Task]:
+    """Keep only tasks some output depends on (in their original order)."""
+    wanted = set()
+    stack = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    while stack:
+        key = stack.pop()
+        if key in wanted:
+            continue
+        wanted.add(key)
+        stack += [d.key for d in tasks[key].deps if d.kind == TASK]
+    return [t for k, t in tasks.items() if k in wanted]
+
+
+def lower(graph, strategy, mode: str = "train", itemsize: int = 4, target: str | None = None) -> Plan:
+    """The plan of one step.  `mode`: "train" (forward, backward, synchronization and SGD update),
+    "gradients" (the same, summing gradients instead of updating) or "predict" (forward up to
+    `target`, by default the logits of the graph's loss)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    strategy = strategy.validated(graph)
+    if mode == "predict" and target is None:
+        from taskrt.data import logits_layer
+
+        target = logits_layer(graph)
+    return _Lowering(graph, strategy, mode, itemsize).build(target)

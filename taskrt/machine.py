@@ -1,0 +1,292 @@
+"""Machine: the device graph.  Devices, the node of each, bandwidth and latency of every pair.
+
+    Machine.local(2)              an embedded LocalCluster: one single-threaded worker process per device
+    Machine.from_client(client)   any running Dask cluster, one device per worker (dask-cuda GPUs too)
+    Machine.simulated(4, 4, ...)  hardware that is not here, for search and simulation only
+
+Each device is pinned by a Dask resource tag `dev<i>` rather than by worker address, so a
+worker that a nanny restarts on a new port still receives its device's tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+# Peak float32 FLOP/s, memory bandwidth (bytes/s) and memory (bytes) of device kinds used in
+# simulation.  Data-sheet figures; the cost model says so wherever it uses them.
+DEVICE_KINDS = {
+    "P100": {"flops": 9.3e12, "memory_bandwidth": 732e9, "memory": 16e9},
+    "V100": {"flops": 14.0e12, "memory_bandwidth": 900e9, "memory": 16e9},
+    "A100": {"flops": 19.5e12, "memory_bandwidth": 1555e9, "memory": 40e9},
+}
+NVLINK = 20e9  # bytes/s, one P100 NVLink direction
+INFINIBAND_100G = 12.5e9  # bytes/s, 100 Gb/s EDR
+
+
+class MachineError(RuntimeError):
+    """A cluster that cannot serve as a machine, or a device that was lost."""
+
+
+@dataclass(frozen=True)
+class Device:
+    id: int
+    node: int
+    kind: str
+    memory: float | None  # bytes available to tasks, if known
+
+
+def resource_tag(device: int) -> str:
+    return f"dev{device}"
+
+
+class Machine:
+    def __init__(self, devices, bandwidth, latency, client=None, cluster=None, description=""):
+        self.devices: list[Device] = list(devices)
+        self.bandwidth = np.asarray(bandwidth, dtype=float)  # bytes/s from row device to column device
+        self.latency = np.asarray(latency, dtype=float)  # seconds
+        self.client = client
+        self.cluster = cluster  # set only when this machine started it, and so must stop it
+        self.description = description
+        self._owns_client = False
+        self.closed = False
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def local(cls, n: int = 2, memory_limit="auto", probe=True, quiet=True) -> Machine:
+        """Start `n` single-threaded worker processes on 127.0.0.1, dashboard on a free port."""
+        import dask
+        from distributed import Client, Nanny, Scheduler, SpecCluster
+
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
+        if n > (os.cpu_count() or 1):
+            logging.getLogger("taskrt").warning(
+                "Machine.local(%d) on %d cores: timings are not meaningful, bytes and results are",
+                n, os.cpu_count())
+        dask.config.set(_DASK_SETTINGS)
+        level = logging.WARNING if quiet else logging.INFO
+        workers = {
+            i: {"cls": Nanny, "options": {"nthreads": 1, "resources": {resource_tag(i): 1}, "host": "127.0.0.1",
+                                          "memory_limit": memory_limit, "silence_logs": level}}
+            for i in range(n)
+        }
+        scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
+        client = Client(cluster, set_as_default=False)
+        client.wait_for_workers(n)
+        machine = cls._adopt(client, cluster=cluster, probe=probe)
+        machine._owns_client = True
+        print(f"taskrt: {n} local devices, dashboard at {client.dashboard_link}")
+        return machine
+
+    @classmethod
+    def from_client(cls, client, probe=True) -> Machine:
+        """Use a running cluster: each worker is one device, in the order of their `dev<i>` resource
+        tags if they have them, otherwise sorted by address (tags are then added; a worker
+        restarted later loses them unless started with `--resources dev<i>=1`)."""
+        return cls._adopt(client, cluster=None, probe=probe)
+
+    @classmethod
+    def _adopt(cls, client, cluster, probe) -> Machine:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        if not workers:
+            raise MachineError("the Dask cluster has no workers")
+        tagged = {}
+        for address, info in workers.items():
+            tags = [r for r in info.get("resources", {}) if r.startswith("dev") and r[3:].isdigit()]
+            if tags:
+                tagged[int(tags[0][3:])] = address
+        if sorted(tagged) != list(range(len(workers))):
+            tagged = dict(enumerate(sorted(workers)))
+            for i, address in tagged.items():
+                client.run(_set_resource, resource_tag(i), workers=[address])
+        hosts = sorted({workers[a]["host"] for a in tagged.values()})
+        devices = []
+        for i in range(len(tagged)):
+            info = workers[tagged[i]]
+            kind = _device_kind(client, tagged[i])
+            devices.append(Device(i, hosts.index(info["host"]), kind, info.get("memory_limit") or None))
+        # No Active Memory Manager: it may drop a replica a pinned task still reads.
+        client.run_on_scheduler(_stop_amm)
+        n = len(devices)
+        machine = cls(devices, np.full((n, n), np.inf), np.zeros((n, n)), client=client, cluster=cluster,
+                      description=f"{n} Dask workers")
+        if probe and n > 1:
+            machine.bandwidth, machine.latency = probe_links(machine)
+        return machine
+
+    @classmethod
+    def simulated(cls, nodes=4, devices_per_node=4, intra_bandwidth=NVLINK, inter_bandwidth=INFINIBAND_100G,
+                  latency=5e-6, device_kind="P100") -> Machine:
+        """Hardware that is not present: only for search and simulation (no cluster)."""
+        if device_kind not in DEVICE_KINDS:
+            raise ValueError(f"unknown device kind {device_kind!r}; known: {sorted(DEVICE_KINDS)}")
+        if nodes < 1 or devices_per_node < 1:
+            raise ValueError(f"need at least one node and one device per node, got {nodes}x{devices_per_node}")
+        n = nodes * devices_per_node
+        memory = DEVICE_KINDS[device_kind]["memory"]
+        devices = [Device(i, i // devices_per_node, device_kind, memory) for i in range(n)]
+        node = np.array([d.node for d in devices])
+        same = node[:, None] == node[None, :]
+        bandwidth = np.where(same, intra_bandwidth, inter_bandwidth).astype(float)
+        np.fill_diagonal(bandwidth, np.inf)
+        lat = np.full((n, n), float(latency))
+        np.fill_diagonal(lat, 0.0)
+        return cls(devices, bandwidth, lat, description=f"simulated {nodes}x{devices_per_node} {device_kind}")
+
+    # ---- reading ----------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.client is None and not self.closed
+
+    def addresses(self) -> dict[int, str]:
+        """Current worker address of each device (it changes when a worker restarts)."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        out = {}
+        for address, info in workers.items():
+            for tag in info.get("resources", {}):
+                if tag.startswith("dev") and tag[3:].isdigit():
+                    out[int(tag[3:])] = address
+        missing = [d.id for d in self.devices if d.id not in out]
+        if missing:
+            raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
+        return out
+
+    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
+        if src == dst or nbytes == 0:
+            return 0.0
+        return float(self.latency[src, dst] + nbytes / self.bandwidth[src, dst])
+
+    def describe(self) -> dict:
+        return {
+            "description": self.description,
+            "devices": [d.__dict__ for d in self.devices],
+            "bandwidth_bytes_per_s": np.where(np.isinf(self.bandwidth), -1, self.bandwidth).tolist(),
+            "latency_s": self.latency.tolist(),
+        }
+
+    def __repr__(self):
+        return f"Machine({self.description})"
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def close(self):
+        """Stop what this machine started (the local cluster and its client), and only that."""
+        if self._owns_client and self.client is not None:
+            self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+        self.client = self.cluster = None
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_DASK_SETTINGS = {
+    "distributed.scheduler.active-memory-manager.start": False,
+    "distributed.admin.low-level-log-length": 100_000,  # transfer logs long enough to count bytes per step
+    "distributed.worker.daemon": False,
+}
+
+
+def _stop_amm(dask_scheduler=None):
+    amm = getattr(dask_scheduler.extensions.get("amm"), "stop", None)
+    if amm is not None:
+        amm()
+
+
+async def _set_resource(tag, dask_worker=None):
+    await dask_worker.set_resources(**{**dask_worker.state.total_resources, tag: 1})
+
+
+def _device_kind(client, address) -> str:
+    def kind(dask_worker=None):
+        try:
+            import sys
+
+            if "cupy" in sys.modules or os.environ.get("CUDA_VISIBLE_DEVICES"):
+                import cupy
+
+                props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+                return "gpu:" + props["name"].decode()
+        except Exception:  # noqa: BLE001  (no GPU: a CPU core)
+            pass
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return "cpu:" + line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        import platform
+
+        return "cpu:" + (platform.processor() or platform.machine())
+
+    return client.run(kind, workers=[address])[address]
+
+
+# ---- link probe -----------------------------------------------------------------------------
+def _payload(nbytes):
+    return np.ones(nbytes // 8, dtype=np.float64)
+
+
+def _touch(x):
+    return x.nbytes
+
+
+def probe_links(machine, small=1024, large=8 * 2**20, repeats=3):
+    """Bandwidth and latency of every ordered device pair, from the durations Dask records for
+    real worker-to-worker transfers of a small and a large array (medians of `repeats`, after
+    one transfer that opens the connection)."""
+    client, n = machine.client, machine.num_devices
+    address = machine.addresses()
+    tag = uuid.uuid4().hex[:8]
+    keys = {}
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            for r, size in enumerate([small] + [small, large] * repeats):
+                key = f"taskrt-probe-{tag}-{src}-{dst}-{r}"
+                payload = client.submit(_payload, size, key=key, workers=[address[src]],
+                                        allow_other_workers=False, pure=False)
+                client.submit(_touch, payload, workers=[address[dst]], allow_other_workers=False,
+                              pure=False).result()
+                if r > 0:
+                    keys[key] = (src, dst, size)
+                del payload
+    durations: dict[tuple, list[float]] = {}
+    for entries in client.run(_probe_log, f"taskrt-probe-{tag}").values():
+        for key, seconds in entries:
+            if key in keys:
+                durations.setdefault(keys[key], []).append(seconds)
+    bandwidth, latency = np.full((n, n), np.inf), np.zeros((n, n))
+    for src in range(n):
+        for dst in range(n):
+            if src != dst:
+                t_small = float(np.median(durations[(src, dst, small)]))
+                t_large = float(np.median(durations[(src, dst, large)]))
+                latency[src, dst] = t_small
+                bandwidth[src, dst] = (large - small) / max(t_large - t_small, 1e-9)
+    return bandwidth, latency
+
+
+def _probe_log(prefix, dask_worker=None):
+    out = []
+    for entry in dask_worker.transfer_incoming_log:
+        for key in entry["keys"]:
+            if isinstance(key, str) and key.startswith(prefix):
+                out.append((key, entry["duration"]))
+    return out

@@ -1,0 +1,136 @@
+"""Plan: one training step as plain data (no Dask).
+
+Each task has a device, a callable spec and its dependencies.  A dependency is another task's
+output, a parameter shard's state from the previous step, a data tile the trainer scatters, or
+the step's hyper-parameters.  Which bytes move between which devices is not stored: it follows
+from the dependencies (a value is moved once to each other device that reads it), so the
+executor, the simulator and the cost model all read the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ops.rect import Rect
+from taskrt.config import Part
+
+TASK, STATE, DATA, HYPER = "task", "state", "data", "hyper"
+
+
+@dataclass(frozen=True)
+class Dep:
+    kind: str  # TASK, STATE, DATA or HYPER
+    key: tuple  # task key; (layer, shard) for STATE; (layer, part) for DATA; () for HYPER
+
+
+HYPER_DEP = Dep(HYPER, ())
+
+
+@dataclass(frozen=True)
+class Task:
+    key: tuple  # (f"{layer}-{phase}", *index)
+    phase: str  # fwd, bwd, loss, slice, gslice, send, grad, wfetch, update, reduce
+    layer: str
+    device: int
+    spec: Any  # callable(*dependency values)
+    deps: tuple[Dep, ...]
+    nbytes: int | None  # size of the output when it is a single array (what may travel)
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a layer's parameters some of its parts read; replicas share one shard."""
+
+    layer: str
+    index: int
+    rects: dict  # parameter name -> Rect
+    layout: tuple  # ((name, shape), ...) packing order
+    server: int  # device holding the master copy and the velocity
+    devices: tuple[int, ...]  # every device that reads it
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    dep: Dep
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    mode: str  # "train", "gradients" or "predict"
+    tasks: list[Task]
+    shards: dict[str, list[Shard]]
+    data: dict[str, list[Part]]  # input layer -> its parts (where the trainer puts each tile)
+    data_nbytes: dict[tuple, int]
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.by_key = {t.key: t for t in self.tasks}
+
+    def device_of(self, dep: Dep) -> int | None:
+        if dep.kind == TASK:
+            return self.by_key[dep.key].device
+        if dep.kind == STATE:
+            layer, shard = dep.key
+            return self.shards[layer][shard].server
+        if dep.kind == DATA:
+            layer, part = dep.key
+            return self.data[layer][part].device
+        return None
+
+    def nbytes_of(self, dep: Dep) -> int | None:
+        if dep.kind == TASK:
+            return self.by_key[dep.key].nbytes
+        if dep.kind == DATA:
+            return self.data_nbytes[dep.key]
+        return None
+
+    def transfers(self) -> list[Transfer]:
+        """Every value that moves: once per (value, reading device) with the device elsewhere."""
+        seen, out = set(), []
+        for task in self.tasks:
+            for dep in task.deps:
+                src = self.device_of(dep)
+                if src is None or src == task.device or (dep, task.device) in seen:
+                    continue
+                seen.add((dep, task.device))
+                nbytes = self.nbytes_of(dep)
+                if nbytes is None:
+                    raise AssertionError(f"task {task.key} reads {dep} from device {src}: only arrays may travel")
+                out.append(Transfer(dep, src, task.device, nbytes))
+        return out
+
+    def check_single_reader(self) -> None:
+        """Each travelling key is read by one other device, so Dask can fetch it only from home."""
+        readers: dict[Dep, set] = {}
+        for t in self.transfers():
+            readers.setdefault(t.dep, set()).add(t.dst)
+        shared = {dep: devices for dep, devices in readers.items() if len(devices) > 1}
+        if shared:
+            raise AssertionError(f"keys read by several remote devices: {shared}")
+
+    def bytes_by_pair(self) -> dict[tuple[int, int], int]:
+        counts = Counter()
+        for t in self.transfers():
+            counts[(t.src, t.dst)] += t.nbytes
+        return dict(counts)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.nbytes for t in self.transfers())
+
+    def phase_counts(self) -> dict[str, int]:
+        return dict(Counter(t.phase for t in self.tasks))
+
+    def __repr__(self):
+        return f"Plan({self.mode}, {len(self.tasks)} tasks, {self.bytes_moved:,} bytes moved)"
+
+
+def rect_nbytes(rect: Rect, itemsize: int) -> int:
+    return rect.volume * itemsize

@@ -1,0 +1,187 @@
+"""What a task does on its device.  Each spec is a small frozen dataclass, callable with the
+values of its dependencies in order; the plan carries specs, Dask ships them to workers.
+
+A dependency value is an array or a tuple of arrays (a backward task returns its input
+gradients and its parameter gradient together).  A `Piece` says which element of which
+dependency to read and which sub-Rect of it: a piece that already lives on the device is cut
+in place here, without a task of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ops import Op, array_module, sgd_update
+from ops.rect import Rect
+from taskrt.params import pack, unpack
+
+
+@dataclass(frozen=True)
+class Piece:
+    dep: int  # position among the task's dependencies
+    element: int | None  # element of a tuple value, or None for a plain array
+    src: Rect  # the Rect the (element) array covers
+    rect: Rect  # the Rect this piece contributes
+
+
+def cut(values, piece: Piece):
+    value = values[piece.dep]
+    if piece.element is not None:
+        value = value[piece.element]
+    return value[piece.rect.relative_to(piece.src)]
+
+
+def assemble(values, rect: Rect, pieces: tuple[Piece, ...]):
+    """The array over `rect` from pieces that tile it (a view when one piece covers it all)."""
+    if len(pieces) == 1 and pieces[0].rect == rect:
+        return cut(values, pieces[0])
+    first = cut(values, pieces[0])
+    out = array_module(first).empty(rect.shape, dtype=first.dtype)
+    for piece in pieces:
+        out[piece.rect.relative_to(rect)] = cut(values, piece)
+    return out
+
+
+def accumulate(values, rect: Rect, pieces: tuple[Piece, ...]):
+    """Sum of overlapping gradient contributions over `rect` (Legion's reduction privilege)."""
+    if len(pieces) == 1 and pieces[0].rect == rect:
+        return cut(values, pieces[0])
+    first = cut(values, pieces[0])
+    out = array_module(first).zeros(rect.shape, dtype=first.dtype)
+    for piece in pieces:
+        out[piece.rect.relative_to(rect)] += cut(values, piece)
+    return out
+
+
+@dataclass(frozen=True)
+class Params:
+    dep: int
+    element: int | None  # 0 when reading the (weights, velocity) state in place
+    layout: tuple  # ((name, shape), ...) as in params.shard_sizes
+
+    def read(self, values) -> dict:
+        flat = values[self.dep] if self.element is None else values[self.dep][self.element]
+        return unpack(flat, self.layout)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Per input of the op: the Rect the task reads (None: nothing) and the pieces that tile it."""
+
+    rects: tuple[Rect | None, ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    def read(self, values) -> list:
+        return [None if r is None else assemble(values, r, p) for r, p in zip(self.rects, self.pieces)]
+
+
+@dataclass(frozen=True)
+class Forward:
+    op: Op
+    out: Rect
+    inputs: Inputs
+    params: Params | None
+
+    def __call__(self, *values):
+        params = self.params.read(values) if self.params else {}
+        return self.op.forward(self.inputs.read(values), params, self.out)
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Input gradients and the flat parameter gradient of one part: (dx_0, ..., dx_k, dparams)."""
+
+    op: Op
+    out: Rect
+    inputs: Inputs
+    params: Params | None
+    output: int | None  # dependency holding the forward output, when the op needs it
+    dy: tuple[Piece, ...]
+    need_dx: tuple[bool, ...]
+
+    def __call__(self, *values):
+        params = self.params.read(values) if self.params else {}
+        y = values[self.output] if self.output is not None else None
+        dy = accumulate(values, self.out, self.dy)
+        dxs, dparams = self.op.backward(dy, self.inputs.read(values), y, params, self.out, self.need_dx)
+        return (*dxs, pack(dparams, array_module(dy)) if dparams else None)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Forward and backward of a loss part: (d logits, None, per-sample losses).
+
+    The batch loss is the mean over all `batch` samples, so each per-sample loss receives 1/batch.
+    """
+
+    op: Op
+    out: Rect
+    inputs: Inputs
+    batch: int
+
+    def __call__(self, *values):
+        xs = self.inputs.read(values)
+        losses = self.op.forward(xs, {}, self.out)
+        dy = array_module(losses).full(losses.shape, 1.0 / self.batch, dtype=xs[0].dtype)
+        (dlogits, _), _ = self.op.backward(dy, xs, None, {}, self.out, (True, False))
+        return dlogits, None, losses
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The intersecting part of a tile, as its own contiguous array, so only it travels."""
+
+    piece: Piece
+
+    def __call__(self, *values):
+        return array_module(values[0]).ascontiguousarray(cut(values, self.piece))
+
+
+@dataclass(frozen=True)
+class Element:
+    """One element of a tuple value (a parameter gradient, or the weights of a state)."""
+
+    element: int
+
+    def __call__(self, value):
+        return value[self.element]
+
+
+@dataclass(frozen=True)
+class Alias:
+    """The same array under a new key (so that each key has one reading device); no copy."""
+
+    def __call__(self, value):
+        return value
+
+
+def _sum_grads(values, grads):
+    total = None
+    for dep, element in grads:
+        g = values[dep] if element is None else values[dep][element]
+        total = g.copy() if total is None else total + g
+    return total
+
+
+@dataclass(frozen=True)
+class Update:
+    """Parameter server of one shard: sum the replicas' gradients, apply SGD.
+
+    Dependencies: the state (weights, velocity), the gradients, and last the step's
+    hyper-parameters {"lr", "momentum", "weight_decay"}.
+    """
+
+    grads: tuple[tuple[int, int | None], ...]
+
+    def __call__(self, state, *values):
+        hyper = values[-1]
+        g = _sum_grads((state, *values), self.grads)
+        return sgd_update(state[0], state[1], g, hyper["lr"], hyper["momentum"], hyper["weight_decay"])
+
+
+@dataclass(frozen=True)
+class ReduceGrads:
+    grads: tuple[tuple[int, int | None], ...]
+
+    def __call__(self, *values):
+        return _sum_grads(values, self.grads)

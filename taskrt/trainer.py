@@ -1,0 +1,271 @@
+"""Trainer: layer-wise parallel training of a graph on a machine, under a strategy.
+
+    trainer = Trainer(graph, strategy, machine, lr=0.05, momentum=0.9, seed=0)
+    loss = trainer.step(images, labels)        # numpy in, float out
+    run = trainer.submit(images, labels)       # same, without waiting: several steps may be in flight
+    trainer.save("ckpt.npz"); Trainer.load("ckpt.npz", machine)
+
+Parameters live on their devices between steps: each shard's master copy and velocity on its
+server device, as the futures the last step's update returned.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ops.rect import Rect
+from taskrt.data import batches_for_predict, bind_inputs, logits_layer
+from taskrt.executor import Executor, StepRun
+from taskrt.files import write_atomic
+from taskrt.graph import Graph
+from taskrt.lowering import lower
+from taskrt.machine import MachineError
+from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
+from taskrt.strategy import Strategy
+
+CHECKPOINT_FORMAT = "taskrt-checkpoint/1"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass
+class StepStats:
+    """What the last finished step did."""
+
+    step: int
+    wall_s: float
+    tasks: int
+    tasks_by_phase: dict
+    planned_bytes: dict  # (source device, destination device) -> bytes, from the plan
+    _measure: object = field(repr=False, default=None)
+    _measured: dict | None = field(repr=False, default=None)
+
+    @property
+    def measured_bytes(self) -> dict:
+        """Bytes per device pair from the workers' transfer logs (read on first access)."""
+        if self._measured is None:
+            self._measured = self._measure()
+        return self._measured
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(self.planned_bytes.values())
+
+    def summary(self) -> str:
+        pairs = ", ".join(f"{s}->{d}: {b:,}" for (s, d), b in sorted(self.planned_bytes.items())) or "none"
+        return (f"step {self.step}: {self.wall_s * 1e3:.1f} ms, {self.tasks} tasks, "
+                f"{self.bytes_moved:,} bytes moved ({pairs})")
+
+
+class StepFuture:
+    """A submitted training step; `result()` waits and returns the loss."""
+
+    def __init__(self, trainer, run: StepRun):
+        self._trainer, self.run, self._loss = trainer, run, None
+
+    def result(self) -> float:
+        """Wait for the whole step (loss and parameter updates) and return the loss."""
+        if self._loss is None:
+            values = self._trainer._gather(self.run.outputs["loss"], self.run.step)
+            self._trainer._wait(list(self.run.outputs["state"].values()), self.run.step)
+            self._loss = float(sum(v[-1].sum() for v in values) / self._trainer._batch)
+            self._trainer._finished(self.run)
+        return self._loss
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.run.futures())
+
+
+class Trainer:
+    def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
+                 seed=0):
+        self.graph = graph
+        self.machine = machine
+        self.strategy = strategy.validated(graph, machine)
+        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        self.dtype = resolve_dtype(dtype)
+        self.seed = seed
+        self.executor = Executor(machine)
+        self._plans = {}
+        self.plan = self._plan("train")
+        self._batch = graph.losses[0].shape[0] if graph.losses else None
+        self.steps_done = 0  # steps submitted
+        self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
+        self._aux_runs = 0
+        self.stats: StepStats | None = None
+        params = init_parameters(graph, seed, self.dtype)
+        self._place(params, {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()})
+
+    # ---- plans and state --------------------------------------------------------------------
+    def _plan(self, mode):
+        if mode not in self._plans:
+            self._plans[mode] = lower(self.graph, self.strategy, mode, self.dtype.itemsize)
+        return self._plans[mode]
+
+    def _place(self, params, velocity):
+        """Put each shard's (weights, velocity) on its server device."""
+        address = self.machine.addresses()
+        self._state = {}
+        for layer, shards in self.plan.shards.items():
+            for shard in shards:
+                w = pack(slice_params(params[layer], shard.rects))
+                v = pack(slice_params(velocity[layer], shard.rects))
+                [future] = self.machine.client.scatter([(w, v)], workers=[address[shard.server]], hash=False,
+                                                       direct=True)
+                self._state[(layer, shard.index)] = future
+
+    def _assemble(self, flats: dict) -> dict:
+        """Full parameter tensors of every layer from flat per-shard arrays {(layer, shard): flat}."""
+        out = {}
+        for layer, shards in self.plan.shards.items():
+            shapes = self.graph[layer].param_shapes
+            full = {k: np.zeros(s, dtype=self.dtype) for k, s in shapes.items()}
+            for shard in shards:
+                for name, value in unpack(np.asarray(flats[(layer, shard.index)]), shard.layout).items():
+                    full[name][shard.rects[name].relative_to(Rect.full(shapes[name]))] = value
+            out[layer] = full
+        return out
+
+    def _gather(self, futures, step):
+        try:
+            return self.machine.client.gather(futures)
+        except Exception as error:
+            self._check_devices(step, error)
+            raise
+
+    def _wait(self, futures, step):
+        from distributed import wait
+
+        with self.machine.client.as_current():
+            wait(futures)
+        failed = [f for f in futures if f.status != "finished"]
+        if failed:
+            self._gather(failed, step)  # raises the task's error, or names the lost device
+
+    def _check_devices(self, step, error):
+        try:
+            self.machine.addresses()
+        except MachineError as lost:
+            raise MachineError(
+                f"step {step} failed because a device was lost ({lost}); parameters on it are gone. "
+                "Restore the last checkpoint with Trainer.load(path, machine)."
+            ) from error
+
+    # ---- training ---------------------------------------------------------------------------
+    def _aux_tag(self, what) -> str:
+        self._aux_runs += 1
+        return f"{self.steps_done}.{what}{self._aux_runs}"
+
+    def _run(self, mode, data, step):
+        plan = self._plan(mode)
+        futures = self.executor.scatter(plan, data)
+        hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
+
+    def submit(self, *data) -> StepFuture:
+        """Start one training step without waiting for it; returns a StepFuture."""
+        arrays = bind_inputs(self.graph, data, self.dtype)
+        self.steps_done += 1
+        run = self._run("train", arrays, self.steps_done)
+        self._state = run.outputs["state"]  # the next step reads these, wherever they are
+        return StepFuture(self, run)
+
+    def step(self, *data) -> float:
+        """One SGD step on a batch; returns the mean loss over the batch."""
+        return self.submit(*data).result()
+
+    def _finished(self, run: StepRun):
+        run.finished = time.perf_counter()
+        if self.stats is not None and self.stats.step > run.step:
+            return
+        self.stats = StepStats(
+            run.step, run.finished - run.submitted, len(run.plan.tasks), run.plan.phase_counts(),
+            run.plan.bytes_by_pair(), _measure=lambda keys=run.keys: self.executor.measured_bytes(keys),
+        )
+
+    def gradients(self, *data) -> dict:
+        """Gradients of the mean loss for a batch, without updating: {layer: {"weight", "bias"}}."""
+        arrays = bind_inputs(self.graph, data, self.dtype)
+        run = self._run("gradients", arrays, self._aux_tag("grad"))
+        grads = self._gather(list(run.outputs["grads"].values()), run.step)
+        return self._assemble(dict(zip(run.outputs["grads"], grads)))
+
+    def parameters(self) -> dict:
+        """Current parameters as full numpy tensors: {layer: {"weight": ..., "bias": ...}}."""
+        states = self._gather(list(self._state.values()), self.steps_done)
+        return self._assemble({key: state[0] for key, state in zip(self._state, states)})
+
+    def _velocity(self) -> dict:
+        states = self._gather(list(self._state.values()), self.steps_done)
+        return self._assemble({key: state[1] for key, state in zip(self._state, states)})
+
+    def predict(self, x) -> np.ndarray:
+        """Logits for any number of samples, in batches of the graph's batch size."""
+        target = logits_layer(self.graph)
+        shape = self.graph[target].shape
+        x = np.asarray(x)
+        out = []
+        for chunk, used in batches_for_predict(self.graph, x):
+            arrays = bind_inputs(self.graph, (chunk,), self.dtype, with_labels=False)
+            run = self._run("predict", arrays, self._aux_tag("predict"))
+            tiles = self._gather(run.outputs["logits"], run.step)
+            logits = np.empty(shape, dtype=self.dtype)
+            for part, tile in zip(self.strategy[target].parts(shape), tiles):
+                logits[part.rect.relative_to(Rect.full(shape))] = tile
+            out.append(logits[:used])
+        return np.concatenate(out)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write a checkpoint atomically (temporary file, then rename): graph, strategy,
+        hyper-parameters, step count, parameters and momentum."""
+        params, velocity = self.parameters(), self._velocity()
+        meta = {
+            "format": CHECKPOINT_FORMAT, "graph": self.graph.to_dict(), "strategy": self.strategy.to_dict(),
+            "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+            "dtype": self.dtype.name, "seed": self.seed, "steps_done": self.steps_done,
+        }
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+        for layer, p in params.items():
+            for k, v in p.items():
+                arrays[f"param/{layer}/{k}"] = v
+                arrays[f"velocity/{layer}/{k}"] = velocity[layer][k]
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        write_atomic(path, buffer.getvalue())
+
+    @classmethod
+    def load(cls, path, machine, strategy: Strategy | None = None) -> Trainer:
+        """Resume from a checkpoint on `machine`, with its saved strategy or another one."""
+        try:
+            with np.load(Path(path), allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+        if "meta" not in arrays:
+            raise CheckpointError(f"{path} is not a taskrt checkpoint (no metadata)")
+        meta = json.loads(arrays["meta"].tobytes().decode())
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+        graph = Graph.from_dict(meta["graph"])
+        strategy = strategy or Strategy.from_dict(meta["strategy"], source=str(path))
+        trainer = cls(graph, strategy, machine, lr=meta["lr"], momentum=meta["momentum"],
+                      weight_decay=meta["weight_decay"], dtype=meta["dtype"], seed=meta["seed"])
+        params, velocity = {}, {}
+        for key, value in arrays.items():
+            kind, _, rest = key.partition("/")
+            if kind in ("param", "velocity"):
+                layer, name = rest.rsplit("/", 1)
+                (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
+        trainer._place(params, velocity)
+        trainer.steps_done = meta["steps_done"]
+        return trainer
