@@ -45,17 +45,63 @@ def train_digits(trainer, epochs: int, batch: int, lr: float, seed: int, out=sys
     return accuracy, time.perf_counter() - start
 
 
+def lenet_mixed_strategy(graph):
+    """A hand-written layer-wise strategy for LeNet-5 on two devices: sample-parallel first
+    convolution, the second convolution and its pooling split over height (halo rows move),
+    the fully-connected layers split over channels (model parallel), the loss on one device."""
+    from taskrt.config import ParallelConfig as P
+    from taskrt.strategy import Strategy
+
+    configs = {}
+    for layer in graph:
+        if layer.is_input:
+            continue
+        if layer.name in ("conv2", "pool2"):
+            configs[layer.name] = P(h=2)
+        elif layer.kind in ("linear", "relu") and layer.name.startswith("fc"):
+            configs[layer.name] = P(c=2, devices=(1, 0) if layer.name.startswith("fc2") else (0, 1))
+        elif layer.kind == "softmax_cross_entropy":
+            configs[layer.name] = P(devices=(0,))
+        else:
+            configs[layer.name] = P(n=2)
+    return Strategy(configs, name="lenet5-mixed")
+
+
 def cmd_run(args):
     from taskrt import models
-    from taskrt.reference import SingleDeviceTrainer
+    from taskrt.machine import Machine
+    from taskrt.trainer import Trainer
 
     graph = models.lenet5(batch=args.batch)
-    print(f"LeNet-5 on one device, batch {args.batch}, SGD lr {args.lr} (cosine decay) momentum 0.9")
-    trainer = SingleDeviceTrainer(graph, lr=args.lr, momentum=0.9, weight_decay=5e-4, seed=args.seed)
-    accuracy, seconds = train_digits(trainer, args.epochs, args.batch, args.lr, args.seed)
+    with Machine.local(args.devices) as machine:
+        strategy = lenet_mixed_strategy(graph) if args.devices == 2 else _data_parallel(graph, args.devices)
+        trainer = Trainer(graph, strategy, machine, lr=args.lr, momentum=0.9, weight_decay=5e-4, seed=args.seed)
+        print(f"\nLeNet-5, batch {args.batch}, on {args.devices} devices, strategy {strategy.name!r}:")
+        print(trainer.strategy.table(graph))
+        plan = trainer.plan
+        print(f"\none step: {len(plan.tasks)} tasks ({_phases(plan)}), "
+              f"{plan.bytes_moved:,} bytes moved between devices\n")
+        accuracy, seconds = train_digits(trainer, args.epochs, args.batch, args.lr, args.seed)
+        stats = trainer.stats
+        measured = stats.measured_bytes
+        print(f"\nlast step: {stats.summary()}")
+        agree = "equal to" if measured == stats.planned_bytes else "DIFFERENT FROM"
+        print(f"bytes per device pair from the workers' transfer logs: "
+              f"{', '.join(f'{s}->{d}: {b:,}' for (s, d), b in sorted(measured.items()))} ({agree} the plan)")
     verdict = "reached" if accuracy >= 0.95 else "did NOT reach"
     print(f"final test accuracy {accuracy:.2%} after {seconds:.1f} s: {verdict} the 95% goal")
     return 0 if accuracy >= 0.95 else 1
+
+
+def _phases(plan) -> str:
+    return ", ".join(f"{count} {phase}" for phase, count in sorted(plan.phase_counts().items()))
+
+
+def _data_parallel(graph, devices):
+    from taskrt.config import ParallelConfig as P
+    from taskrt.strategy import Strategy
+
+    return Strategy({l.name: P(n=devices) for l in graph if not l.is_input}, name=f"data-parallel-{devices}")
 
 
 def main(argv=None):
@@ -66,6 +112,7 @@ def main(argv=None):
     run.add_argument("--batch", type=int, default=64)
     run.add_argument("--lr", type=float, default=0.02)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
     run.set_defaults(func=cmd_run)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -43,7 +43,10 @@ class ParallelConfig:
             value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"degree {dim}={value!r} must be a positive int")
-        devices = tuple(range(self.total)) if self.devices is None else tuple(self.devices)
+        try:
+            devices = tuple(range(self.total)) if self.devices is None else tuple(self.devices)
+        except TypeError:
+            raise ValueError(f"devices must be a list of ints, got {self.devices!r}") from None
         if any(isinstance(d, bool) or not isinstance(d, int) for d in devices):
             raise ValueError(f"devices must be ints, got {list(devices)}")
         object.__setattr__(self, "devices", devices)

@@ -98,6 +98,33 @@ class Executor:
         keys = set(dsk) | {f.key for f in data.values()}
         return StepRun(step, plan, outputs, keys, submitted)
 
+    def cut_lineage(self, futures: dict, tag: str) -> dict:
+        """The same values under fresh keys that have no dependencies.
+
+        A worker keeps the task state of every released dependency of a value it holds, so
+        state that depends on last step's update, which depends on the step before, ... would
+        keep the whole training history alive.  Re-registering each value under a new key,
+        the way `scatter` registers data, cuts that chain; nothing moves.
+        """
+        from distributed import Future
+
+        by_worker: dict[str, dict] = {}
+        fresh = {}
+        who_has = self.client.who_has(list(futures.values()))
+        for name, future in futures.items():
+            layer, index = name
+            new_key = (f"{layer}-state-it{tag}", index)
+            [address] = who_has[future.key][:1]
+            by_worker.setdefault(address, {})[future.key] = new_key
+            fresh[name] = new_key
+        nbytes = {}
+        for address, renames in by_worker.items():
+            nbytes.update(self.client.run(_rekey, renames, workers=[address])[address])
+        self.client.sync(self.client.scheduler.update_data,
+                         who_has={new: [address] for address, renames in by_worker.items() for new in renames.values()},
+                         nbytes=nbytes, client=self.client.id)
+        return {name: Future(key, self.client) for name, key in fresh.items()}
+
     def measured_bytes(self, keys: set) -> dict[tuple[int, int], int]:
         """Bytes the workers' transfer logs record for `keys`, per (source, destination) device."""
         device_of = {address: device for device, address in self.machine.addresses().items()}
@@ -107,6 +134,11 @@ class Executor:
             for sender, nbytes in entries:
                 counts[(device_of[sender], device_of[receiver])] += nbytes
         return dict(counts)
+
+
+def _rekey(renames, dask_worker=None):
+    data = {new: dask_worker.data[old] for old, new in renames.items()}
+    return dask_worker.update_data(data=data)["nbytes"]
 
 
 def _incoming_transfers(keys, dask_worker=None):

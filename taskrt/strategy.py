@@ -63,11 +63,19 @@ class Strategy:
                 configs[layer.name] = self.configs[layer.name]
             elif not layer.is_input:
                 raise StrategyError(f"layer {layer.name!r} has no parallel config in the strategy")
+        # Check the configs given before deriving input defaults from them, so that a mistake is
+        # reported for the layer it was made in (and a bad consumer cannot break the derivation).
+        for layer in graph:
+            if layer.name in configs:
+                check_config(layer, configs[layer.name], num_devices)
         for layer in graph.inputs:
             if layer.name not in configs:
                 configs[layer.name] = default_input_config(graph, layer, configs)
-        for layer in graph:
-            check_config(layer, configs[layer.name], num_devices)
+                try:
+                    check_config(layer, configs[layer.name], num_devices)
+                except StrategyError as e:
+                    raise StrategyError(f"{e} (the default config of input {layer.name!r}, derived from its "
+                                        f"first consumer; give {layer.name!r} a config of its own)") from None
         return Strategy({layer.name: configs[layer.name] for layer in graph}, self.name)
 
     # ---- JSON -------------------------------------------------------------------------------
@@ -108,6 +116,8 @@ class Strategy:
             text = Path(path).read_text()
         except OSError as e:
             raise StrategyError(f"cannot read strategy file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise StrategyError(f"{path} is not a text (UTF-8) file: {e.reason} at byte {e.start}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -163,6 +173,9 @@ def check_config(layer, cfg: ParallelConfig, num_devices) -> None:
         dup = sorted({d for d in cfg.devices if cfg.devices.count(d) > 1})
         raise StrategyError(f"{where}: device(s) {dup} appear twice in {list(cfg.devices)}; each part needs its "
                             "own device")
+    negative = [d for d in cfg.devices if d < 0]
+    if negative and num_devices is None:
+        raise StrategyError(f"{where}: negative device id(s) {negative}; device ids start at 0")
     if num_devices is not None:
         bad = [d for d in cfg.devices if not 0 <= d < num_devices]
         if bad:

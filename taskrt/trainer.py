@@ -31,6 +31,7 @@ from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, un
 from taskrt.strategy import Strategy
 
 CHECKPOINT_FORMAT = "taskrt-checkpoint/1"
+MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
 
 
 class CheckpointError(ValueError):
@@ -79,10 +80,15 @@ class StepFuture:
             self._trainer._wait(list(self.run.outputs["state"].values()), self.run.step)
             self._loss = float(sum(v[-1].sum() for v in values) / self._trainer._batch)
             self._trainer._finished(self.run)
+            self._trainer._cut_lineage(self.run)
         return self._loss
 
     def done(self) -> bool:
         return all(f.done() for f in self.run.futures())
+
+    @property
+    def finished(self) -> bool:
+        return self._loss is not None
 
 
 class Trainer:
@@ -100,6 +106,7 @@ class Trainer:
         self._batch = graph.losses[0].shape[0] if graph.losses else None
         self.steps_done = 0  # steps submitted
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
+        self._in_flight: list[StepFuture] = []
         self._aux_runs = 0
         self.stats: StepStats | None = None
         params = init_parameters(graph, seed, self.dtype)
@@ -174,14 +181,23 @@ class Trainer:
     def submit(self, *data) -> StepFuture:
         """Start one training step without waiting for it; returns a StepFuture."""
         arrays = bind_inputs(self.graph, data, self.dtype)
+        if self._in_flight and len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._in_flight.pop(0).result()  # bounds the history Dask keeps (see _cut_lineage)
         self.steps_done += 1
         run = self._run("train", arrays, self.steps_done)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
-        return StepFuture(self, run)
+        future = StepFuture(self, run)
+        self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
+        return future
 
     def step(self, *data) -> float:
         """One SGD step on a batch; returns the mean loss over the batch."""
         return self.submit(*data).result()
+
+    def _cut_lineage(self, run: StepRun):
+        """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
+        if self._state is run.outputs["state"]:
+            self._state = self.executor.cut_lineage(self._state, f"{run.step}-{self._token}")
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()

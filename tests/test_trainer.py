@@ -1,0 +1,196 @@
+"""The Trainer on a real local cluster: checkpoints, steps in flight, stats, errors, lost workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taskrt import models
+from taskrt.config import ParallelConfig as P
+from taskrt.data import InputError
+from taskrt.machine import Machine, MachineError
+from taskrt.reference import SingleDeviceTrainer
+from taskrt.strategy import Strategy, StrategyError
+from taskrt.trainer import CheckpointError, Trainer
+
+
+def small_lenet():
+    return models.lenet5(batch=4, image_size=16, width=0.5)
+
+
+def mixed(graph):
+    """n-split convolutions, h-split second conv, c-split fully-connected layers, on 3 devices."""
+    configs = {}
+    for layer in graph:
+        if layer.is_input:
+            continue
+        if layer.name == "conv2":
+            configs[layer.name] = P(h=2, devices=(2, 0))
+        elif layer.kind in ("linear", "relu"):
+            configs[layer.name] = P(c=2, devices=(1, 2))
+        else:
+            configs[layer.name] = P(n=2, devices=(0, 1))
+    return Strategy(configs)
+
+
+def batches(graph, count, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = graph.inputs[0].shape
+    return [(rng.standard_normal(shape), rng.integers(0, 10, shape[0])) for _ in range(count)]
+
+
+def test_steps_in_flight_equal_sequential_steps(machine4):
+    graph = small_lenet()
+    data = batches(graph, 6)
+    sequential = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+    losses = [sequential.step(x, y) for x, y in data]
+    pipelined = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+    futures = [pipelined.submit(x, y) for x, y in data]  # none waited for before all are submitted
+    assert [f.result() for f in futures] == pytest.approx(losses, rel=1e-12)
+    a, b = sequential.parameters(), pipelined.parameters()
+    for layer in a:
+        for name in a[layer]:
+            np.testing.assert_allclose(b[layer][name], a[layer][name], rtol=1e-12)
+
+
+def test_checkpoint_resume_continues_exactly(machine4, tmp_path):
+    graph = small_lenet()
+    data = batches(graph, 4, seed=1)
+    straight = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, weight_decay=1e-3, dtype="float64")
+    for x, y in data:
+        straight.step(x, y)
+    first = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, weight_decay=1e-3, dtype="float64")
+    for x, y in data[:2]:
+        first.step(x, y)
+    path = tmp_path / "ckpt.npz"
+    first.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.npz"]  # no temporary file left behind
+    # resume under a different strategy: momentum and parameters carry over exactly
+    dp = Strategy({l.name: P(n=2, devices=(3, 1)) for l in graph if not l.is_input})
+    resumed = Trainer.load(path, machine4, strategy=dp)
+    assert resumed.steps_done == 2
+    for x, y in data[2:]:
+        resumed.step(x, y)
+    a, b = straight.parameters(), resumed.parameters()
+    for layer in a:
+        for name in a[layer]:
+            np.testing.assert_allclose(b[layer][name], a[layer][name], rtol=1e-10, atol=1e-14)
+
+
+def test_checkpoint_errors(machine4, tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        Trainer.load(bad, machine4)
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    with pytest.raises(CheckpointError, match="not a taskrt checkpoint"):
+        Trainer.load(tmp_path / "other.npz", machine4)
+
+
+def test_saved_strategy_is_checked_against_the_new_machine(machine4, tmp_path):
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4)
+    trainer.save(tmp_path / "ckpt.npz")
+    two = Machine.simulated(1, 2)
+    two.client = machine4.client  # a 2-device view of the cluster: device 2 is out of range
+    with pytest.raises(StrategyError, match="out of range"):
+        Trainer.load(tmp_path / "ckpt.npz", two)
+
+
+def test_stats_report_planned_and_measured_bytes(machine4):
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4)
+    x, y = batches(graph, 1)[0]
+    trainer.step(x, y)
+    stats = trainer.stats
+    assert stats.step == 1 and stats.tasks == len(trainer.plan.tasks) and stats.wall_s > 0
+    assert stats.planned_bytes == trainer.plan.bytes_by_pair() and stats.bytes_moved > 0
+    assert stats.measured_bytes == stats.planned_bytes
+    assert "bytes moved" in stats.summary()
+
+
+def test_keys_are_named_by_layer_and_phase(machine4):
+    from dask.utils import key_split
+
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4)
+    x, y = batches(graph, 1)[0]
+    future = trainer.submit(x, y)
+    future.result()
+    names = {key_split(k) for k in future.run.keys if isinstance(k, tuple)}
+    assert {"conv1-fwd", "conv1-bwd", "conv2-fwd", "fc1-update", "loss-loss"} <= names
+
+
+def test_bad_input_is_rejected_before_any_work(machine4):
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4)
+    x, y = batches(graph, 1)[0]
+    with pytest.raises(InputError, match="expects shape"):
+        trainer.step(x[:3], y)
+    with pytest.raises(InputError, match=r"must lie in \[0, 10\)"):
+        trainer.step(x, y + 10)
+    assert trainer.steps_done == 0
+
+
+def test_predict_matches_single_device_for_any_sample_count(machine4):
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4, dtype="float64", seed=5)
+    reference = SingleDeviceTrainer(graph, dtype="float64", seed=5)
+    x = np.random.default_rng(2).standard_normal((7, *graph.inputs[0].shape[1:]))
+    np.testing.assert_allclose(trainer.predict(x), reference.predict(x), rtol=1e-10)
+
+
+def test_simulated_machine_cannot_train():
+    graph = small_lenet()
+    with pytest.raises(MachineError, match="simulated"):
+        Trainer(graph, mixed(graph), Machine.simulated(1, 4))
+
+
+@pytest.mark.slow
+def test_pinned_tasks_survive_a_worker_restart():
+    """A nanny restart gives the worker a new port; the resource tag still routes its tasks."""
+    with Machine.local(2, probe=False) as machine:
+        graph = small_lenet()
+        strategy = Strategy({l.name: P(n=2) for l in graph if not l.is_input})
+        before = machine.addresses()
+        machine.client.restart_workers([before[1]])
+        after = machine.addresses()
+        assert after[1] != before[1]
+        trainer = Trainer(graph, strategy, machine, dtype="float64")
+        x, y = batches(graph, 1)[0]
+        loss = trainer.step(x, y)
+        assert loss == pytest.approx(SingleDeviceTrainer(graph, dtype="float64").step(x, y), rel=1e-12)
+        assert trainer.stats.measured_bytes == trainer.stats.planned_bytes
+
+
+@pytest.mark.slow
+def test_lost_device_is_reported_clearly(tmp_path):
+    with Machine.local(2, probe=False) as machine:
+        graph = small_lenet()
+        trainer = Trainer(graph, Strategy({l.name: P(n=2) for l in graph if not l.is_input}), machine)
+        x, y = batches(graph, 1)[0]
+        trainer.step(x, y)
+        trainer.save(tmp_path / "ckpt.npz")
+        machine.cluster.scale(1)  # device 1's worker goes away with its parameters
+        with pytest.raises(MachineError, match="device"):
+            trainer.step(x, y)
+        assert (tmp_path / "ckpt.npz").exists()  # what was saved is intact
+
+
+def test_from_client_adopts_a_running_cluster_and_leaves_it_running():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        machine = Machine.from_client(client, probe=True)
+        assert machine.num_devices == 2
+        assert np.all(machine.bandwidth[~np.eye(2, dtype=bool)] > 0)
+        assert sorted(machine.addresses()) == [0, 1]
+        amm_running = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.extensions["amm"].running)
+        assert not amm_running
+        graph = small_lenet()
+        trainer = Trainer(graph, Strategy({l.name: P(n=2) for l in graph if not l.is_input}), machine)
+        x, y = batches(graph, 1)[0]
+        assert np.isfinite(trainer.step(x, y))
+        machine.close()
+        assert client.status == "running" and len(client.scheduler_info()["workers"]) == 2
