@@ -117,13 +117,18 @@ class Executor:
             [address] = who_has[future.key][:1]
             by_worker.setdefault(address, {})[future.key] = new_key
             fresh[name] = new_key
+        # Futures first, then registration, then marking them finished: the order `scatter`
+        # uses, so the scheduler's "in memory" report cannot arrive before the futures exist.
+        futures_out = {name: Future(key, self.client) for name, key in fresh.items()}
         nbytes = {}
         for address, renames in by_worker.items():
             nbytes.update(self.client.run(_rekey, renames, workers=[address])[address])
         self.client.sync(self.client.scheduler.update_data,
                          who_has={new: [address] for address, renames in by_worker.items() for new in renames.values()},
                          nbytes=nbytes, client=self.client.id)
-        return {name: Future(key, self.client) for name, key in fresh.items()}
+        for key in fresh.values():
+            self.client.futures[key].finish(type=tuple)
+        return futures_out
 
     def measured_bytes(self, keys: set) -> dict[tuple[int, int], int]:
         """Bytes the workers' transfer logs record for `keys`, per (source, destination) device."""

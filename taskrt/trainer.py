@@ -172,7 +172,24 @@ class Trainer:
         self._aux_runs += 1
         return f"{self.steps_done}.{what}{self._aux_runs}"
 
+    def _check_state(self, step):
+        """Fail clearly, before any work, when a device or the parameters it held are gone."""
+        lost = [key for key, f in self._state.items() if f.status in ("lost", "error", "cancelled")]
+        try:
+            self.machine.addresses()
+            missing = ""
+        except MachineError as error:
+            missing = f"{error}. "
+        if lost or missing:
+            where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].server})" for layer, shard in lost)
+            raise MachineError(
+                f"cannot run step {step}: {missing}"
+                + (f"The parameters of {where} were lost with their worker. " if lost else "")
+                + "Restore the last checkpoint with Trainer.load(path, machine)."
+            )
+
     def _run(self, mode, data, step):
+        self._check_state(step)
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data)
         hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
