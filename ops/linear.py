@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops.base import Op
+from ops.base import Op, array_module
 from ops.errors import ShapeError
 from ops.rect import Rect
 
@@ -12,8 +12,13 @@ from ops.rect import Rect
 @dataclass(frozen=True)
 class Linear(Op):
     out_features: int
+    activation: str | None = None
 
     kind = "linear"
+
+    @property
+    def saves_output(self):
+        return self.activation == "relu"
 
     def __post_init__(self):
         if len(self.in_shapes[0]) != 2:
@@ -22,6 +27,8 @@ class Linear(Op):
             )
         if self.out_features < 1:
             raise ShapeError(f"linear out_features must be >= 1, got {self.out_features}")
+        if self.activation not in (None, "relu"):
+            raise ShapeError(f"linear activation must be None or 'relu', got {self.activation!r}")
 
     @property
     def out_shape(self):
@@ -44,11 +51,15 @@ class Linear(Op):
     def forward(self, xs, params, out):
         y = xs[0] @ params["weight"].T
         y += params["bias"]
+        if self.activation == "relu":
+            array_module(y).maximum(y, 0, out=y)
         return y
 
     def backward(self, dy, xs, y, params, out, need_dx):
+        if self.activation == "relu":
+            dy = dy * (y > 0)
         grads = {"weight": dy.T @ xs[0], "bias": dy.sum(axis=0)}
         return [dy @ params["weight"] if need_dx[0] else None], grads
 
     def attrs(self):
-        return {"out_features": self.out_features}
+        return {"out_features": self.out_features, "activation": self.activation}

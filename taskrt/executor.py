@@ -30,6 +30,7 @@ class StepRun:
     """A submitted step: its output futures and what is needed to account for it."""
 
     step: int | str
+    tag: str  # the step's part of every key
     plan: Plan
     outputs: dict  # output name -> list of futures, or dict of futures
     keys: set  # every key of the step (task keys and scattered data), to find its transfers
@@ -96,7 +97,7 @@ class Executor:
             outputs[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
             i += count
         keys = set(dsk) | {f.key for f in data.values()}
-        return StepRun(step, plan, outputs, keys, submitted)
+        return StepRun(step, tag, plan, outputs, keys, submitted)
 
     def cut_lineage(self, futures: dict, tag: str) -> dict:
         """The same values under fresh keys that have no dependencies.

@@ -105,8 +105,8 @@ class Graph:
             return Pool2d((x.shape,), k, s, _pair(padding, "padding", layer), mode)
         return self._add("pool2d", name, [x], make)
 
-    def linear(self, x, out_features: int, name=None) -> Tensor:
-        return self._add("linear", name, [x], lambda _: Linear((x.shape,), int(out_features)))
+    def linear(self, x, out_features: int, activation=None, name=None) -> Tensor:
+        return self._add("linear", name, [x], lambda _: Linear((x.shape,), int(out_features), activation))
 
     def relu(self, x, name=None) -> Tensor:
         return self._add("relu", name, [x], lambda _: Relu((x.shape,)))

@@ -63,11 +63,10 @@ class _Net:
         return self.g.pool2d(x, kernel, stride, padding, mode=mode, name=name)
 
     def classifier(self, x, hidden, num_classes) -> Graph:
-        """flatten, then fc + relu per hidden width, then the class fc and the loss."""
+        """flatten, then fc with fused relu per hidden width, then the class fc and the loss."""
         x = self.g.flatten(x, name="flatten")
         for i, features in enumerate(hidden, start=1):
-            x = self.g.linear(x, self.scaled(features), name=f"fc{i}")
-            x = self.g.relu(x, name=f"fc{i}.relu")
+            x = self.g.linear(x, self.scaled(features), activation="relu", name=f"fc{i}")
         logits = self.g.linear(x, num_classes, name=f"fc{len(hidden) + 1}" if hidden else "fc")
         self.g.softmax_cross_entropy(logits, name="loss")
         return self.g

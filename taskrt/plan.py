@@ -125,6 +125,27 @@ class Plan:
     def bytes_moved(self) -> int:
         return sum(t.nbytes for t in self.transfers())
 
+    def critical_path(self, duration) -> tuple[float, list[tuple]]:
+        """Longest chain of dependent tasks, weighting each task by `duration(task)`.
+
+        Tasks are stored in dependency order, so one pass suffices.  Returns (length, keys).
+        """
+        finish: dict[tuple, float] = {}
+        previous: dict[tuple, tuple | None] = {}
+        for task in self.tasks:
+            parents = [d.key for d in task.deps if d.kind == TASK]
+            best = max(parents, key=finish.__getitem__, default=None)
+            finish[task.key] = (finish[best] if best else 0.0) + duration(task)
+            previous[task.key] = best
+        if not finish:
+            return 0.0, []
+        key = max(finish, key=finish.__getitem__)
+        length, path = finish[key], []
+        while key is not None:
+            path.append(key)
+            key = previous[key]
+        return length, path[::-1]
+
     def phase_counts(self) -> dict[str, int]:
         return dict(Counter(t.phase for t in self.tasks))
 

@@ -107,6 +107,7 @@ class Trainer:
         self.steps_done = 0  # steps submitted
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
         self._in_flight: list[StepFuture] = []
+        self._last_finished = 0.0
         self._aux_runs = 0
         self.stats: StepStats | None = None
         params = init_parameters(graph, seed, self.dtype)
@@ -189,11 +190,14 @@ class Trainer:
             )
 
     def _run(self, mode, data, step):
+        started = time.perf_counter()  # the step's time includes sending its data
         self._check_state(step)
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data)
         hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
-        return self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
+        run = self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
+        run.submitted = started
+        return run
 
     def submit(self, *data) -> StepFuture:
         """Start one training step without waiting for it; returns a StepFuture."""
@@ -214,14 +218,17 @@ class Trainer:
     def _cut_lineage(self, run: StepRun):
         """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
         if self._state is run.outputs["state"]:
-            self._state = self.executor.cut_lineage(self._state, f"{run.step}-{self._token}")
+            self._state = self.executor.cut_lineage(self._state, run.tag)
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
         if self.stats is not None and self.stats.step > run.step:
             return
+        # With steps in flight, a step's own time starts when the one before it finished.
+        started = max(run.submitted, self._last_finished)
+        self._last_finished = run.finished
         self.stats = StepStats(
-            run.step, run.finished - run.submitted, len(run.plan.tasks), run.plan.phase_counts(),
+            run.step, run.finished - started, len(run.plan.tasks), run.plan.phase_counts(),
             run.plan.bytes_by_pair(), _measure=lambda keys=run.keys: self.executor.measured_bytes(keys),
         )
 

@@ -173,10 +173,10 @@ def test_channel_split_fc_in_lenet():
     tile = 4 * 400 * F32
     assert moved(plan, "flatten", "fwd") == {(0, 1): tile, (1, 0): tile}
     assert moved(plan, "fc1", "bwd") == {(0, 1): tile, (1, 0): tile}
-    # fc1.relu (n=2) reads rows of both fc1 column blocks: a 4 x 60 slice each way, and back
+    # fc2 (n=2) reads rows of both fc1 column blocks: a 4 x 60 slice each way, and back
     rows = 4 * 60 * F32
     assert moved(plan, "fc1", "fwd") == {(0, 1): rows, (1, 0): rows}
-    assert moved(plan, "fc1.relu", "bwd") == {(0, 1): rows, (1, 0): rows}
+    assert moved(plan, "fc2", "bwd") == {(0, 1): rows, (1, 0): rows}
     assert moved(plan, "fc1", "wfetch") == {} and moved(plan, "fc1", "grad") == {}
     plan.check_single_reader()
 

@@ -92,6 +92,7 @@ POOLS = [
 ]
 OTHERS = [
     Linear(((4, 7),), 5),
+    Linear(((4, 7),), 5, "relu"),
     Relu(((2, 3, 4, 4),)),
     Add(((2, 3, 4, 4), (2, 3, 4, 4))),
     Concat(((2, 3, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4))),
@@ -205,7 +206,7 @@ def test_tile_gradients_sum_to_full_gradients(data):
         np.testing.assert_allclose(dp_sum[k], dp_full[k], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("op", [OTHERS[0], OTHERS[3], OTHERS[4], OTHERS[5]], ids=lambda op: op.kind)
+@pytest.mark.parametrize("op", [OTHERS[0], OTHERS[1], OTHERS[4], OTHERS[5], OTHERS[6]], ids=lambda op: op.kind)
 def test_non_windowed_tiles_are_slices(op):
     rng = np.random.default_rng(3)
     xs, params = make_inputs(op, rng, distinct=False)

@@ -28,7 +28,7 @@ def mixed(graph):
             continue
         if layer.name == "conv2":
             configs[layer.name] = P(h=2, devices=(2, 0))
-        elif layer.kind in ("linear", "relu"):
+        elif layer.kind == "linear":
             configs[layer.name] = P(c=2, devices=(1, 2))
         else:
             configs[layer.name] = P(n=2, devices=(0, 1))
