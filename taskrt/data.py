@@ -69,8 +69,14 @@ def logits_layer(graph) -> str:
 
 def batches_for_predict(graph, x: np.ndarray):
     """Split `x` into chunks of the graph's batch size, zero-padding the last; yields (chunk, rows used)."""
-    (layer,) = data_inputs(graph, with_labels=False)
+    layers = data_inputs(graph, with_labels=False)
+    if len(layers) != 1:
+        raise InputError(f"predict feeds one input, graph {graph.name!r} has {[l.name for l in layers]}")
+    (layer,) = layers
     n = layer.shape[0]
+    if x.ndim == 0 or len(x) == 0:
+        raise InputError(f"predict needs at least one sample of shape {layer.shape[1:]}, got an array of shape "
+                         f"{x.shape}")
     if x.shape[1:] != layer.shape[1:]:
         raise InputError(f"input {layer.name!r} expects samples of shape {layer.shape[1:]}, got {x.shape[1:]}")
     for start in range(0, len(x), n):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from math import prod
+from numbers import Integral
 
 import networkx as nx
 
@@ -88,7 +89,14 @@ class Graph:
 
     # ---- building -------------------------------------------------------------------------
     def input(self, name: str, shape, dtype: str = "float") -> Tensor:
-        return self._add("input", name, [], lambda _: Input((), tuple(int(s) for s in shape), dtype))
+        def make(layer):
+            if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or not all(
+                isinstance(s, Integral) and not isinstance(s, bool) for s in shape
+            ):
+                raise GraphError(f"layer {layer!r}: shape must be a tuple of ints like (64, 1, 28, 28), "
+                                 f"got {shape!r}")
+            return Input((), tuple(int(s) for s in shape), dtype)
+        return self._add("input", name, [], make)
 
     def conv2d(self, x, out_channels: int, kernel, stride=1, padding=0, activation=None, name=None) -> Tensor:
         def make(layer):
@@ -237,6 +245,8 @@ class Graph:
         for spec in data["layers"]:
             spec = dict(spec)
             name, kind, inputs = spec.pop("name"), spec.pop("kind"), spec.pop("inputs")
+            if name in g.layers:
+                raise GraphError(f"layer {name!r} is defined twice")
             if kind not in OPS:
                 raise GraphError(f"layer {name!r}: unknown kind {kind!r}; known: {sorted(OPS)}")
             unknown = [src for src in inputs if src not in g.layers]

@@ -543,3 +543,20 @@ def test_to_networkx():
     assert nx.is_directed_acyclic_graph(nxg)
     order = list(g.layers)
     assert all(order.index(u) < order.index(v) for u, v in nxg.edges)
+
+
+def test_input_shape_must_be_ints():
+    g = Graph("g")
+    for bad in (5, "64", (2, 1.5, 3, 3), (2, True)):
+        with pytest.raises(GraphError, match="shape must be a tuple of ints"):
+            g.input("x", bad)
+
+
+def test_from_dict_rejects_duplicate_names():
+    g = Graph("g")
+    x = g.input("x", (2, 3))
+    g.linear(x, 4, name="fc")
+    data = g.to_dict()
+    data["layers"].append(dict(data["layers"][-1]))
+    with pytest.raises(GraphError, match="'fc' is defined twice"):
+        Graph.from_dict(data)

@@ -344,3 +344,12 @@ def test_he_init_scale():
     g.linear(x, 300, name="fc")
     w = SingleDeviceTrainer(g, dtype="float64").params["fc"]["weight"]
     assert w.std() == pytest.approx(np.sqrt(2 / 400), rel=0.02)
+
+
+def test_predict_rejects_no_samples():
+    from taskrt import models
+
+    g = models.lenet5(batch=2, image_size=16, width=0.25)
+    trainer = SingleDeviceTrainer(g)
+    with pytest.raises(InputError, match="at least one sample"):
+        trainer.predict(np.zeros((0, 1, 16, 16)))
