@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import dask
 import numpy as np
 from tqdm import tqdm
 
@@ -15,33 +14,9 @@ from bench.report import write_result
 from taskrt import models
 from taskrt.config import ParallelConfig
 from taskrt.executor import step_key
-from taskrt.machine import Machine, resource_tag
+from taskrt.machine import Machine
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer
-
-
-def _noop(*args):
-    return None
-
-
-def dask_task_costs(machine, independent=300, chain=60, repeats=3):
-    """Seconds per independent task and per dependent hop for no-op tasks pinned to device 0."""
-    client = machine.client
-    per_task, per_hop = [], []
-    for r in range(repeats):
-        dsk = {(f"noop-indep-{r}", i): (_noop,) for i in range(independent)}
-        with dask.annotate(resources={resource_tag(0): 1}):
-            start = time.perf_counter()
-            client.gather(client.get(dsk, list(dsk), sync=False))
-        per_task.append((time.perf_counter() - start) / independent)
-        dsk = {(f"noop-chain-{r}", 0): (_noop,)}
-        for i in range(1, chain):
-            dsk[(f"noop-chain-{r}", i)] = (_noop, (f"noop-chain-{r}", i - 1))
-        with dask.annotate(resources={resource_tag(0): 1}):
-            start = time.perf_counter()
-            client.gather(client.get(dsk, [(f"noop-chain-{r}", chain - 1)], sync=False))
-        per_hop.append((time.perf_counter() - start) / chain)
-    return statistics.median(per_task), statistics.median(per_hop)
 
 
 def data_parallel(graph, devices):
@@ -99,7 +74,8 @@ def run(out_dir="results", quick=False):
         ("vgg16-small", models.vgg16(batch=16, image_size=32, num_classes=10, width=0.125)),
     ]
     with Machine.local(2, probe=False) as machine:
-        per_task, per_hop = dask_task_costs(machine)
+        costs = machine.task_overhead(independent=300, chain=60)
+        per_task, per_hop = costs["per_task_s"], costs["per_hop_s"]
         rows = [measure_model(machine, name, graph, steps) for name, graph in configs]
     for row in rows:
         row["dask_hops_equivalent"] = row["overhead_ms"] / (per_hop * 1e3)

@@ -1,0 +1,13 @@
+"""Configuration search: space, cost model, node/edge elimination, baseline strategies."""
+
+from search.baselines import BASELINES, data_parallel, model_parallel, owt
+from search.cost import Breakdown, CostModel
+from search.dfs import depth_first
+from search.eliminate import minimize
+from search.optimize import optimize
+from search.space import layer_configs, search_space
+
+__all__ = [
+    "BASELINES", "Breakdown", "CostModel", "data_parallel", "depth_first", "layer_configs", "minimize",
+    "model_parallel", "optimize", "owt", "search_space",
+]

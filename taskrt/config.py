@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import product
 from math import prod
 
@@ -11,13 +12,14 @@ from ops.rect import Rect
 DIMS = ("n", "c", "h", "w")
 
 
-def blocks(size: int, degree: int) -> list[tuple[int, int]]:
+@lru_cache(maxsize=4096)
+def blocks(size: int, degree: int) -> tuple[tuple[int, int], ...]:
     """[lo, hi) of `degree` blocks as equal as possible over `size`; the first ones get one more."""
     q, r = divmod(size, degree)
     edges = [0]
     for i in range(degree):
         edges.append(edges[-1] + q + (1 if i < r else 0))
-    return list(zip(edges[:-1], edges[1:]))
+    return tuple(zip(edges[:-1], edges[1:]))
 
 
 @dataclass(frozen=True)

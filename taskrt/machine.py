@@ -161,6 +161,29 @@ class Machine:
             raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
         return out
 
+    def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
+        """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
+        per independent task (throughput) and per dependent hop (a task waiting on the one before)."""
+        import statistics
+        import time
+
+        import dask
+
+        client, tag = self.client, uuid.uuid4().hex[:8]
+        per_task, per_hop = [], []
+        with dask.annotate(resources={resource_tag(0): 1}):
+            for r in range(repeats):
+                dsk = {(f"taskrt-noop-{tag}-{r}", i): (_noop,) for i in range(independent)}
+                start = time.perf_counter()
+                client.gather(client.get(dsk, list(dsk), sync=False))
+                per_task.append((time.perf_counter() - start) / independent)
+                name = f"taskrt-chain-{tag}-{r}"
+                dsk = {(name, 0): (_noop,), **{(name, i): (_noop, (name, i - 1)) for i in range(1, chain)}}
+                start = time.perf_counter()
+                client.gather(client.get(dsk, [(name, chain - 1)], sync=False))
+                per_hop.append((time.perf_counter() - start) / chain)
+        return {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop)}
+
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
         if src == dst or nbytes == 0:
             return 0.0
@@ -235,6 +258,10 @@ def _device_kind(client, address) -> str:
         return "cpu:" + (platform.processor() or platform.machine())
 
     return client.run(kind, workers=[address])[address]
+
+
+def _noop(*args):
+    return None
 
 
 # ---- link probe -----------------------------------------------------------------------------

@@ -25,9 +25,10 @@ class StrategyError(ValueError):
 
 
 class Strategy:
-    def __init__(self, configs: dict[str, ParallelConfig], name: str = ""):
+    def __init__(self, configs: dict[str, ParallelConfig], name: str = "", meta: dict | None = None):
         self.configs = dict(configs)
         self.name = name
+        self.meta = dict(meta or {})  # JSON-ready notes, e.g. the search's predicted costs
 
     def __getitem__(self, layer: str) -> ParallelConfig:
         return self.configs[layer]
@@ -76,12 +77,13 @@ class Strategy:
                 except StrategyError as e:
                     raise StrategyError(f"{e} (the default config of input {layer.name!r}, derived from its "
                                         f"first consumer; give {layer.name!r} a config of its own)") from None
-        return Strategy({layer.name: configs[layer.name] for layer in graph}, self.name)
+        return Strategy({layer.name: configs[layer.name] for layer in graph}, self.name, self.meta)
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "name": self.name,
-                "layers": {name: cfg.to_dict() for name, cfg in self.configs.items()}}
+        out = {"format": FORMAT, "name": self.name,
+               "layers": {name: cfg.to_dict() for name, cfg in self.configs.items()}}
+        return {**out, "meta": self.meta} if self.meta else out
 
     @classmethod
     def from_dict(cls, data, source: str = "strategy") -> Strategy:
@@ -104,7 +106,10 @@ class Strategy:
                 configs[name] = ParallelConfig.from_dict(spec)
             except (TypeError, ValueError) as e:
                 raise StrategyError(f"{source}: layer {name!r}: {e}") from None
-        return cls(configs, data.get("name", ""))
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise StrategyError(f"{source}: 'meta' must be an object, got {meta!r}")
+        return cls(configs, data.get("name", ""), meta)
 
     def save(self, path) -> None:
         """Write atomically: a reader never sees half a file."""

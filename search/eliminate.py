@@ -1,0 +1,170 @@
+"""Exact minimization of a sum of per-node and per-edge costs by node and edge elimination.
+
+The problem: choose one config index per node to minimize
+    sum_v unary[v][c_v] + sum_(u,v) pair[u,v][c_u, c_v].
+- Edge elimination: parallel edges between the same two nodes are summed into one.
+- Node elimination (the paper's, on the undirected graph): a node with two neighbours u, w is
+  replaced by an edge (u, w) whose cost for (c_u, c_w) is the best over its own configs; the
+  argmin table is kept to undo it.  A node with one neighbour folds into that neighbour's
+  unary cost the same way; a node with none is decided on its own.
+- What is left is enumerated when small; otherwise (a graph that does not reduce, e.g. a
+  DenseNet-style block) exact variable elimination over the remaining factors finishes it.
+- Undoing the eliminations in reverse order recovers an optimal config for every node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+import numpy as np
+
+ENUMERATE_LIMIT = 1_000_000  # config combinations of the reduced graph enumerated directly
+
+
+@dataclass
+class Result:
+    choice: dict[str, int]
+    cost: float
+    reduced_nodes: int  # size of the graph left after node and edge eliminations
+    reduced_edges: int
+    eliminations: int
+    method: str  # how the reduced graph was solved
+    log: list = field(default_factory=list, repr=False)
+
+
+class _Graph:
+    def __init__(self, unary, edges):
+        self.unary = {k: np.asarray(v, dtype=float).copy() for k, v in unary.items()}
+        self.pair: dict[tuple[str, str], np.ndarray] = {}  # key (u, v) with u < v in node order
+        self.order = {name: i for i, name in enumerate(self.unary)}
+        self.adj: dict[str, set[str]] = {name: set() for name in self.unary}
+        for u, v, matrix in edges:
+            self.add_edge(u, v, np.asarray(matrix, dtype=float))
+
+    def key(self, u, v):
+        return (u, v) if self.order[u] < self.order[v] else (v, u)
+
+    def matrix(self, u, v) -> np.ndarray:
+        """Edge cost oriented (configs of u) x (configs of v)."""
+        k = self.key(u, v)
+        return self.pair[k] if k == (u, v) else self.pair[k].T
+
+    def add_edge(self, u, v, matrix):
+        if u == v:  # a layer reading one tensor twice: only the diagonal is possible
+            self.unary[u] += np.diag(matrix)
+            return
+        k = self.key(u, v)
+        oriented = matrix if k == (u, v) else matrix.T
+        self.pair[k] = self.pair[k] + oriented if k in self.pair else oriented  # edge elimination
+        self.adj[u].add(v)
+        self.adj[v].add(u)
+
+    def remove(self, v):
+        for u in self.adj.pop(v):
+            self.adj[u].discard(v)
+            del self.pair[self.key(u, v)]
+        del self.unary[v]
+
+
+def minimize(unary: dict, edges: list) -> Result:
+    """`unary`: name -> costs per config; `edges`: (u, v, matrix configs(u) x configs(v))."""
+    g = _Graph(unary, edges)
+    log = []  # undo records, in elimination order
+    while True:
+        v = next((n for n in g.unary if len(g.adj[n]) <= 2), None)
+        if v is None:
+            break
+        neighbours = sorted(g.adj[v], key=g.order.get)
+        own = g.unary[v]
+        if len(neighbours) == 0:
+            log.append(("free", v, int(np.argmin(own))))
+        elif len(neighbours) == 1:
+            (u,) = neighbours
+            total = g.matrix(u, v) + own[None, :]
+            best = np.argmin(total, axis=1)
+            g.unary[u] = g.unary[u] + np.take_along_axis(total, best[:, None], axis=1)[:, 0]
+            log.append(("leaf", v, u, best))
+        else:
+            u, w = neighbours
+            total = g.matrix(u, v)[:, :, None] + own[None, :, None] + g.matrix(v, w)[None, :, :]
+            best = np.argmin(total, axis=1)
+            merged = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
+            g.remove(v)
+            log.append(("node", v, u, w, best))
+            g.add_edge(u, w, merged)
+            continue
+        g.remove(v)
+    reduced_nodes, reduced_edges = len(g.unary), len(g.pair)
+    eliminations = len(log)
+    if not g.unary:
+        choice, method = {}, "eliminations only"
+    elif np.prod([len(c) for c in g.unary.values()], dtype=float) <= ENUMERATE_LIMIT:
+        choice, method = _enumerate(g), "enumeration"
+    else:
+        choice, method = _variable_elimination(g), "variable elimination"
+    for record in reversed(log):
+        kind, v = record[0], record[1]
+        if kind == "free":
+            choice[v] = record[2]
+        elif kind == "leaf":
+            choice[v] = int(record[3][choice[record[2]]])
+        else:
+            choice[v] = int(record[4][choice[record[2]], choice[record[3]]])
+    cost = evaluate(unary, edges, choice)
+    return Result(choice, cost, reduced_nodes, reduced_edges, eliminations, method, log)
+
+
+def evaluate(unary: dict, edges: list, choice: dict) -> float:
+    total = sum(float(np.asarray(costs)[choice[name]]) for name, costs in unary.items())
+    return total + sum(float(np.asarray(m)[choice[u], choice[v]]) for u, v, m in edges)
+
+
+def _enumerate(g: _Graph) -> dict:
+    names = list(g.unary)
+    best, best_cost = None, np.inf
+    for combo in product(*(range(len(g.unary[n])) for n in names)):
+        choice = dict(zip(names, combo))
+        cost = sum(g.unary[n][c] for n, c in choice.items())
+        cost += sum(m[choice[u], choice[v]] for (u, v), m in g.pair.items())
+        if cost < best_cost:
+            best, best_cost = choice, cost
+    return {n: int(c) for n, c in best.items()}
+
+
+def _variable_elimination(g: _Graph) -> dict:
+    """Exact min-sum variable elimination (min-degree order) over unary and pairwise factors."""
+    factors = [((n,), g.unary[n]) for n in g.unary] + [((u, v), m) for (u, v), m in g.pair.items()]
+    remaining = list(g.unary)
+    sizes = {n: len(g.unary[n]) for n in g.unary}
+    undo = []
+    while remaining:
+        def degree(n, factors=factors):
+            return len({x for vars_, _ in factors if n in vars_ for x in vars_})
+
+        v = min(remaining, key=degree)
+        remaining.remove(v)
+        touching = [f for f in factors if v in f[0]]
+        factors = [f for f in factors if v not in f[0]]
+        scope = sorted({x for vars_, _ in touching for x in vars_} - {v}, key=g.order.get)
+        axes = [*scope, v]
+        total = np.zeros([sizes[x] for x in axes])
+        for vars_, table in touching:
+            total = total + _expand(table, vars_, axes)
+        best = np.argmin(total, axis=-1)
+        factors.append((tuple(scope), np.take_along_axis(total, best[..., None], axis=-1)[..., 0]))
+        undo.append((v, scope, best))
+    choice = {}
+    for v, scope, best in reversed(undo):
+        choice[v] = int(best[tuple(choice[x] for x in scope)]) if scope else int(best)
+    return choice
+
+
+def _expand(table, vars_, axes):
+    """Broadcast a factor over `vars_` to the axis order `axes`."""
+    order = sorted(range(len(vars_)), key=lambda i: axes.index(vars_[i]))
+    t = np.transpose(table, order)
+    shape = [1] * len(axes)
+    for i in order:
+        shape[axes.index(vars_[i])] = table.shape[i]
+    return t.reshape(shape)
