@@ -73,8 +73,8 @@ def test_parts_of_a_matrix_use_n_and_c_only():
 def test_uneven_blocks_give_the_first_blocks_one_more():
     assert blocks(10, 4) == ((0, 3), (3, 6), (6, 8), (8, 10))
     assert blocks(7, 3) == ((0, 3), (3, 5), (5, 7))
-    assert blocks(5, 5) == [(i, i + 1) for i in range(5)]
-    assert blocks(6, 1) == [(0, 6)]
+    assert blocks(5, 5) == tuple((i, i + 1) for i in range(5))
+    assert blocks(6, 1) == ((0, 6),)
     parts = ParallelConfig(h=4).parts((1, 1, 10, 3))
     assert [p.rect.shape[2] for p in parts] == [3, 3, 2, 2]
     assert [(p.rect.lo[2], p.rect.hi[2]) for p in parts] == [(0, 3), (3, 6), (6, 8), (8, 10)]
