@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHMARKS = {"kernels": "kernels", "overhead": "overhead"}
+BENCHMARKS = {"kernels": "kernels", "overhead": "overhead", "search": "search"}
 
 
 def main(argv=None):

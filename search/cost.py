@@ -127,7 +127,9 @@ class CostModel:
         self.inv_bandwidth = np.where(np.isinf(bandwidth), 0.0, 1.0 / bandwidth)
         self.latency = np.array(machine.latency, dtype=float)
         np.fill_diagonal(self.latency, 0.0)
-        self.links = transfer.Links(self.inv_bandwidth, self.latency, np.array([d.node for d in machine.devices]))
+        nic = getattr(machine, "nic_bandwidth", None)
+        self.links = transfer.Links(self.inv_bandwidth, self.latency, np.array([d.node for d in machine.devices]),
+                                    1.0 / nic if nic else 0.0)
         self.hop = self._overhead() if overhead is None else float(overhead)
         self.kinds = sorted({d.kind for d in machine.devices})
         self.kind_index = {d.id: self.kinds.index(d.kind) for d in machine.devices}

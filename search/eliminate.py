@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
+import numba
 import numpy as np
 
 ENUMERATE_LIMIT = 1_000_000  # config combinations of the reduced graph enumerated directly
@@ -77,21 +78,22 @@ def minimize(unary: dict, edges: list) -> Result:
             break
         neighbours = sorted(g.adj[v], key=g.order.get)
         own = g.unary[v]
+        # Each record keeps the (never modified) arrays it minimized over, so undoing it finds
+        # v's best config for its neighbours' choices in O(configs of v), and eliminating
+        # needs only the minimum, not the argmin table.
         if len(neighbours) == 0:
-            log.append(("free", v, int(np.argmin(own))))
+            log.append(("free", v, own))
         elif len(neighbours) == 1:
             (u,) = neighbours
-            total = g.matrix(u, v) + own[None, :]
-            best = np.argmin(total, axis=1)
-            g.unary[u] = g.unary[u] + np.take_along_axis(total, best[:, None], axis=1)[:, 0]
-            log.append(("leaf", v, u, best))
+            edge = g.matrix(u, v)
+            g.unary[u] = g.unary[u] + (edge + own[None, :]).min(axis=1)
+            log.append(("leaf", v, u, edge, own))
         else:
             u, w = neighbours
-            total = g.matrix(u, v)[:, :, None] + own[None, :, None] + g.matrix(v, w)[None, :, :]
-            best = np.argmin(total, axis=1)
-            merged = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
+            left, right = g.matrix(u, v), g.matrix(v, w)
+            merged = min_plus(left + own[None, :], right)
             g.remove(v)
-            log.append(("node", v, u, w, best))
+            log.append(("node", v, u, w, left, own, right))
             g.add_edge(u, w, merged)
             continue
         g.remove(v)
@@ -106,13 +108,33 @@ def minimize(unary: dict, edges: list) -> Result:
     for record in reversed(log):
         kind, v = record[0], record[1]
         if kind == "free":
-            choice[v] = record[2]
+            choice[v] = int(np.argmin(record[2]))
         elif kind == "leaf":
-            choice[v] = int(record[3][choice[record[2]]])
+            _, _, u, edge, own = record
+            choice[v] = int(np.argmin(edge[choice[u]] + own))
         else:
-            choice[v] = int(record[4][choice[record[2]], choice[record[3]]])
+            _, _, u, w, left, own, right = record
+            choice[v] = int(np.argmin(left[choice[u]] + own + right[:, choice[w]]))
     cost = evaluate(unary, edges, choice)
     return Result(choice, cost, reduced_nodes, reduced_edges, eliminations, method, log)
+
+
+@numba.njit(cache=True)
+def min_plus(a, b):
+    """(min, +) matrix product: out[u, w] = min over v of a[u, v] + b[v, w].
+
+    The inner loop runs along rows of b, so it streams memory and vectorizes."""
+    rows, inner = a.shape
+    cols = b.shape[1]
+    out = np.full((rows, cols), np.inf)
+    for u in range(rows):
+        for v in range(inner):
+            x = a[u, v]
+            for w in range(cols):
+                y = x + b[v, w]
+                if y < out[u, w]:
+                    out[u, w] = y
+    return out
 
 
 def evaluate(unary: dict, edges: list, choice: dict) -> float:
@@ -127,7 +149,7 @@ def _enumerate(g: _Graph) -> dict:
         choice = dict(zip(names, combo))
         cost = sum(g.unary[n][c] for n, c in choice.items())
         cost += sum(m[choice[u], choice[v]] for (u, v), m in g.pair.items())
-        if cost < best_cost:
+        if best is None or cost < best_cost:  # the first combination stands when every one costs inf
             best, best_cost = choice, cost
     return {n: int(c) for n, c in best.items()}
 

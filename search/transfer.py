@@ -34,6 +34,7 @@ class Links:
     inv_bandwidth: np.ndarray
     latency: np.ndarray
     node: np.ndarray  # node of each device
+    nic_inv_bandwidth: float = 0.0  # seconds per byte through a node's shared network interface (0: none)
 
     def node_classes(self):
         """(intra, inter) inverse bandwidth and latency, if links depend only on same-node-or-not."""
@@ -52,22 +53,44 @@ def general(producer: PartTable, consumer: PartTable, links: Links, itemsize: in
     volume = overlap_volumes(producer, consumer)
     remote = (volume > 0).astype(np.float64)
     seg_u, seg_v = _segments(producer), _segments(consumer)
+    node_u, node_v = links.node[producer.device], links.node[consumer.device]
     forward = np.empty((len(producer.starts), len(consumer.device)))
+    inter = np.empty_like(forward)
     for r in np.unique(consumer.device):
         cols = consumer.device == r
         weights = seg_u * (itemsize * links.inv_bandwidth[producer.device, r])[None, :]
         delays = seg_u * links.latency[producer.device, r][None, :]
         forward[:, cols] = weights @ volume[:, cols] + delays @ remote[:, cols]
-    cost = np.maximum.reduceat(forward, consumer.starts, axis=1)
+        inter[:, cols] = (seg_u * (node_u != links.node[r])[None, :]) @ volume[:, cols]
+    cost = np.maximum(np.maximum.reduceat(forward, consumer.starts, axis=1),
+                      _nic_time(inter.T, consumer, links, itemsize).T)
     if backward:
         back = np.empty((len(producer.device), len(consumer.starts)))
+        inter = np.empty_like(back)
         for r in np.unique(producer.device):
             rows = producer.device == r
             weights = seg_v * (itemsize * links.inv_bandwidth[consumer.device, r])[None, :]
             delays = seg_v * links.latency[consumer.device, r][None, :]
             back[rows, :] = volume[rows, :] @ weights.T + remote[rows, :] @ delays.T
-        cost = cost + np.maximum.reduceat(back, producer.starts, axis=0)
+            inter[rows, :] = volume[rows, :] @ (seg_v * (node_v != links.node[r])[None, :]).T
+        cost = cost + np.maximum(np.maximum.reduceat(back, producer.starts, axis=0),
+                                 _nic_time(inter, producer, links, itemsize))
     return cost
+
+
+def _nic_time(inter, receivers: PartTable, links: Links, itemsize: int) -> np.ndarray:
+    """Time for the bytes arriving from other nodes to pass each receiving node's shared network
+    interface: (receiver parts, sender configs) bytes -> (receiver configs, sender configs), the
+    busiest node of each receiver config."""
+    if not links.nic_inv_bandwidth:
+        return np.zeros((len(receivers.starts), inter.shape[1]))
+    key = receivers.config * (links.node.max() + 1) + links.node[receivers.device]
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    segments = np.concatenate([[0], cuts])  # runs of one config on one node
+    per_node = np.add.reduceat(inter, segments, axis=0) * itemsize * links.nic_inv_bandwidth
+    config_of_segment = receivers.config[segments]
+    first = np.concatenate([[0], np.flatnonzero(np.diff(config_of_segment)) + 1])
+    return np.maximum.reduceat(per_node, first, axis=0)
 
 
 def _segments(table: PartTable) -> np.ndarray:
@@ -154,8 +177,10 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     weights = np.array([itemsize * inv_intra, itemsize * inv_inter, lat_intra, lat_inter])
     slot_lo, slot_hi = u.slots
     receive = np.zeros((len(consumer.device), len(u.degrees)))
-    _forward(u.index, slot_lo, slot_hi, consumer.lo, consumer.hi, consumer.device, weights, receive)
-    forward = np.maximum.reduceat(receive, consumer.starts, axis=0).T
+    inter = np.zeros_like(receive)
+    _forward(u.index, slot_lo, slot_hi, consumer.lo, consumer.hi, consumer.device, weights, receive, inter)
+    forward = np.maximum(np.maximum.reduceat(receive, consumer.starts, axis=0),
+                         _nic_time(inter, consumer, links, itemsize)).T
     if not backward:
         return forward
     # the consumer's needs per output dimension and block (slot), over the input dimensions
@@ -178,12 +203,14 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
         constant_lo[e], constant_hi[e], has_constant[e] = a, b, True
     producer = u.table
     back = np.zeros((len(producer.device), len(v.degrees)))
+    inter = np.zeros_like(back)
     _backward(v.index, reads, need_lo, need_hi, drives, constant_lo, constant_hi, has_constant, producer.lo,
-              producer.hi, producer.device, weights, back)
-    return forward + np.maximum.reduceat(back, producer.starts, axis=0)
+              producer.hi, producer.device, weights, back, inter)
+    return forward + np.maximum(np.maximum.reduceat(back, producer.starts, axis=0),
+                                _nic_time(inter, producer, links, itemsize))
 
 
-def _forward_py(index, slot_lo, slot_hi, need_lo, need_hi, device, weights, out):
+def _forward_py(index, slot_lo, slot_hi, need_lo, need_hi, device, weights, out, inter):
     """For each consumer part (receiver) and producer config: bytes and messages from the
     producer's parts on the receiver's node (a box of blocks: a product of 1-D sums), from all
     parts (the receiver's whole need), minus the part on the receiver's own device.  `out` is
@@ -215,10 +242,11 @@ def _forward_py(index, slot_lo, slot_hi, need_lo, need_hi, device, weights, out)
             local_cnt = 1.0 if local_vol > 0 else 0.0
             out[q, a] = (weights[0] * (node_vol - local_vol) + weights[1] * (need - node_vol)
                          + weights[2] * (node_cnt - local_cnt) + weights[3] * (total_cnt - node_cnt))
+            inter[q, a] = need - node_vol
 
 
 def _backward_py(index, reads, need_lo, need_hi, drives, constant_lo, constant_hi, has_constant, part_lo, part_hi,
-                 device, weights, out):
+                 device, weights, out, inter):
     """For each producer part (receiving gradients) and consumer config: the same sums over the
     consumer's parts, whose contributions are products over its output dimensions.  `out` is
     (producer parts, consumer configs)."""
@@ -257,6 +285,7 @@ def _backward_py(index, reads, need_lo, need_hi, drives, constant_lo, constant_h
             out[p, a] = (weights[0] * scale * (node_vol - local_vol) + weights[1] * scale * (total_vol - node_vol)
                          + weights[2] * present * (node_cnt - local_cnt)
                          + weights[3] * present * (total_cnt - node_cnt))
+            inter[p, a] = scale * (total_vol - node_vol)
 
 
 _forward = numba.njit(cache=True)(_forward_py)

@@ -110,6 +110,84 @@ def _data_parallel(graph, devices):
     return Strategy({l.name: P(n=devices) for l in graph if not l.is_input}, name=f"data-parallel-{devices}")
 
 
+def parse_machine(spec: str, devices: int | None):
+    """'simulated:4x4[:P100]' or 'local:2' -> Machine; `devices`, when given, must agree."""
+    from taskrt.machine import Machine
+
+    kind, _, rest = spec.partition(":")
+    if kind == "simulated":
+        shape, _, device_kind = rest.partition(":")
+        try:
+            nodes, per_node = (int(v) for v in shape.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--machine {spec!r}: expected simulated:<nodes>x<devices per node>[:<kind>], "
+                             "e.g. simulated:4x4:P100") from None
+        machine = Machine.simulated(nodes, per_node, device_kind=device_kind or "P100")
+    elif kind == "local":
+        try:
+            machine = Machine.local(int(rest or 2))
+        except ValueError:
+            raise SystemExit(f"--machine {spec!r}: expected local:<devices>, e.g. local:2") from None
+    else:
+        raise SystemExit(f"--machine {spec!r}: expected simulated:<nodes>x<devices per node> or local:<devices>")
+    if devices is not None and devices != machine.num_devices:
+        machine.close()
+        raise SystemExit(f"--devices {devices} does not match --machine {spec} ({machine.num_devices} devices)")
+    return machine
+
+
+def cmd_search(args):
+    import search
+    from taskrt import models
+
+    machine = parse_machine(args.machine, args.devices)
+    try:
+        batch = args.batch_per_device * machine.num_devices
+        kwargs = {"batch": batch}
+        if args.image_size:
+            kwargs["image_size"] = args.image_size
+        if args.classes:
+            kwargs["num_classes"] = args.classes
+        graph = models.get(args.model, **kwargs)
+        cost_model = search.CostModel(machine, cache=args.cache, placement=args.placement)
+        strategy = search.optimize(graph, machine, cost_model)
+        meta = strategy.meta
+        info = meta["search"]
+        print(f"{args.model}, batch {batch} ({args.batch_per_device} per device), on {machine.description}")
+        print(f"search: {info['configs']} configs, cost tables {info['tables_s']:.3f} s, node/edge elimination "
+              f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})\n")
+        print(report(graph, strategy))
+        if args.compare:
+            print("\npredicted step time of the standard strategies under the same cost model:")
+            for name, make in search.BASELINES.items():
+                total = cost_model.breakdown(graph, make(graph, machine)).total
+                ratio = total / meta["predicted_step_s"]
+                print(f"  {name:<6} {total * 1e3:10.3f} ms   (layer-wise is {ratio:.2f}x faster)")
+        if args.out:
+            strategy.save(args.out)
+            print(f"\nstrategy written to {args.out}")
+    finally:
+        machine.close()
+    return 0
+
+
+def report(graph, strategy) -> str:
+    """The chosen strategy per layer, in the style of the paper's Table 5, with predicted costs."""
+    from taskrt.config import DIMS
+
+    meta = strategy.meta
+    rows = [f"{'layer':<28} {'kind':<22} {'config':<24} {'devices':<10} {'t_c ms':>9} {'t_x ms':>9} {'t_s ms':>9}"]
+    for name in graph.layers:
+        cfg, cost = strategy[name], meta["per_layer_s"][name]
+        degrees = "{" + ", ".join(f"{d}={getattr(cfg, d)}" for d in DIMS) + "}"
+        span = f"{cfg.devices[0]}-{cfg.devices[-1]}" if len(cfg.devices) > 1 else str(cfg.devices[0])
+        rows.append(f"{name:<28} {graph[name].kind:<22} {degrees:<24} {span:<10} {cost['t_c'] * 1e3:9.3f} "
+                    f"{cost['t_x'] * 1e3:9.3f} {cost['t_s'] * 1e3:9.3f}")
+    rows.append(f"predicted step time: {meta['predicted_step_s'] * 1e3:.3f} ms"
+                + (" (t_c: roofline estimates for the simulated device kind)" if meta["estimated"] else ""))
+    return "\n".join(rows)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="taskrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +198,18 @@ def main(argv=None):
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
     run.set_defaults(func=cmd_run)
+    find = sub.add_parser("search", help="find the best layer-wise strategy for a model on a machine")
+    find.add_argument("--model", required=True, help="lenet5, alexnet, vgg16, inception_v3 or resnet50")
+    find.add_argument("--machine", default="simulated:4x4", help="simulated:<nodes>x<per node>[:P100] or local:<n>")
+    find.add_argument("--devices", type=int, help="device count (checked against --machine)")
+    find.add_argument("--batch-per-device", type=int, default=32)
+    find.add_argument("--image-size", type=int, help="default: the network's published size")
+    find.add_argument("--classes", type=int, help="default: the network's published class count")
+    find.add_argument("--placement", choices=["first", "aligned"], default="first")
+    find.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
+    find.add_argument("--out", help="write the strategy as JSON")
+    find.add_argument("--compare", action="store_true", help="also show data, model and OWT parallelism")
+    find.set_defaults(func=cmd_search)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -45,8 +45,11 @@ def resource_tag(device: int) -> str:
 
 
 class Machine:
-    def __init__(self, devices, bandwidth, latency, client=None, cluster=None, description=""):
+    def __init__(self, devices, bandwidth, latency, client=None, cluster=None, description="", nic_bandwidth=None):
         self.devices: list[Device] = list(devices)
+        # bytes/s of the one network interface each node's devices share for traffic between nodes
+        # (None: links between nodes are independent)
+        self.nic_bandwidth = nic_bandwidth
         self.bandwidth = np.asarray(bandwidth, dtype=float)  # bytes/s from row device to column device
         self.latency = np.asarray(latency, dtype=float)  # seconds
         self.client = client
@@ -137,7 +140,8 @@ class Machine:
         np.fill_diagonal(bandwidth, np.inf)
         lat = np.full((n, n), float(latency))
         np.fill_diagonal(lat, 0.0)
-        return cls(devices, bandwidth, lat, description=f"simulated {nodes}x{devices_per_node} {device_kind}")
+        return cls(devices, bandwidth, lat, description=f"simulated {nodes}x{devices_per_node} {device_kind}",
+                   nic_bandwidth=float(inter_bandwidth) if nodes > 1 else None)
 
     # ---- reading ----------------------------------------------------------------------------
     @property
@@ -195,6 +199,7 @@ class Machine:
             "devices": [d.__dict__ for d in self.devices],
             "bandwidth_bytes_per_s": np.where(np.isinf(self.bandwidth), -1, self.bandwidth).tolist(),
             "latency_s": self.latency.tolist(),
+            "nic_bandwidth_bytes_per_s": self.nic_bandwidth,
         }
 
     def __repr__(self):

@@ -1,0 +1,111 @@
+"""Small graphs for the search tests: undirected shapes for the optimizer (edge lists over node
+names) and an Inception-style block built with the graph API."""
+
+from __future__ import annotations
+
+from taskrt import Graph
+
+
+def _names(k, prefix="v"):
+    return [f"{prefix}{i}" for i in range(k)]
+
+
+def chain(k):
+    v = _names(k)
+    return v, list(zip(v, v[1:]))
+
+
+def diamond():
+    return ["a", "b", "c", "d"], [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")]
+
+
+def inception(branches):
+    """stem -> `branches` branches (one of them two layers deep) -> join -> tail."""
+    nodes, edges = ["stem"], []
+    for i in range(branches):
+        nodes.append(f"b{i}")
+        edges.append(("stem", f"b{i}"))
+    nodes.append("deep")
+    edges += [("b0", "deep"), ("deep", "join")]
+    edges += [(f"b{i}", "join") for i in range(1, branches)]
+    nodes += ["join", "tail"]
+    edges.append(("join", "tail"))
+    return nodes, edges
+
+
+def tree(parents):
+    """A tree from `parents[i]` < i + 1 for node i + 1 (node 0 is the root)."""
+    v = _names(len(parents) + 1)
+    return v, [(v[p], v[i + 1]) for i, p in enumerate(parents)]
+
+
+def parallel_edges():
+    """Two edges a-b, three b-c (one reversed), a self-loop on c and a chain to d."""
+    return ["a", "b", "c", "d"], [("a", "b"), ("a", "b"), ("b", "c"), ("c", "b"), ("b", "c"), ("c", "c"),
+                                  ("c", "d")]
+
+
+def components():
+    """A chain of three and a diamond, not connected."""
+    return ["p0", "p1", "p2", "a", "b", "c", "d"], [("p0", "p1"), ("p1", "p2"), ("a", "b"), ("a", "c"),
+                                                    ("b", "d"), ("c", "d")]
+
+
+def single():
+    return ["only"], []
+
+
+def complete(k):
+    v = _names(k, "k")
+    return v, [(v[i], v[j]) for i in range(k) for j in range(i + 1, k)]
+
+
+def grid(rows, cols):
+    v = [f"g{r}{c}" for r in range(rows) for c in range(cols)]
+    edges = [(f"g{r}{c}", f"g{r}{c + 1}") for r in range(rows) for c in range(cols - 1)]
+    edges += [(f"g{r}{c}", f"g{r + 1}{c}") for r in range(rows - 1) for c in range(cols)]
+    return v, edges
+
+
+def densenet(k):
+    """stem -> a block of `k` layers, each connected to every later one -> tail."""
+    nodes, edges = complete(k)
+    return ["stem", *nodes, "tail"], [("stem", nodes[0]), *edges, (nodes[-1], "tail")]
+
+
+# name -> (builder, series-parallel: eliminations alone reduce it to nothing)
+SHAPES = {
+    "single": (single, True),
+    "chain": (lambda: chain(5), True),
+    "diamond": (diamond, True),
+    "inception3": (lambda: inception(3), True),
+    "inception4": (lambda: inception(4), True),
+    "tree": (lambda: tree([0, 0, 1, 1, 2, 4]), True),
+    "parallel_edges": (parallel_edges, True),
+    "components": (components, True),
+    "k4": (lambda: complete(4), False),
+    "grid3x3": (lambda: grid(3, 3), False),
+    "densenet4": (lambda: densenet(4), False),
+    "densenet5": (lambda: densenet(5), False),
+}
+
+
+def inception_block(batch=4, channels=8, size=9, classes=5) -> Graph:
+    """stem conv -> {1x1 | 1x1, 1x7, 7x1 | 1x1, 7x1, 1x7 | 3x3 avg pool, 1x1} -> concat -> linear -> loss."""
+    g = Graph("inception_block")
+    x = g.input("image", (batch, 3, size, size))
+    stem = g.conv2d(x, channels, 3, padding=1, activation="relu", name="stem")
+    b1 = g.conv2d(stem, 4, 1, activation="relu", name="b1_1x1")
+    b2 = g.conv2d(stem, 4, 1, activation="relu", name="b2_1x1")
+    b2 = g.conv2d(b2, 4, (1, 7), padding=(0, 3), activation="relu", name="b2_1x7")
+    b2 = g.conv2d(b2, 6, (7, 1), padding=(3, 0), activation="relu", name="b2_7x1")
+    b3 = g.conv2d(stem, 4, 1, activation="relu", name="b3_1x1")
+    b3 = g.conv2d(b3, 4, (7, 1), padding=(3, 0), activation="relu", name="b3_7x1")
+    b3 = g.conv2d(b3, 6, (1, 7), padding=(0, 3), activation="relu", name="b3_1x7")
+    b4 = g.pool2d(stem, 3, stride=1, padding=1, mode="avg", name="b4_pool")
+    b4 = g.conv2d(b4, 2, 1, activation="relu", name="b4_1x1")
+    y = g.concat([b1, b2, b3, b4], name="concat")
+    y = g.flatten(y, name="flatten")
+    y = g.linear(y, classes, name="fc")
+    g.softmax_cross_entropy(y, name="loss")
+    return g
