@@ -20,7 +20,7 @@ from itertools import product
 import numba
 import numpy as np
 
-ENUMERATE_LIMIT = 1_000_000  # config combinations of the reduced graph enumerated directly
+ENUMERATE_LIMIT = 10_000  # config combinations of the reduced graph enumerated directly (a Python loop)
 
 
 @dataclass

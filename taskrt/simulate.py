@@ -1,0 +1,134 @@
+"""Task-graph simulator: list scheduling of one step's plan on a machine.
+
+    result = simulate(plan, costs, machine)
+    result.step_s, result.busy_s, result.idle_s
+
+Every device runs one task at a time, in the order tasks become ready.  A task is ready when
+its inputs are on its device: a dependency on the same device is there when it finishes; one on
+another device then travels over the link between the two (latency plus bytes over
+bandwidth), one transfer at a time per link, and traffic between nodes also passes each node's
+shared network interface.  On a runtime that schedules centrally (Dask), each task also waits
+for the scheduler to hear that its inputs are done and to send it to its device (`dispatch_s`),
+and costs its device some time beyond its kernel (`task_s`); a step starts after its data is
+sent and its graph submitted (`start_s`).  Which bytes move comes from the plan itself, as in
+the executor.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from taskrt.plan import HYPER, TASK, Plan
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the runtime adds to kernels and transfers (all zero for an ideal runtime)."""
+
+    dispatch_s: float = 0.0  # from the last input being ready to the task being sent to its device
+    task_s: float = 0.0  # device time per task beyond its kernel
+    start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
+    per_task_submit_s: float = 0.0  # submission time per task (graph serialization, scheduler ingestion)
+
+
+@dataclass
+class Simulation:
+    step_s: float
+    busy_s: np.ndarray  # per device: time running tasks
+    idle_s: np.ndarray  # per device: the rest of the step
+    start: dict = field(repr=False)  # task key -> start time (after the step's start overhead)
+    finish: dict = field(repr=False)
+    bytes_moved: int = 0
+
+    @property
+    def critical_device(self) -> int:
+        return int(np.argmax(self.busy_s))
+
+
+def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Simulation:
+    """Predicted time of one step of `plan`; `task_time(task)` gives each task's kernel seconds."""
+    n = machine.num_devices
+    node = np.array([d.node for d in machine.devices])
+    bandwidth = np.asarray(machine.bandwidth, dtype=float)
+    latency = np.asarray(machine.latency, dtype=float)
+    nic = getattr(machine, "nic_bandwidth", None)
+    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
+
+    device_free = np.full(n, origin)
+    busy = np.zeros(n)
+    link_free: dict[tuple[int, int], float] = defaultdict(lambda: origin)
+    nic_in_free = defaultdict(lambda: origin)
+    nic_out_free = defaultdict(lambda: origin)
+    finish: dict[tuple, float] = {}
+    start: dict[tuple, float] = {}
+    arrived: dict[tuple, float] = {}  # (dependency, device) -> when its value is there
+
+    def transfer(src, dst, nbytes, at):
+        """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
+        seconds = nbytes / bandwidth[src, dst]
+        begin = max(at, link_free[(src, dst)])
+        inter = nic and node[src] != node[dst]
+        if inter:
+            seconds = max(seconds, nbytes / nic)
+            begin = max(begin, nic_out_free[node[src]], nic_in_free[node[dst]])
+            nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
+        link_free[(src, dst)] = begin + seconds
+        return begin + seconds + latency[src, dst]
+
+    waiting = {}
+    dependents = defaultdict(list)
+    order = {t.key: i for i, t in enumerate(plan.tasks)}
+    ready_heap = []
+    for task in plan.tasks:
+        deps = [d for d in task.deps if d.kind == TASK]
+        waiting[task.key] = len(set(d.key for d in deps))
+        for d in {d.key for d in deps}:
+            dependents[d].append(task)
+        if waiting[task.key] == 0:
+            heapq.heappush(ready_heap, (_inputs_ready(task, plan, finish, arrived, transfer, origin,
+                                                       runtime), order[task.key], task))
+    while ready_heap:
+        ready, _, task = heapq.heappop(ready_heap)
+        begin = max(ready, device_free[task.device])
+        seconds = runtime.task_s + task_time(task)
+        start[task.key], finish[task.key] = begin, begin + seconds
+        device_free[task.device] = begin + seconds
+        busy[task.device] += seconds
+        for consumer in dependents[task.key]:
+            waiting[consumer.key] -= 1
+            if waiting[consumer.key] == 0:
+                heapq.heappush(ready_heap, (_inputs_ready(consumer, plan, finish, arrived, transfer, origin,
+                                                           runtime), order[consumer.key], consumer))
+    if len(finish) != len(plan.tasks):
+        raise AssertionError("the plan has a dependency cycle or a missing task")
+    end = max(finish.values(), default=origin) + runtime.dispatch_s  # the client hears the step is done
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+
+
+def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> float:
+    """When all of `task`'s inputs are on its device.  The scheduler hears the last one is done and
+    sends the task out; its device then fetches what lives elsewhere, one message per source
+    device (as Dask batches them), each value once per device."""
+    ready = origin
+    remote: dict[int, list] = defaultdict(list)
+    for dep in task.deps:
+        if dep.kind == HYPER:
+            continue
+        ready = max(ready, finish[dep.key] if dep.kind == TASK else origin)
+        src = plan.device_of(dep)
+        if src != task.device:
+            remote[src].append(dep)
+    ready += runtime.dispatch_s
+    arrival = ready
+    for src, deps in remote.items():
+        missing = [d for d in deps if (d, task.device) not in arrived]
+        if missing:
+            when = transfer(src, task.device, sum(plan.nbytes_of(d) for d in missing), ready)
+            for d in missing:
+                arrived[(d, task.device)] = when
+        arrival = max(arrival, max(arrived[(d, task.device)] for d in deps))
+    return arrival
