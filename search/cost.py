@@ -37,7 +37,7 @@ from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS, resource_tag
 from taskrt.params import resolve_dtype
 
-CACHE_FORMAT = "taskrt-costs/1"
+CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 
 
 def default_cache_path() -> Path:
@@ -130,23 +130,27 @@ class CostModel:
         nic = getattr(machine, "nic_bandwidth", None)
         self.links = transfer.Links(self.inv_bandwidth, self.latency, np.array([d.node for d in machine.devices]),
                                     1.0 / nic if nic else 0.0)
-        self.hop = self._overhead() if overhead is None else float(overhead)
+        self.calibration = self._calibrate()
+        self.hop = self.calibration["per_hop_s"] if overhead is None else float(overhead)
+        self.memory_bandwidth = self.calibration["memory_bandwidth"]
         self.kinds = sorted({d.kind for d in machine.devices})
         self.kind_index = {d.id: self.kinds.index(d.kind) for d in machine.devices}
-        self._times: dict[tuple, float] = {}  # (device kind, op, need_dx, backward, tile shapes) -> seconds
+        self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
         self._volumes: dict[tuple, int] = {}
 
     # ---- runtime overhead -------------------------------------------------------------------
-    def _overhead(self) -> float:
+    def _calibrate(self) -> dict:
+        """The cluster's runtime costs (`Machine.calibrate`), cached like part timings."""
         if self.estimated:
-            return 0.0
+            kind = self.machine.devices[0].kind
+            return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None:
-            cached = self.machine.task_overhead()
+        if cached is None or "cpu_per_byte_s" not in cached or isinstance(cached.get("cores"), int):
+            cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
-        return cached["per_hop_s"]
+        return cached
 
     # ---- tables -----------------------------------------------------------------------------
     def space(self, graph) -> dict[str, list[ParallelConfig]]:
@@ -181,7 +185,8 @@ class CostModel:
 
     # ---- t_c --------------------------------------------------------------------------------
     def compute_costs(self, graph, parts, needs, needed) -> dict[str, np.ndarray]:
-        """Per layer, per config: the slowest part's forward + backward, plus its tasks' overhead.
+        """Per layer, per config: the slowest part's forward (+ backward when the layer needs it),
+        plus its tasks' overhead.
 
         Parts are timed by signature (device kind, op, tile shapes): equal parts share one timing,
         found in the cache, estimated (simulated machine) or measured on a device."""
@@ -195,46 +200,110 @@ class CostModel:
             shapes = [table.shape] + [needs[(layer.name, j)].table.shape for j in range(len(layer.inputs))]
             hops = 2 if layer.name in needed else 1
             if self.estimated:  # a formula per part: no need to find the distinct ones
-                times = roofline_parts(layer.op, shapes, backward, self.kinds, self.kind_index, table.device,
-                                       self.itemsize)
-                plans[layer.name] = (None, times, table.starts, hops)
+                fwd, bwd = roofline_parts(layer.op, shapes, self.kinds, self.kind_index, table.device, self.itemsize)
+                plans[layer.name] = (None, fwd + bwd * backward, table.starts, hops)
                 continue
             kinds = np.array([self.kind_index[d] for d in table.device])
             rows = np.concatenate([kinds[:, None], *shapes], axis=1)
             unique, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
             keys = []
             for row, index in zip(unique.tolist(), first.tolist()):
-                key = (self.kinds[row[0]], layer.op, need_dx, backward, tuple(row[1:]))
-                keys.append(key)
-                if key in self._times:
-                    continue
                 rect = Rect(tuple(table.lo[index].tolist()), tuple(table.hi[index].tolist()))
-                sig = self.signature(layer, rect, need_dx, backward)
-                cached = self.cache.get(key[0], sig)
-                if cached is not None:
-                    self._times[key] = cached
-                else:
-                    missing.setdefault(key[0], {})[sig] = (key, (layer.op, rect, need_dx, backward))
-            plans[layer.name] = (keys, inverse.ravel(), table.starts, hops)
-        for kind, items in missing.items():
-            measured = self.measure(kind, {sig: item for sig, (_, item) in items.items()})
-            self.cache.put_many(kind, measured)
-            self._times.update({items[sig][0]: t for sig, t in measured.items()})
+                key = self._lookup(self.kinds[row[0]], layer.op, rect, need_dx, missing)
+                keys.append(key)
+            plans[layer.name] = (keys, (inverse.ravel(), backward), table.starts, hops)
+        self._measure_missing(missing)
         out = {}
         for layer in graph:
             if layer.is_input:
                 out[layer.name] = np.zeros(len(parts[layer.name].starts))
                 continue
-            keys, inverse, starts, hops = plans[layer.name]
-            times = inverse if keys is None else np.array([self._times[k] for k in keys])[inverse]
+            keys, times, starts, hops = plans[layer.name]
+            if keys is not None:
+                inverse, backward = times
+                times = np.array([sum(self._times[k][: 2 if backward else 1]) for k in keys])[inverse]
             out[layer.name] = np.maximum.reduceat(times, starts) + hops * self.hop
         return out
 
-    def signature(self, layer, rect, need_dx, backward) -> str:
+    def _lookup(self, kind, op, rect, need_dx, missing) -> tuple:
+        """The timing key of a part; its (forward, backward) seconds go into `_times` from the
+        cache, or the part is queued in `missing` to be measured."""
+        shapes = tuple(None if r is None else r.shape for r in op.input_rects(rect))
+        key = (kind, op, need_dx, rect.shape, shapes)
+        if key not in self._times:
+            sig = self.signature(op, rect, need_dx)
+            cached = self.cache.get(kind, sig)
+            if cached is not None:
+                self._times[key] = tuple(cached)
+            else:
+                missing.setdefault(kind, {})[sig] = (key, (op, rect, need_dx))
+        return key
+
+    def _measure_missing(self, missing):
+        for kind, items in missing.items():
+            measured = self.measure(kind, {sig: item for sig, (_, item) in items.items()})
+            self.cache.put_many(kind, measured)
+            self._times.update({items[sig][0]: tuple(t) for sig, t in measured.items()})
+
+    def part_time(self, op, rect, need_dx, device: int = 0) -> tuple[float, float]:
+        """(forward, backward) seconds of one part on `device`'s kind: cached, estimated or measured."""
+        kind = self.kinds[self.kind_index[device]]
+        if self.estimated:
+            shapes = [np.array([rect.shape])] + [np.array([r.shape if r else (0,) * len(s)])
+                                                 for r, s in zip(op.input_rects(rect), op.in_shapes)]
+            fwd, bwd = roofline_parts(op, shapes, [kind], {0: 0}, np.array([0]), self.itemsize)
+            return float(fwd[0]), float(bwd[0])
+        missing = {}
+        key = self._lookup(kind, op, rect, tuple(need_dx), missing)
+        self._measure_missing(missing)
+        return self._times[key]
+
+    def signature(self, op, rect, need_dx) -> str:
         """The cache key of a part: what determines its kernels' work, as text."""
-        shapes = [None if r is None else list(r.shape) for r in layer.op.input_rects(rect)]
-        return json.dumps([layer.kind, layer.op.attrs(), shapes, list(rect.shape), list(need_dx), backward,
-                           self.dtype], sort_keys=True)
+        shapes = [None if r is None else list(r.shape) for r in op.input_rects(rect)]
+        return json.dumps([op.kind, op.attrs(), shapes, list(rect.shape), list(need_dx), self.dtype], sort_keys=True)
+
+    # ---- one task, for the simulator ---------------------------------------------------------
+    def timer(self, plan):
+        """A function giving the kernel seconds of each task of `plan` (the runtime's own cost per
+        task is in `runtime()`)."""
+        shard_bytes = {(layer, s.index): s.nbytes for layer, shards in plan.shards.items() for s in shards}
+
+        def task_time(task) -> float:
+            spec = task.spec
+            if task.phase == "fwd":
+                return self.part_time(spec.op, spec.out, tuple(False for _ in spec.op.in_shapes), task.device)[0]
+            if task.phase == "bwd":
+                return self.part_time(spec.op, spec.out, spec.need_dx, task.device)[1]
+            if task.phase == "loss":
+                return sum(self.part_time(spec.op, spec.out, (True, False), task.device))
+            if task.phase in ("slice", "gslice"):
+                return 2 * task.nbytes / self.memory_bandwidth  # read and write
+            if task.phase in ("update", "reduce"):
+                # read every gradient, the weights and velocity; write weights and velocity
+                passes = len(spec.grads) + (4 if task.phase == "update" else 1)
+                return passes * shard_bytes[(task.layer, task.key[1])] / self.memory_bandwidth
+            return 0.0  # send, wfetch, grad: a reference to an array that exists already
+
+        return task_time
+
+    def runtime(self, plan):
+        """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
+        `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
+        task, graph submission per task, one scatter call per device that receives data)."""
+        from taskrt.simulate import Runtime
+
+        if self.estimated:
+            return Runtime()
+        c = self.calibration
+        receivers = {p.device for parts in plan.data.values() for p in parts}
+        data = sum(plan.data_nbytes.values())
+        shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
+            {d.node for d in self.machine.devices}) == 1
+        return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
+                       start_s=len(receivers) * c["scatter_s"] + data / c["client_bandwidth"],
+                       per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
+                       cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"])
 
     def measure(self, kind, items: dict) -> dict:
         """Run each part's kernels on a device of this kind (one at a time, as in training)."""
@@ -305,12 +374,12 @@ class CostModel:
 
 # ---- part timing (runs on a device) ---------------------------------------------------------
 def measure_parts(items, repeats, dtype):
-    """Median seconds of forward (+ backward) for each (op, output Rect, need_dx, backward)."""
+    """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx)."""
     import time
 
     rng = np.random.default_rng(0)
     out = []
-    for op, rect, need_dx, backward in items:
+    for op, rect, need_dx in items:
         xs = []
         for i, r in enumerate(op.input_rects(rect)):
             if r is None:
@@ -320,32 +389,24 @@ def measure_parts(items, repeats, dtype):
             else:
                 xs.append(rng.standard_normal(r.shape).astype(dtype))
         params = {k: (rng.standard_normal(r.shape) * 0.01).astype(dtype) for k, r in op.param_rects(rect).items()}
-
-        _run_part(op, xs, params, rect, need_dx, backward)  # warm-up
-        times = []
+        y = op.forward(xs, params, rect)
+        dy = np.ones_like(y)
+        op.backward(dy, xs, y, params, rect, need_dx)  # warm-up
+        fwd, bwd = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            _run_part(op, xs, params, rect, need_dx, backward)
-            times.append(time.perf_counter() - start)
-        out.append(float(np.median(times)))
+            y = op.forward(xs, params, rect)
+            middle = time.perf_counter()
+            op.backward(dy, xs, y, params, rect, need_dx)
+            fwd.append(middle - start)
+            bwd.append(time.perf_counter() - middle)
+        out.append([float(np.median(fwd)), float(np.median(bwd))])
     return out
 
 
-def _run_part(op, xs, params, rect, need_dx, backward):
-    y = op.forward(xs, params, rect)
-    if backward:
-        op.backward(np.ones_like(y), xs, y, params, rect, need_dx)
-
-
-def roofline(op, rect, backward, kind, itemsize) -> float:
-    """max(FLOPs / peak, bytes / memory bandwidth) for forward and backward: a data-sheet estimate."""
-    inputs = [r.shape if r is not None else (0,) for r in op.input_rects(rect)]
-    shapes = [np.array([rect.shape])] + [np.array([s]) for s in inputs]
-    return float(roofline_parts(op, shapes, backward, [kind], {0: 0}, np.array([0]), itemsize)[0])
-
-
-def roofline_parts(op, shapes, backward, kinds, kind_index, device, itemsize) -> np.ndarray:
-    """The roofline estimate for many parts of one op at once.
+def roofline_parts(op, shapes, kinds, kind_index, device, itemsize) -> tuple[np.ndarray, np.ndarray]:
+    """Roofline estimates (forward, backward) for many parts of one op at once:
+    max(FLOPs / peak, bytes / memory bandwidth) from the device kind's data sheet.
 
     `shapes`: the parts' output tile shapes, then each input's tile shapes (rows).  FLOPs and
     parameter volumes of every op grow linearly with the output tile (parameters with its
@@ -359,7 +420,6 @@ def roofline_parts(op, shapes, backward, kinds, kind_index, device, itemsize) ->
     spec = [DEVICE_KINDS[k] for k in kinds]
     peak = np.array([spec[kind_index[d]]["flops"] for d in device])
     bandwidth = np.array([spec[kind_index[d]]["memory_bandwidth"] for d in device])
-    time = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
-    if backward:
-        time += np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)
-    return time
+    forward = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
+    backward = np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)
+    return forward, backward

@@ -48,9 +48,10 @@ class Executor:
         self.machine = machine
         self.client = machine.client
 
-    def scatter(self, plan: Plan, arrays: dict) -> dict:
-        """Send each input tile straight to its device; returns {(layer, part): future}."""
-        address = self.machine.addresses()
+    def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
+        """Send each input tile straight to its device; returns {(layer, part): future}.
+        `address`: the devices' worker addresses, if the caller just asked for them."""
+        address = address or self.machine.addresses()
         by_device: dict[int, list] = {}
         for layer, parts in plan.data.items():
             full = arrays[layer]

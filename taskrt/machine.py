@@ -165,6 +165,95 @@ class Machine:
             raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
         return out
 
+    def calibrate(self) -> dict:
+        """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
+        hop (`task_overhead`), graph submission per task, one scatter call, the client's
+        bandwidth to a worker, and a device's memory bandwidth (an array copy)."""
+        import statistics
+        import time
+
+        import dask
+
+        out = self.task_overhead()
+        client, tag = self.client, uuid.uuid4().hex[:8]
+        address = self.addresses()
+        submit = []
+        for r in range(3):
+            dsk = {(f"taskrt-submit-{tag}-{r}", i): (_noop,) for i in range(200)}
+            with dask.annotate(resources={resource_tag(0): 1}):
+                start = time.perf_counter()
+                futures = client.get(dsk, list(dsk), sync=False)
+                submit.append((time.perf_counter() - start) / len(dsk))
+            client.gather(futures)
+            del futures
+        small, large = np.zeros(8), np.zeros(4 * 2**20 // 8)
+        scatter, big = [], []
+        for _ in range(5):
+            start = time.perf_counter()
+            [f] = client.scatter([small], workers=[address[0]], hash=False, direct=True)
+            scatter.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            [g] = client.scatter([large], workers=[address[0]], hash=False, direct=True)
+            big.append(time.perf_counter() - start)
+            del f, g
+        copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
+        out.update(self._cpu_costs())
+        out.update({
+            "submit_per_task_s": statistics.median(submit),
+            "scatter_s": statistics.median(scatter),
+            "client_bandwidth": large.nbytes / max(statistics.median(big) - statistics.median(scatter), 1e-9),
+            "memory_bandwidth": copy,
+        })
+        return out
+
+    def _cpu_costs(self, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int = 4) -> dict:
+        """Processor time the runtime itself spends (workers, and this process where the local
+        scheduler runs): per task, and per byte moved between two devices.  On a machine whose
+        devices share few cores this time competes with the kernels."""
+        import time
+
+        import dask
+
+        client, tag = self.client, uuid.uuid4().hex[:8]
+        address = self.addresses()
+
+        def total():
+            return sum(client.run(_process_cpu).values()) + _process_cpu()
+
+        with dask.annotate(resources={resource_tag(0): 1}):
+            dsk = {(f"taskrt-cpu-{tag}", i): (_noop,) for i in range(tasks)}
+            before = total()
+            client.gather(client.get(dsk, list(dsk), sync=False))
+            per_task = (total() - before) / tasks
+        per_byte = 0.0
+        if self.num_devices > 1:
+            before = total()
+            for i in range(messages):
+                payload = client.submit(_payload, nbytes, key=f"taskrt-cpu-bytes-{tag}-{i}", workers=[address[0]],
+                                        allow_other_workers=False, pure=False)
+                client.submit(_touch, payload, workers=[address[1]], allow_other_workers=False, pure=False).result()
+                del payload
+            time.sleep(0.05)
+            # the payload and touch tasks are tasks too: count them out
+            per_byte = max((total() - before) - 2 * messages * per_task, 0.0) / (messages * nbytes)
+        return {"cpu_per_task_s": per_task, "cpu_per_byte_s": per_byte, "cores": self._effective_cores()}
+
+    def _effective_cores(self, repeats: int = 5) -> float:
+        """How many kernels the host really runs at once: the same convolution timed alone on one
+        device, then on min(devices, cores) devices at once; the sum of the speeds relative to
+        alone.  (Two virtual cores may not give two cores' worth of work.)"""
+        cores = os.cpu_count() or 1
+        k = min(self.num_devices, cores)
+        if k < 2:
+            return float(cores)
+        client = self.client
+        address = self.addresses()
+        alone = client.submit(_conv_seconds, repeats, workers=[address[0]], allow_other_workers=False,
+                              pure=False).result()
+        together = client.gather([client.submit(_conv_seconds, repeats, workers=[address[i]], allow_other_workers=False,
+                                                pure=False) for i in range(k)])
+        return float(cores - k + sum(alone / t for t in together))
+
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
         """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
         per independent task (throughput) and per dependent hop (a task waiting on the one before)."""
@@ -267,6 +356,48 @@ def _device_kind(client, address) -> str:
 
 def _noop(*args):
     return None
+
+
+def _conv_seconds(repeats):
+    """Median seconds of a mid-sized convolution's forward and backward (a typical kernel)."""
+    import time
+
+    from ops import Conv2d
+    from ops.rect import Rect
+
+    op = Conv2d(((8, 64, 28, 28),), 64, (3, 3), (1, 1), (1, 1), "relu")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(op.in_shapes[0]).astype(np.float32)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in op.param_shapes().items()}
+    out = Rect.full(op.out_shape)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        y = op.forward([x], params, out)
+        op.backward(y, [x], y, params, out, [True])
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def _process_cpu(dask_worker=None, dask_scheduler=None) -> float:
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def _copy_rate(dask_worker=None, nbytes=32 * 2**20, repeats=5):
+    """Bytes per second of a plain array copy on this worker (read + write counted once each)."""
+    import time
+
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / float(np.median(times))
 
 
 # ---- link probe -----------------------------------------------------------------------------

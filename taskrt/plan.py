@@ -72,6 +72,7 @@ class Plan:
 
     def __post_init__(self):
         self.by_key = {t.key: t for t in self.tasks}
+        self._transfers: list[Transfer] | None = None  # a plan does not change: derived once
 
     def device_of(self, dep: Dep) -> int | None:
         if dep.kind == TASK:
@@ -93,6 +94,11 @@ class Plan:
 
     def transfers(self) -> list[Transfer]:
         """Every value that moves: once per (value, reading device) with the device elsewhere."""
+        if self._transfers is None:
+            self._transfers = self._derive_transfers()
+        return self._transfers
+
+    def _derive_transfers(self) -> list[Transfer]:
         seen, out = set(), []
         for task in self.tasks:
             for dep in task.deps:

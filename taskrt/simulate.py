@@ -33,6 +33,11 @@ class Runtime:
     task_s: float = 0.0  # device time per task beyond its kernel
     start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
     per_task_submit_s: float = 0.0  # submission time per task (graph serialization, scheduler ingestion)
+    # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
+    # no shorter than all the processor time it needs divided by the cores.
+    cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
+    cpu_per_task_s: float = 0.0  # processor time the runtime spends per task (scheduler and worker)
+    cpu_per_byte_s: float = 0.0  # processor time per byte moved between devices (both ends)
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Simulation:
     start: dict = field(repr=False)  # task key -> start time (after the step's start overhead)
     finish: dict = field(repr=False)
     bytes_moved: int = 0
+    cpu_s: float = 0.0  # processor time the step needs, where devices share cores (0: not modeled)
+    background: float = 0.0  # cores' worth of runtime work competing with kernels (shared cores)
 
     @property
     def critical_device(self) -> int:
@@ -50,7 +57,33 @@ class Simulation:
 
 
 def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Simulation:
-    """Predicted time of one step of `plan`; `task_time(task)` gives each task's kernel seconds."""
+    """Predicted time of one step of `plan`; `task_time(task)` gives each task's kernel seconds.
+
+    Where devices share a host's processor cores with the runtime (`runtime.cores`), running
+    kernels share the cores with each other and with the runtime's own work (scheduler, worker
+    event loops moving bytes): each runs at min(1, cores / (kernels running + background)),
+    where the background is the runtime's processor time spread over the step, found by
+    fixed-point iteration."""
+    runtime_cpu = (runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
+                   + runtime.cpu_per_task_s * len(plan.tasks)
+                   + runtime.cpu_per_byte_s * (plan.bytes_moved + sum(plan.data_nbytes.values())))
+    background = 0.0
+    result = _schedule(plan, task_time, machine, runtime, background)
+    if runtime.cores:
+        for _ in range(30):
+            wanted = runtime_cpu / result.step_s
+            if abs(wanted - background) < 1e-3:
+                break
+            background = wanted
+            result = _schedule(plan, task_time, machine, runtime, background)
+        result.cpu_s = runtime_cpu + sum(task_time(t) + runtime.task_s for t in plan.tasks)
+        result.background = background
+    return result
+
+
+def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: float) -> Simulation:
+    """Event-driven list scheduling: each device runs its ready tasks in the order they became
+    ready; with shared cores, running kernels progress at the processor-sharing rate."""
     n = machine.num_devices
     node = np.array([d.node for d in machine.devices])
     bandwidth = np.asarray(machine.bandwidth, dtype=float)
@@ -58,7 +91,6 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     nic = getattr(machine, "nic_bandwidth", None)
     origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
 
-    device_free = np.full(n, origin)
     busy = np.zeros(n)
     link_free: dict[tuple[int, int], float] = defaultdict(lambda: origin)
     nic_in_free = defaultdict(lambda: origin)
@@ -71,38 +103,58 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
         """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
         seconds = nbytes / bandwidth[src, dst]
         begin = max(at, link_free[(src, dst)])
-        inter = nic and node[src] != node[dst]
-        if inter:
+        if nic and node[src] != node[dst]:
             seconds = max(seconds, nbytes / nic)
             begin = max(begin, nic_out_free[node[src]], nic_in_free[node[dst]])
             nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
         link_free[(src, dst)] = begin + seconds
         return begin + seconds + latency[src, dst]
 
-    waiting = {}
-    dependents = defaultdict(list)
+    waiting, dependents = {}, defaultdict(list)
     order = {t.key: i for i, t in enumerate(plan.tasks)}
-    ready_heap = []
+    pending = []  # (time the task's inputs are on its device, plan order, task)
     for task in plan.tasks:
-        deps = [d for d in task.deps if d.kind == TASK]
-        waiting[task.key] = len(set(d.key for d in deps))
-        for d in {d.key for d in deps}:
+        deps = {d.key for d in task.deps if d.kind == TASK}
+        waiting[task.key] = len(deps)
+        for d in deps:
             dependents[d].append(task)
-        if waiting[task.key] == 0:
-            heapq.heappush(ready_heap, (_inputs_ready(task, plan, finish, arrived, transfer, origin,
-                                                       runtime), order[task.key], task))
-    while ready_heap:
-        ready, _, task = heapq.heappop(ready_heap)
-        begin = max(ready, device_free[task.device])
-        seconds = runtime.task_s + task_time(task)
-        start[task.key], finish[task.key] = begin, begin + seconds
-        device_free[task.device] = begin + seconds
-        busy[task.device] += seconds
-        for consumer in dependents[task.key]:
-            waiting[consumer.key] -= 1
-            if waiting[consumer.key] == 0:
-                heapq.heappush(ready_heap, (_inputs_ready(consumer, plan, finish, arrived, transfer, origin,
-                                                           runtime), order[consumer.key], consumer))
+        if not deps:
+            ready = _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime)
+            heapq.heappush(pending, (ready, order[task.key], task))
+    queued = [[] for _ in range(n)]  # per device, tasks whose inputs are there
+    running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
+    now = origin
+
+    def rate():
+        if not runtime.cores or not running:
+            return 1.0
+        return min(1.0, runtime.cores / (len(running) + background))
+
+    while pending or running or any(queued):
+        for d in range(n):  # idle devices take their earliest ready task
+            if d not in running and queued[d]:
+                _, _, task = heapq.heappop(queued[d])
+                running[d] = [task, runtime.task_s + task_time(task), now]
+                start[task.key] = now
+        speed = rate()
+        next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
+        next_ready = pending[0][0] if pending else np.inf
+        later = min(next_finish, next_ready)
+        for item in running.values():
+            item[1] -= (later - now) * speed
+        now = later
+        while pending and pending[0][0] <= now:
+            ready, position, task = heapq.heappop(pending)
+            heapq.heappush(queued[task.device], (ready, position, task))
+        for d in [d for d, (_, rem, _) in running.items() if rem <= 1e-12]:
+            task, _, began = running.pop(d)
+            finish[task.key] = now
+            busy[d] += now - began
+            for consumer in dependents[task.key]:
+                waiting[consumer.key] -= 1
+                if waiting[consumer.key] == 0:
+                    ready = _inputs_ready(consumer, plan, finish, arrived, transfer, origin, runtime)
+                    heapq.heappush(pending, (ready, order[consumer.key], consumer))
     if len(finish) != len(plan.tasks):
         raise AssertionError("the plan has a dependency cycle or a missing task")
     end = max(finish.values(), default=origin) + runtime.dispatch_s  # the client hears the step is done

@@ -16,6 +16,15 @@ from ops.rect import Rect
 from taskrt.params import pack, unpack
 
 
+class Spec:
+    """Base of task specs.  Dask tokenizes a submitted graph; the keys already carry the step and
+    the run, so a spec's identity is all it needs (walking every Rect and op would cost about
+    half a millisecond per task per step)."""
+
+    def __dask_tokenize__(self):
+        return (type(self).__name__, id(self))
+
+
 @dataclass(frozen=True)
 class Piece:
     dep: int  # position among the task's dependencies
@@ -76,7 +85,7 @@ class Inputs:
 
 
 @dataclass(frozen=True)
-class Forward:
+class Forward(Spec):
     op: Op
     out: Rect
     inputs: Inputs
@@ -88,7 +97,7 @@ class Forward:
 
 
 @dataclass(frozen=True)
-class Backward:
+class Backward(Spec):
     """Input gradients and the flat parameter gradient of one part: (dx_0, ..., dx_k, dparams)."""
 
     op: Op
@@ -108,7 +117,7 @@ class Backward:
 
 
 @dataclass(frozen=True)
-class Loss:
+class Loss(Spec):
     """Forward and backward of a loss part: (d logits, None, per-sample losses).
 
     The batch loss is the mean over all `batch` samples, so each per-sample loss receives 1/batch.
@@ -128,7 +137,7 @@ class Loss:
 
 
 @dataclass(frozen=True)
-class Slice:
+class Slice(Spec):
     """The intersecting part of a tile, as its own contiguous array, so only it travels."""
 
     piece: Piece
@@ -138,7 +147,7 @@ class Slice:
 
 
 @dataclass(frozen=True)
-class Element:
+class Element(Spec):
     """One element of a tuple value (a parameter gradient, or the weights of a state)."""
 
     element: int
@@ -148,7 +157,7 @@ class Element:
 
 
 @dataclass(frozen=True)
-class Alias:
+class Alias(Spec):
     """The same array under a new key (so that each key has one reading device); no copy."""
 
     def __call__(self, value):
@@ -164,7 +173,7 @@ def _sum_grads(values, grads):
 
 
 @dataclass(frozen=True)
-class Update:
+class Update(Spec):
     """Parameter server of one shard: sum the replicas' gradients, apply SGD.
 
     Dependencies: the state (weights, velocity), the gradients, and last the step's
@@ -180,7 +189,7 @@ class Update:
 
 
 @dataclass(frozen=True)
-class ReduceGrads:
+class ReduceGrads(Spec):
     grads: tuple[tuple[int, int | None], ...]
 
     def __call__(self, *values):

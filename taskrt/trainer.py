@@ -173,12 +173,13 @@ class Trainer:
         self._aux_runs += 1
         return f"{self.steps_done}.{what}{self._aux_runs}"
 
-    def _check_state(self, step):
-        """Fail clearly, before any work, when a device or the parameters it held are gone."""
+    def _check_state(self, step) -> dict:
+        """Fail clearly, before any work, when a device or the parameters it held are gone;
+        returns the devices' current addresses."""
         lost = [key for key, f in self._state.items() if f.status in ("lost", "error", "cancelled")]
+        address, missing = {}, ""
         try:
-            self.machine.addresses()
-            missing = ""
+            address = self.machine.addresses()
         except MachineError as error:
             missing = f"{error}. "
         if lost or missing:
@@ -188,12 +189,13 @@ class Trainer:
                 + (f"The parameters of {where} were lost with their worker. " if lost else "")
                 + "Restore the last checkpoint with Trainer.load(path, machine)."
             )
+        return address
 
     def _run(self, mode, data, step):
         started = time.perf_counter()  # the step's time includes sending its data
-        self._check_state(step)
+        address = self._check_state(step)
         plan = self._plan(mode)
-        futures = self.executor.scatter(plan, data)
+        futures = self.executor.scatter(plan, data, address)
         hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
         run = self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
         run.submitted = started
