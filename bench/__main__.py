@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHMARKS = {"kernels": "kernels", "overhead": "overhead", "search": "search"}
+BENCHMARKS = {"kernels": "kernels", "overhead": "overhead", "search": "search", "strategies": "strategies",
+              "accuracy": "accuracy"}
 
 
 def main(argv=None):

@@ -34,7 +34,7 @@ def compute_times(client, keys: set, since: float) -> dict:
 
 
 def measure_model(machine, name, graph, steps, warmup=2):
-    trainer = Trainer(graph, data_parallel(graph, machine.num_devices), machine, lr=0.01, momentum=0.9)
+    trainer = Trainer(graph, data_parallel(graph, machine.num_devices), machine, lr=1e-4, momentum=0.9)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(graph.inputs[0].shape).astype(np.float32)
     y = rng.integers(0, graph[graph.losses[0].inputs[0]].shape[1], graph.inputs[1].shape)

@@ -137,6 +137,7 @@ class CostModel:
         self.kind_index = {d.id: self.kinds.index(d.kind) for d in machine.devices}
         self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
         self._volumes: dict[tuple, int] = {}
+        self._sync_times: dict[tuple, float] = {}
 
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
@@ -146,7 +147,7 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "cpu_per_byte_s" not in cached or isinstance(cached.get("cores"), int):
+        if cached is None or "fresh_copy_bandwidth" not in cached:
             cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
@@ -268,6 +269,13 @@ class CostModel:
         """A function giving the kernel seconds of each task of `plan` (the runtime's own cost per
         task is in `runtime()`)."""
         shard_bytes = {(layer, s.index): s.nbytes for layer, shards in plan.shards.items() for s in shards}
+        sync = {}  # task key -> (device kind, phase, elements, gradients): timed like parts
+        for task in plan.tasks:
+            if task.phase in ("update", "reduce"):
+                kind = self.kinds[self.kind_index[task.device]]
+                sync[task.key] = (kind, task.phase, shard_bytes[(task.layer, task.key[1])] // self.itemsize,
+                                  len(task.spec.grads))
+        self._time_synchronization(set(sync.values()))
 
         def task_time(task) -> float:
             spec = task.spec
@@ -278,14 +286,40 @@ class CostModel:
             if task.phase == "loss":
                 return sum(self.part_time(spec.op, spec.out, (True, False), task.device))
             if task.phase in ("slice", "gslice"):
-                return 2 * task.nbytes / self.memory_bandwidth  # read and write
+                return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
             if task.phase in ("update", "reduce"):
-                # read every gradient, the weights and velocity; write weights and velocity
-                passes = len(spec.grads) + (4 if task.phase == "update" else 1)
-                return passes * shard_bytes[(task.layer, task.key[1])] / self.memory_bandwidth
+                return self._sync_times[sync[task.key]]
             return 0.0  # send, wfetch, grad: a reference to an array that exists already
 
         return task_time
+
+    def _time_synchronization(self, items):
+        """Seconds of parameter-server updates (and gradient sums) of the given sizes: estimated
+        from memory bandwidth on simulated devices, otherwise run on a device and cached."""
+        missing = {}
+        for item in items:
+            if item in self._sync_times:
+                continue
+            kind, phase, elements, grads = item
+            if self.estimated:
+                passes = grads + (4 if phase == "update" else 1)  # read gradients, w, v; write w, v
+                self._sync_times[item] = passes * elements * self.itemsize / DEVICE_KINDS[kind]["memory_bandwidth"]
+                continue
+            sig = json.dumps(["synchronize", phase, elements, grads, self.dtype])
+            cached = self.cache.get(kind, sig)
+            if cached is not None:
+                self._sync_times[item] = cached[0]
+            else:
+                missing.setdefault(kind, {})[sig] = item
+        for kind, items_of_kind in missing.items():
+            device = next(d.id for d in self.machine.devices if d.kind == kind)
+            sigs = list(items_of_kind)
+            seconds = self.machine.client.submit(
+                measure_synchronization, [items_of_kind[s][1:] for s in sigs], self.repeats, self.dtype, pure=False,
+                resources={resource_tag(device): 1}).result()
+            self.cache.put_many(kind, {sig: [t, 0.0] for sig, t in zip(sigs, seconds)})
+            for sig, t in zip(sigs, seconds):
+                self._sync_times[items_of_kind[sig]] = t
 
     def runtime(self, plan):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
@@ -401,6 +435,33 @@ def measure_parts(items, repeats, dtype):
             fwd.append(middle - start)
             bwd.append(time.perf_counter() - middle)
         out.append([float(np.median(fwd)), float(np.median(bwd))])
+    return out
+
+
+def measure_synchronization(items, repeats, dtype):
+    """Median seconds of an SGD update (or a gradient sum) over `elements` parameters from
+    `grads` replicas, for each (phase, elements, grads), as the Update / ReduceGrads tasks run it."""
+    import time
+
+    from taskrt.tasks import ReduceGrads, Update
+
+    rng = np.random.default_rng(0)
+    hyper = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4}
+    out = []
+    for phase, elements, grads in items:
+        state = (rng.standard_normal(elements).astype(dtype), np.zeros(elements, dtype=dtype))
+        values = [rng.standard_normal(elements).astype(dtype) for _ in range(grads)]
+        if phase == "update":
+            spec, args = Update(tuple((i + 1, None) for i in range(grads))), (state, *values, hyper)
+        else:
+            spec, args = ReduceGrads(tuple((i, None) for i in range(grads))), tuple(values)
+        spec(*args)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            spec(*args)
+            times.append(time.perf_counter() - start)
+        out.append(float(np.median(times)))
     return out
 
 

@@ -197,12 +197,14 @@ class Machine:
             big.append(time.perf_counter() - start)
             del f, g
         copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
+        fresh = client.run(_fresh_copy_rate, workers=[address[0]])[address[0]]
         out.update(self._cpu_costs())
         out.update({
             "submit_per_task_s": statistics.median(submit),
             "scatter_s": statistics.median(scatter),
             "client_bandwidth": large.nbytes / max(statistics.median(big) - statistics.median(scatter), 1e-9),
             "memory_bandwidth": copy,
+            "fresh_copy_bandwidth": fresh,
         })
         return out
 
@@ -238,21 +240,30 @@ class Machine:
             per_byte = max((total() - before) - 2 * messages * per_task, 0.0) / (messages * nbytes)
         return {"cpu_per_task_s": per_task, "cpu_per_byte_s": per_byte, "cores": self._effective_cores()}
 
-    def _effective_cores(self, repeats: int = 5) -> float:
+    def _effective_cores(self, repeats: int = 5, rounds: int = 3) -> float:
         """How many kernels the host really runs at once: the same convolution timed alone on one
         device, then on min(devices, cores) devices at once; the sum of the speeds relative to
-        alone.  (Two virtual cores may not give two cores' worth of work.)"""
+        alone (two virtual cores may not give two cores' worth of work).  Alone and together
+        alternate for a few rounds and the median counts, as the machine's speed drifts."""
+        import statistics
+
         cores = os.cpu_count() or 1
         k = min(self.num_devices, cores)
         if k < 2:
             return float(cores)
         client = self.client
         address = self.addresses()
-        alone = client.submit(_conv_seconds, repeats, workers=[address[0]], allow_other_workers=False,
-                              pure=False).result()
-        together = client.gather([client.submit(_conv_seconds, repeats, workers=[address[i]], allow_other_workers=False,
-                                                pure=False) for i in range(k)])
-        return float(cores - k + sum(alone / t for t in together))
+
+        def timed(devices):
+            return client.gather([client.submit(_conv_seconds, repeats, workers=[address[i]],
+                                                allow_other_workers=False, pure=False) for i in devices])
+
+        estimates = []
+        for _ in range(rounds):
+            [alone] = timed([0])
+            together = timed(range(k))
+            estimates.append(cores - k + sum(alone / t for t in together))
+        return float(min(cores, statistics.median(estimates)))
 
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
         """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
@@ -384,6 +395,21 @@ def _process_cpu(dask_worker=None, dask_scheduler=None) -> float:
 
     times = psutil.Process().cpu_times()
     return times.user + times.system
+
+
+def _fresh_copy_rate(dask_worker=None, nbytes=32 * 2**20, repeats=5):
+    """Bytes per second copied into newly allocated memory (what a slice task does: its output
+    is fresh, so the copy pays the page faults too)."""
+    import time
+
+    src = np.ones(nbytes // 8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst = src.copy()
+        times.append(time.perf_counter() - start)
+        del dst
+    return nbytes / float(np.median(times))
 
 
 def _copy_rate(dask_worker=None, nbytes=32 * 2**20, repeats=5):

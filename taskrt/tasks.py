@@ -168,7 +168,10 @@ def _sum_grads(values, grads):
     total = None
     for dep, element in grads:
         g = values[dep] if element is None else values[dep][element]
-        total = g.copy() if total is None else total + g
+        if total is None:
+            total = g.copy()
+        else:
+            total += g
     return total
 
 

@@ -1,0 +1,79 @@
+"""Training steps of several strategies on one machine, side by side, with their predictions.
+
+Strategies are interleaved (one step of each, then the next round), so a slow minute of the
+machine hits them all alike; each reports the median of its rounds.  Predictions come from the
+cost model measured in the same run: the paper's additive equation 1 and the task-graph
+simulator.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+from tqdm import tqdm
+
+import search
+from taskrt import models
+from taskrt.simulate import simulate
+from taskrt.trainer import Trainer
+
+# CIFAR-size networks at batch sizes a 2-core machine trains in about a second per step
+LOCAL_MODELS = {
+    "lenet5": lambda: models.lenet5(batch=64),
+    "alexnet32": lambda: models.alexnet(batch=32, image_size=32, num_classes=10),
+    "vgg16_32": lambda: models.vgg16(batch=16, image_size=32, num_classes=10),
+}
+QUICK_MODELS = {"lenet5": LOCAL_MODELS["lenet5"]}
+
+
+def strategies_for(graph, machine, cost_model) -> dict:
+    out = {name: make(graph, machine) for name, make in search.BASELINES.items()}
+    out["layer-wise"] = search.optimize(graph, machine, cost_model, check_by_simulation=True)
+    if machine.num_devices == 1:  # every strategy is the same one on a single device
+        out = {"single device": out["data"]}
+    return {name: s.validated(graph, machine) for name, s in out.items()}
+
+
+def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
+            seed: int = 0) -> list[dict]:
+    """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
+    rng = np.random.default_rng(seed)
+    image = graph.inputs[0]
+    classes = graph[graph.losses[0].inputs[0]].shape[1]
+    x = rng.standard_normal(image.shape).astype(np.float32)
+    y = rng.integers(0, classes, graph.inputs[1].shape)
+    # a small learning rate keeps random-data training finite: inf and NaN would change kernel speed
+    trainers = {name: Trainer(graph, s, machine, lr=1e-4, momentum=0.9, seed=seed) for name, s in strategies.items()}
+    for trainer in trainers.values():
+        for _ in range(warmup):
+            trainer.step(x, y)
+    times = {name: [] for name in trainers}
+    matches = {name: True for name in trainers}
+    for _ in tqdm(range(rounds), desc=f"{label} on {machine.num_devices} devices", leave=False, disable=None):
+        for name, trainer in trainers.items():
+            trainer.step(x, y)
+            times[name].append(trainer.stats.wall_s)
+    for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
+        matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
+    rows = []
+    batch = image.shape[0]
+    for name, trainer in trainers.items():
+        plan = trainer.plan
+        simulated = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan))
+        additive = cost_model.breakdown(graph, strategies[name]).total
+        measured = statistics.median(times[name])
+        q1, q3 = np.percentile(times[name], [25, 75])
+        rows.append({
+            "model": label, "devices": machine.num_devices, "strategy": name,
+            "batch": batch, "tasks": len(plan.tasks), "bytes_per_step": plan.bytes_moved,
+            "bytes_match_logs": matches[name],
+            "measured_ms": measured * 1e3, "iqr_ms": (q3 - q1) * 1e3,
+            "images_per_s": batch / measured,
+            "simulated_ms": simulated.step_s * 1e3, "additive_ms": additive * 1e3,
+            "simulated_error": (simulated.step_s - measured) / measured,
+            "additive_error": (additive - measured) / measured,
+            "step_times_ms": [t * 1e3 for t in times[name]],
+            "search_pick": strategies[name].meta.get("chosen_by_simulation", ""),
+        })
+    return rows
