@@ -1,25 +1,38 @@
-"""python -m bench <name> [--quick]: benchmarks writing results/<name>.json, .md and .png."""
+"""python -m bench <name>|all [--quick] [--out DIR]: benchmarks writing results/<name>.json, .md and .png.
+
+  kernels      conv forward+backward GFLOP/s next to GEMM (one thread)
+  overhead     Dask scheduling overhead per training step
+  search       search time, node/edge elimination vs depth-first search (the paper's Table 3)
+  strategies   data, model, OWT and layer-wise trained side by side on 2 local devices
+  accuracy     predicted vs measured step time on 1 and 2 local devices (the paper's Table 4)
+  scaling      throughput and bytes moved on 1-16 simulated P100s (the paper's Figures 7 and 8)
+  convergence  loss curves of data parallel and layer-wise against one device
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 
-BENCHMARKS = {"kernels": "kernels", "overhead": "overhead", "search": "search", "strategies": "strategies",
-              "accuracy": "accuracy"}
+BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence"]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=BENCHMARKS + ["all"], help="which benchmark, or all of them")
     parser.add_argument("--quick", action="store_true", help="a short version (CI)")
     parser.add_argument("--out", default="results", help="folder for results (default: results/)")
     args = parser.parse_args(argv)
-    import importlib
-
-    importlib.import_module(f"bench.{BENCHMARKS[args.name]}").run(args.out, args.quick)
+    for name in BENCHMARKS if args.name == "all" else [args.name]:
+        start = time.perf_counter()
+        print(f"== bench {name}{' (quick)' if args.quick else ''}", flush=True)
+        importlib.import_module(f"bench.{name}").run(args.out, args.quick)
+        print(f"== bench {name}: {time.perf_counter() - start:.0f} s\n", flush=True)
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # worker processes re-import this module: do not run there
     sys.exit(main())

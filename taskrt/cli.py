@@ -210,6 +210,12 @@ def main(argv=None):
     find.add_argument("--out", help="write the strategy as JSON")
     find.add_argument("--compare", action="store_true", help="also show data, model and OWT parallelism")
     find.set_defaults(func=cmd_search)
+    sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m bench)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -25,11 +25,13 @@ class _Deps:
 
     def __init__(self, first=()):
         self.deps: list[Dep] = list(first)
+        self.position = {dep: i for i, dep in enumerate(self.deps)}
 
     def add(self, dep: Dep) -> int:
-        if dep not in self.deps:
+        if dep not in self.position:
+            self.position[dep] = len(self.deps)
             self.deps.append(dep)
-        return self.deps.index(dep)
+        return self.position[dep]
 
 
 class _Lowering:
@@ -39,6 +41,7 @@ class _Lowering:
         self.needed = graph.needs_backward() if mode != "predict" else set()
         self.tasks: dict[tuple, Task] = {}
         self.slices: dict[tuple, Dep] = {}
+        self.slice_count: dict[Dep, int] = {}  # slices cut from each value so far (for their keys)
         self.shards: dict[str, list[Shard]] = {}
         self.shard_of: dict[tuple[str, int], int] = {}
         self.fetched: dict[tuple[str, int], Dep] = {}
@@ -102,7 +105,8 @@ class _Lowering:
                 if element is not None or inter != src:
                     key = (dep, element, inter)
                     if key not in self.slices:
-                        index = sum(1 for k in self.slices if k[0] == dep)
+                        index = self.slice_count.get(dep, 0)
+                        self.slice_count[dep] = index + 1
                         self.slices[key] = self.add(Task(
                             (f"{slice_layer}-{slice_phase}", *dep.key[1:], index), slice_phase, slice_layer,
                             part.device, Slice(Piece(0, element, src, inter)), (dep,), inter.volume * itemsize,
