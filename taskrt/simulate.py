@@ -64,19 +64,26 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     event loops moving bytes): each runs at min(1, cores / (kernels running + background)),
     where the background is the runtime's processor time spread over the step, found by
     fixed-point iteration."""
-    runtime_cpu = (runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
-                   + runtime.cpu_per_task_s * len(plan.tasks)
-                   + runtime.cpu_per_byte_s * (plan.bytes_moved + sum(plan.data_nbytes.values())))
+    unknown = {d.key for t in plan.tasks for d in t.deps if d.kind == TASK} - plan.by_key.keys()
+    if unknown:
+        raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
+    # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
+    # (Sending the data and submitting the graph happen before the first task: not background.)
+    runtime_cpu = runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_byte_s * plan.bytes_moved
+    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
     background = 0.0
     result = _schedule(plan, task_time, machine, runtime, background)
     if runtime.cores:
-        for _ in range(30):
-            wanted = runtime_cpu / result.step_s
-            if abs(wanted - background) < 1e-3:
+        for _ in range(100):
+            running = result.step_s - origin
+            if running <= 0:  # nothing takes time: no kernels for the runtime to slow down
+                break
+            wanted = runtime_cpu / running
+            if abs(wanted - background) < 1e-6:
                 break
             background = wanted
             result = _schedule(plan, task_time, machine, runtime, background)
-        result.cpu_s = runtime_cpu + sum(task_time(t) + runtime.task_s for t in plan.tasks)
+        result.cpu_s = origin + runtime_cpu + sum(task_time(t) + runtime.task_s for t in plan.tasks)
         result.background = background
     return result
 
@@ -131,6 +138,9 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         return min(1.0, runtime.cores / (len(running) + background))
 
     while pending or running or any(queued):
+        while pending and pending[0][0] <= now:  # before devices choose: ties go by plan order
+            ready, position, task = heapq.heappop(pending)
+            heapq.heappush(queued[task.device], (ready, position, task))
         for d in range(n):  # idle devices take their earliest ready task
             if d not in running and queued[d]:
                 _, _, task = heapq.heappop(queued[d])
@@ -140,12 +150,9 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
         next_ready = pending[0][0] if pending else np.inf
         later = min(next_finish, next_ready)
-        for item in running.values():
-            item[1] -= (later - now) * speed
+        for item in running.values():  # a task due by `later` is done (no rounding residue left)
+            item[1] = 0.0 if now + item[1] / speed <= later else item[1] - (later - now) * speed
         now = later
-        while pending and pending[0][0] <= now:
-            ready, position, task = heapq.heappop(pending)
-            heapq.heappush(queued[task.device], (ready, position, task))
         for d in [d for d, (_, rem, _) in running.items() if rem <= 1e-12]:
             task, _, began = running.pop(d)
             finish[task.key] = now
@@ -156,7 +163,9 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
                     ready = _inputs_ready(consumer, plan, finish, arrived, transfer, origin, runtime)
                     heapq.heappush(pending, (ready, order[consumer.key], consumer))
     if len(finish) != len(plan.tasks):
-        raise AssertionError("the plan has a dependency cycle or a missing task")
+        stuck = [t.key for t in plan.tasks if t.key not in finish]
+        raise AssertionError(f"the plan has a dependency cycle: {len(stuck)} tasks never ran, e.g. {stuck[:3]}"
+                             if stuck else "the plan has several tasks with the same key")
     end = max(finish.values(), default=origin) + runtime.dispatch_s  # the client hears the step is done
     return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
 

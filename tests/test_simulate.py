@@ -1,0 +1,560 @@
+"""The simulator (taskrt.simulate) against hand computation: dispatch and start overheads, links
+(latency plus bytes over bandwidth, one message per source, each value fetched once per device,
+one transfer at a time per link), the nodes' shared network interface, processor sharing; then
+invariants of the schedules of real plans, the cost model's task timer, and the choice by
+simulation in search.optimize.  Machines are Machine.simulated or built by hand: no cluster.
+
+Times are binary fractions where possible, so most expected values are exact."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import Counter, defaultdict
+from types import SimpleNamespace
+
+import pytest
+
+import taskrt.simulate as simulate_module
+from search.baselines import BASELINES
+from search.cost import CostModel
+from search.optimize import optimize
+from taskrt import models
+from taskrt.lowering import lower
+from taskrt.machine import DEVICE_KINDS, Device, Machine
+from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Task
+from taskrt.simulate import Runtime, simulate
+
+
+def _noop(*values):
+    return None
+
+
+def task(name, device, after=(), nbytes=8, deps=()):
+    """A task `name` on `device` reading the outputs of the tasks named in `after` (and `deps`)."""
+    return Task((name,), "fwd", name, device, _noop, tuple(Dep(TASK, (a,)) for a in after) + tuple(deps), nbytes)
+
+
+def plan_of(*tasks, data=None, data_nbytes=None, shards=None):
+    return Plan("train", list(tasks), shards or {}, data or {}, data_nbytes or {})
+
+
+def run(plan, times, machine, runtime=None):
+    """Simulate with kernel seconds by task name (0 for tasks not named)."""
+    return simulate(plan, lambda t: times.get(t.layer, 0.0), machine, runtime or Runtime())
+
+
+def at(sim, name):
+    return sim.start[(name,)], sim.finish[(name,)]
+
+
+@pytest.fixture
+def messages(monkeypatch):
+    """Every message the simulator books: (src, dst, bytes, sent when ready, arrival)."""
+    log = []
+    original = simulate_module._inputs_ready
+
+    def recording(task, plan, finish, arrived, transfer, origin, runtime):
+        def logged(src, dst, nbytes, ready):
+            arrival = transfer(src, dst, nbytes, ready)
+            log.append((src, dst, nbytes, ready, arrival))
+            return arrival
+
+        return original(task, plan, finish, arrived, logged, origin, runtime)
+
+    monkeypatch.setattr(simulate_module, "_inputs_ready", recording)
+    return log
+
+
+ONE = Machine.simulated(1, 1)
+# 1000 B/s within a node, 0.25 s per message: 500 B arrive 0.75 s after they leave
+LINKS = Machine.simulated(1, 4, intra_bandwidth=1000.0, latency=0.25)
+
+
+# ---- 1. a chain on one device -------------------------------------------------------------------
+
+
+def test_chain_on_one_device_is_the_sum_of_its_kernels():
+    sim = run(plan_of(task("a", 0), task("b", 0, ["a"])), {"a": 1.0, "b": 2.0}, ONE)
+    assert at(sim, "a") == (0.0, 1.0) and at(sim, "b") == (1.0, 3.0)
+    assert sim.step_s == 3.0
+    assert list(sim.busy_s) == [3.0] and list(sim.idle_s) == [0.0]
+    assert sim.bytes_moved == 0 and sim.cpu_s == 0.0 and sim.background == 0.0
+
+
+def test_chain_pays_start_submission_dispatch_per_hop_and_task_overhead():
+    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5)
+    sim = run(plan_of(task("a", 0), task("b", 0, ["a"])), {"a": 1.0, "b": 2.0}, ONE, rt)
+    origin = 0.25 + 2 * 0.5  # the step's data sent and its 2 tasks submitted
+    a_start = origin + 0.125  # the scheduler sends `a` out
+    a_end = a_start + 0.0625 + 1.0
+    b_start = a_end + 0.125  # the scheduler hears `a` is done and sends `b`
+    b_end = b_start + 0.0625 + 2.0
+    assert at(sim, "a") == (a_start, a_end) and at(sim, "b") == (b_start, b_end)
+    assert sim.step_s == b_end + 0.125  # the client hears the step is done
+    assert sim.busy_s[0] == 2 * 0.0625 + 3.0
+    assert sim.idle_s[0] == sim.step_s - sim.busy_s[0]
+
+
+# ---- 2. independent tasks -----------------------------------------------------------------------
+
+
+def test_independent_tasks_overlap_on_two_devices():
+    sim = run(plan_of(task("a", 0), task("b", 1)), {"a": 1.0, "b": 2.0}, LINKS)
+    assert at(sim, "a") == (0.0, 1.0) and at(sim, "b") == (0.0, 2.0)
+    assert sim.step_s == 2.0
+    assert list(sim.busy_s) == [1.0, 2.0, 0.0, 0.0] and list(sim.idle_s) == [1.0, 0.0, 2.0, 2.0]
+
+
+def test_independent_tasks_on_one_device_run_one_after_another_in_plan_order():
+    times = {"a": 1.0, "b": 2.0}
+    sim = run(plan_of(task("a", 0), task("b", 0)), times, LINKS)
+    assert at(sim, "a") == (0.0, 1.0) and at(sim, "b") == (1.0, 3.0) and sim.step_s == 3.0
+    sim = run(plan_of(task("b", 0), task("a", 0)), times, LINKS)
+    assert at(sim, "b") == (0.0, 2.0) and at(sim, "a") == (2.0, 3.0) and sim.step_s == 3.0
+
+
+def test_independent_tasks_with_dispatch_start_together():
+    rt = Runtime(dispatch_s=0.125, start_s=0.5)
+    sim = run(plan_of(task("a", 0), task("b", 1)), {"a": 1.0, "b": 2.0}, LINKS, rt)
+    assert sim.start[("a",)] == sim.start[("b",)] == 0.625
+    assert sim.step_s == 0.625 + 2.0 + 0.125
+
+
+def test_equally_ready_tasks_go_in_plan_order():
+    """`x` (reading a remote value) and `b` (after `a` on its own device) are both ready at 1 s:
+    plan order decides, however each became ready."""
+    m = Machine.simulated(1, 2, intra_bandwidth=1.0, latency=0.0)
+    p = plan_of(task("a", 0), task("p", 1, nbytes=0.5), task("b", 0, ["a"]), task("x", 0, ["p"]))
+    sim = run(p, {"a": 1.0, "p": 0.5, "b": 1.0, "x": 1.0}, m)  # 0.5 B at 1 B/s: x ready at 0.5 + 0.5
+    assert sim.start[("b",)] == 1.0 and sim.start[("x",)] == 2.0
+
+
+# ---- 3. transfers between devices ---------------------------------------------------------------
+
+
+def test_remote_input_waits_for_latency_and_bytes_over_bandwidth(messages):
+    p = plan_of(task("p", 0, nbytes=500), task("c", 1, ["p"]))
+    sim = run(p, {"p": 1.0, "c": 1.0}, LINKS)
+    assert at(sim, "c") == (1.0 + 0.25 + 0.5, 2.75) and sim.step_s == 2.75
+    assert messages == [(0, 1, 500, 1.0, 1.75)]
+    assert sim.bytes_moved == p.bytes_moved == 500
+
+
+def test_remote_input_is_fetched_once_the_scheduler_sent_the_task():
+    rt = Runtime(dispatch_s=0.125)
+    sim = run(plan_of(task("p", 0, nbytes=500), task("c", 1, ["p"])), {"p": 1.0, "c": 1.0}, LINKS, rt)
+    assert at(sim, "p") == (0.125, 1.125)
+    assert sim.start[("c",)] == 1.125 + 0.125 + 0.5 + 0.25
+    assert sim.step_s == sim.finish[("c",)] + 0.125
+
+
+def test_values_from_one_source_travel_as_one_message(messages):
+    p = plan_of(task("p", 0, nbytes=500), task("q", 0, nbytes=250), task("c", 1, ["p", "q"]))
+    sim = run(p, {"p": 0.5, "q": 0.5}, LINKS)
+    assert sim.start[("c",)] == 1.0 + 0.75 + 0.25  # latency once, for 750 B
+    assert messages == [(0, 1, 750, 1.0, 2.0)]
+
+
+def test_values_from_two_sources_travel_in_parallel(messages):
+    p = plan_of(task("p", 0, nbytes=500), task("q", 2, nbytes=250), task("c", 1, ["p", "q"]))
+    sim = run(p, {"p": 1.0, "q": 1.0}, LINKS)
+    assert sim.start[("c",)] == 1.0 + 0.5 + 0.25  # the larger of the two
+    assert sorted(messages) == [(0, 1, 500, 1.0, 1.75), (2, 1, 250, 1.0, 1.5)]
+
+
+def test_a_value_is_fetched_once_per_device(messages):
+    p = plan_of(task("p", 0, nbytes=500), task("c1", 1, ["p"]), task("c2", 1, ["p", "c1"]), task("c3", 2, ["p"]))
+    sim = run(p, {"p": 1.0, "c1": 1.0, "c2": 1.0, "c3": 1.0}, LINKS)
+    assert at(sim, "c1") == (1.75, 2.75)
+    assert sim.start[("c2",)] == 2.75  # already on device 1: no second fetch
+    assert sim.start[("c3",)] == 1.75  # device 2 fetches its own copy, over its own link
+    assert sorted(m[:3] for m in messages) == [(0, 1, 500), (0, 2, 500)]
+    assert sim.bytes_moved == p.bytes_moved == 1000
+
+
+def test_a_value_in_flight_is_awaited_not_fetched_again(messages):
+    p = plan_of(task("p", 0, nbytes=500), task("x", 2, nbytes=0), task("c1", 1, ["p"]), task("c2", 1, ["p", "x"]))
+    sim = run(p, {"p": 1.0, "x": 1.25}, LINKS)
+    # c2 is sent out at 1.25, when p is still on its way to device 1 (arrives at 1.75)
+    assert sim.start[("c1",)] == sim.start[("c2",)] == 1.75
+    assert sorted(m[:3] for m in messages) == [(0, 1, 500), (2, 1, 0)]
+
+
+def test_data_state_and_hyper_inputs(messages):
+    data = {"x": [SimpleNamespace(device=0)]}
+    shards = {"w": [SimpleNamespace(server=1)]}
+    state, tile = Dep(STATE, ("w", 0)), Dep(DATA, ("x", 0))
+    p = plan_of(task("local", 0, deps=(tile, HYPER_DEP)), task("remote", 1, deps=(tile, state, HYPER_DEP)),
+                data=data, data_nbytes={("x", 0): 500}, shards=shards)
+    sim = run(p, {"local": 1.0, "remote": 1.0}, LINKS, Runtime(start_s=1.0))
+    assert sim.start[("local",)] == 1.0  # the data tile is scattered before the step starts
+    assert sim.start[("remote",)] == 1.0 + 0.5 + 0.25  # state on its server and hyper-parameters: nothing moves
+    assert [m[:3] for m in messages] == [(0, 1, 500)]
+    assert sim.bytes_moved == p.bytes_moved == 500
+
+
+# ---- 4. links -----------------------------------------------------------------------------------
+
+
+def producers_and_consumers(pairs, nbytes=500):
+    """For each (src, dst): a zero-time producer on src and a zero-time consumer of it on dst."""
+    tasks = []
+    for i, (src, dst) in enumerate(pairs):
+        tasks += [task(f"p{i}", src, nbytes=nbytes), task(f"c{i}", dst, [f"p{i}"])]
+    return plan_of(*tasks)
+
+
+def arrivals(machine, pairs, nbytes=500):
+    sim = run(producers_and_consumers(pairs, nbytes), {}, machine)
+    return [sim.start[(f"c{i}",)] for i in range(len(pairs))]
+
+
+def test_transfers_on_one_link_serialize():
+    # the second message leaves when the first has left (0.5 s of bytes), latency overlaps
+    assert arrivals(LINKS, [(0, 1), (0, 1)]) == [0.75, 1.25]
+    assert arrivals(LINKS, [(0, 1), (0, 1), (0, 1)]) == [0.75, 1.25, 1.75]
+
+
+def test_transfers_on_different_links_do_not():
+    assert arrivals(LINKS, [(0, 1), (2, 3)]) == [0.75, 0.75]
+    assert arrivals(LINKS, [(0, 1), (1, 0)]) == [0.75, 0.75]  # each direction is a link
+    assert arrivals(LINKS, [(0, 1), (0, 2)]) == [0.75, 0.75]  # a device sends on its links at once
+    assert arrivals(LINKS, [(0, 1), (2, 1)]) == [0.75, 0.75]  # and receives on them at once
+
+
+# ---- 5. the nodes' network interface ------------------------------------------------------------
+
+TWO_NODES = Machine.simulated(2, 2, intra_bandwidth=4000.0, inter_bandwidth=1000.0, latency=0.25)
+
+
+def test_simulated_machines_have_an_interface_between_nodes_only():
+    assert TWO_NODES.nic_bandwidth == 1000.0
+    assert LINKS.nic_bandwidth is None
+
+
+def test_transfers_between_nodes_share_the_interface():
+    assert arrivals(TWO_NODES, [(0, 2), (1, 3)]) == [0.75, 1.25]  # node 0 out, node 1 in: one interface each
+    assert arrivals(TWO_NODES, [(0, 2), (0, 3)]) == [0.75, 1.25]
+    assert arrivals(TWO_NODES, [(0, 2), (1, 2)]) == [0.75, 1.25]
+    assert arrivals(LINKS, [(0, 2), (1, 3)]) == [0.75, 0.75]  # the same pairs within one node
+
+
+def test_the_interface_is_full_duplex_and_not_used_within_a_node():
+    assert arrivals(TWO_NODES, [(0, 2), (3, 1)]) == [0.75, 0.75]
+    assert arrivals(TWO_NODES, [(0, 2), (1, 0)]) == [0.75, 0.25 + 500 / 4000]
+    assert arrivals(TWO_NODES, [(0, 2), (0, 1), (2, 3)]) == [0.75, 0.375, 0.375]
+
+
+def test_a_narrower_interface_than_the_link_limits_it():
+    devices = [Device(i, i // 2, "P100", None) for i in range(4)]
+    node = [d.node for d in devices]
+    bandwidth = [[math.inf if i == j else (4000.0 if node[i] == node[j] else 1000.0) for j in range(4)]
+                 for i in range(4)]
+    latency = [[0.0 if i == j else 0.25 for j in range(4)] for i in range(4)]
+    m = Machine(devices, bandwidth, latency, nic_bandwidth=500.0)
+    assert arrivals(m, [(0, 2)]) == [500 / 500 + 0.25]
+    assert arrivals(m, [(0, 2), (1, 3)]) == [1.25, 2.25]
+    m = Machine(devices, bandwidth, latency)  # no shared interface: links are independent
+    assert arrivals(m, [(0, 2), (1, 3)]) == [0.75, 0.75]
+
+
+# ---- 6. processor sharing -----------------------------------------------------------------------
+
+TWO = Machine.simulated(1, 2)
+
+
+def test_one_core_is_shared_by_the_running_kernels():
+    p = plan_of(task("a", 0), task("b", 1))
+    sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1))
+    assert sim.finish[("a",)] == sim.finish[("b",)] == 2.0 and sim.step_s == 2.0
+    assert list(sim.busy_s) == [2.0, 2.0]  # wall time, stretched
+    assert sim.cpu_s == 2.0 and sim.background == 0.0
+    sim = run(p, {"a": 1.0, "b": 2.0}, TWO, Runtime(cores=1))
+    # both at rate 1/2 until `a` is done at 2 s; then `b` has 1 s of work left, alone
+    assert sim.finish[("a",)] == 2.0 and sim.finish[("b",)] == 3.0
+
+
+def test_enough_cores_or_none_modeled_means_no_sharing():
+    p = plan_of(task("a", 0), task("b", 1))
+    for rt in (Runtime(cores=2), Runtime(cores=0), Runtime(cores=0, cpu_per_task_s=0.5)):
+        sim = run(p, {"a": 1.0, "b": 1.0}, TWO, rt)
+        assert sim.finish[("a",)] == sim.finish[("b",)] == 1.0 and sim.step_s == 1.0
+        assert sim.cpu_s == (2.0 if rt.cores else 0.0)  # processor time: modeled only with cores
+        assert sim.background == 0.0
+    sim = run(plan_of(task("a", 0), task("b", 0, ["a"])), {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1))
+    assert sim.step_s == 2.0  # one kernel at a time has the core to itself
+
+
+def test_runtime_work_in_the_background_stretches_the_step_to_a_fixed_point():
+    p = plan_of(task("a", 0), task("b", 1))
+    sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
+    # runtime processor time 2 x 0.5 = 1 s spread over the step: background b = 1 / step, and
+    # two kernels at rate 1 / (2 + b) take step = 2 + b, so step^2 - 2 step - 1 = 0
+    assert sim.step_s == pytest.approx(1 + math.sqrt(2), abs=1e-3)
+    assert sim.background == pytest.approx(1 / sim.step_s, abs=1e-3)
+    assert sim.cpu_s == 1.0 + 2.0
+    assert run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1)).step_s < sim.step_s
+
+
+def test_bytes_moved_count_as_runtime_work():
+    p = plan_of(task("p", 0, nbytes=1000), task("c", 1, ["p"]))
+    m = Machine.simulated(1, 2, intra_bandwidth=math.inf, latency=0.0)
+    sim = run(p, {"p": 1.0, "c": 1.0}, m, Runtime(cores=1, cpu_per_byte_s=1e-3))
+    # 1 s of runtime work over a step of 2 s of serial kernels, each slowed by 1 / (1 + b)
+    assert sim.cpu_s == 1.0 + 2.0
+    # step = 2 (1 + 1 / step); the iteration stops when the background moves by < 1e-3 cores, and
+    # here the step moves by twice the background
+    assert sim.step_s == pytest.approx(1 + math.sqrt(3), abs=2e-3)
+    assert sim.background == pytest.approx(1 / sim.step_s, abs=1e-3)
+
+
+def test_nothing_to_run_with_shared_cores():
+    sim = run(plan_of(task("a", 0)), {}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
+    assert sim.step_s == 0.0 and sim.cpu_s == 0.5
+    assert run(plan_of(), {}, TWO, Runtime(cores=1)).step_s == 0.0
+
+
+# ---- 7. schedules of real plans -----------------------------------------------------------------
+
+GRAPHS = {"lenet5": lambda: models.lenet5(batch=8),
+          "vgg16": lambda: models.vgg16(batch=4, image_size=32, num_classes=5, width=1 / 16)}
+MACHINES = {"1x4": lambda: Machine.simulated(1, 4), "2x2": lambda: Machine.simulated(2, 2)}
+PHASES = {"fwd", "bwd", "loss", "slice", "gslice", "send", "wfetch", "grad", "update", "reduce"}
+
+
+@pytest.fixture(scope="module")
+def real_plans():
+    """(graph, machine, strategy, mode) -> (plan, machine, cost model)."""
+    out = {}
+    for g_name, make_graph in GRAPHS.items():
+        graph = make_graph()
+        for m_name, make_machine in MACHINES.items():
+            machine = make_machine()
+            cost_model = CostModel(machine, cache=False, progress=False)
+            for s_name, make in BASELINES.items():
+                strategy = make(graph, machine).validated(graph, machine)
+                for mode in ("train", "gradients"):
+                    out[(g_name, m_name, s_name, mode)] = (lower(graph, strategy, mode=mode), machine, cost_model)
+    return out
+
+
+def synthetic(task):
+    """Deterministic, varied kernel seconds in binary fractions (zero for about a third of the tasks)."""
+    k = zlib.crc32(repr(task.key).encode()) % 3000
+    return 0.0 if k < 1000 else k * 2.0**-20
+
+
+def positive(task):
+    """Like `synthetic`, never zero: tasks on one device then start at distinct times."""
+    return (zlib.crc32(repr(task.key).encode()) % 3000 + 1) * 2.0**-20
+
+
+def independent_transfers(plan):
+    """(src, dst) -> bytes: each value once per other device that reads it (not Plan's code)."""
+    seen, out = set(), Counter()
+    for t in plan.tasks:
+        for dep in t.deps:
+            if dep.kind == TASK:
+                src, nbytes = plan.by_key[dep.key].device, plan.by_key[dep.key].nbytes
+            elif dep.kind == DATA:
+                src, nbytes = plan.data[dep.key[0]][dep.key[1]].device, plan.data_nbytes[dep.key]
+            else:
+                continue
+            if src != t.device and (dep, t.device) not in seen:
+                seen.add((dep, t.device))
+                out[(src, t.device)] += nbytes
+    return out
+
+
+def check_schedule(plan, sim, task_time, machine, runtime):
+    """Invariants of any schedule without processor sharing."""
+    tasks = plan.tasks
+    assert set(sim.start) == set(sim.finish) == {t.key for t in tasks}
+    origin = runtime.start_s + runtime.per_task_submit_s * len(tasks)
+    for t in tasks:
+        took = sim.finish[t.key] - sim.start[t.key]
+        assert took == pytest.approx(task_time(t) + runtime.task_s, rel=1e-9, abs=1e-15), t.key
+        assert sim.start[t.key] >= origin + runtime.dispatch_s - 1e-15
+        for dep in t.deps:
+            src = plan.device_of(dep)
+            if dep.kind == TASK:
+                earliest = sim.finish[dep.key] + runtime.dispatch_s
+            elif dep.kind == DATA:
+                earliest = origin + runtime.dispatch_s
+            else:
+                continue
+            if src != t.device:  # at least its own bytes over the link, then the latency
+                earliest += plan.nbytes_of(dep) / machine.bandwidth[src, t.device] + machine.latency[src, t.device]
+            assert sim.start[t.key] >= earliest - 1e-12, (t.key, dep)
+    by_device = defaultdict(list)
+    for t in tasks:
+        by_device[t.device].append((sim.start[t.key], sim.finish[t.key], t.key))
+    for intervals in by_device.values():
+        intervals.sort()
+        for (_, end, first), (begin, _, second) in zip(intervals, intervals[1:]):
+            assert begin >= end - 1e-15, (first, second)  # one task at a time
+    busy = [0.0] * machine.num_devices
+    for t in tasks:
+        busy[t.device] += task_time(t) + runtime.task_s
+    assert list(sim.busy_s) == pytest.approx(busy, rel=1e-9, abs=1e-15)
+    assert sum(sim.busy_s) == pytest.approx(sum(task_time(t) + runtime.task_s for t in tasks), rel=1e-9)
+    assert sim.step_s >= max(sim.busy_s)
+    assert sim.step_s == pytest.approx(max(sim.finish.values()) + runtime.dispatch_s, rel=1e-12)
+    assert all(sim.idle_s >= -1e-15) and list(sim.idle_s + sim.busy_s) == pytest.approx([sim.step_s] * len(busy))
+    length, _ = plan.critical_path(lambda t: task_time(t) + runtime.task_s + runtime.dispatch_s)
+    assert sim.step_s >= origin + length - 1e-12
+
+
+@pytest.mark.parametrize("g_name", GRAPHS)
+@pytest.mark.parametrize("m_name", MACHINES)
+@pytest.mark.parametrize("s_name", BASELINES)
+def test_schedules_of_real_plans(real_plans, messages, g_name, m_name, s_name):
+    for mode in ("train", "gradients"):
+        plan, machine, cost_model = real_plans[(g_name, m_name, s_name, mode)]
+        assert plan.transfers(), "a plan on several devices moves bytes"
+        cases = [(cost_model.timer(plan), Runtime()),
+                 (synthetic, Runtime()),
+                 (synthetic, Runtime(dispatch_s=1e-4, task_s=2e-5, start_s=1e-3, per_task_submit_s=1e-6))]
+        for task_time, runtime in cases:
+            messages.clear()
+            sim = simulate(plan, task_time, machine, runtime)
+            check_schedule(plan, sim, task_time, machine, runtime)
+            assert sim.bytes_moved == plan.bytes_moved == sum(independent_transfers(plan).values())
+            booked = Counter()
+            for src, dst, nbytes, _, _ in messages:
+                booked[(src, dst)] += nbytes
+            assert booked == independent_transfers(plan) == Counter(plan.bytes_by_pair())
+
+
+IDEAL = Machine.simulated(1, 4, intra_bandwidth=math.inf, latency=0.0)
+
+
+@pytest.mark.parametrize("g_name", GRAPHS)
+@pytest.mark.parametrize("s_name", BASELINES)
+def test_list_scheduling_on_ideal_links(real_plans, g_name, s_name):
+    """With free transfers and no runtime costs a task is ready when its inputs finish; each device
+    is busy whenever it has a ready task, and runs the earliest ready first (ties: plan order)."""
+    plan, _, _ = real_plans[(g_name, "1x4", s_name, "train")]
+    sim = simulate(plan, positive, IDEAL)
+    check_schedule(plan, sim, positive, IDEAL, Runtime())
+    position = {t.key: i for i, t in enumerate(plan.tasks)}
+    ready = {t.key: max((sim.finish[d.key] for d in t.deps if d.kind == TASK), default=0.0) for t in plan.tasks}
+    by_device = defaultdict(list)
+    for t in plan.tasks:
+        by_device[t.device].append(t.key)
+    for keys in by_device.values():
+        keys.sort(key=lambda k: (sim.start[k], sim.finish[k], position[k]))
+        previous_end = 0.0
+        for i, key in enumerate(keys):
+            start = sim.start[key]
+            assert start == ready[key] or start == previous_end, key  # no idling while it is ready
+            for other in keys[i + 1:]:
+                if ready[other] <= start:  # also waiting when `key` was chosen
+                    assert (ready[key], position[key]) < (ready[other], position[other]), (key, other)
+            previous_end = sim.finish[key]
+
+
+def test_one_device_runs_everything_back_to_back():
+    graph = GRAPHS["vgg16"]()
+    plan = lower(graph, BASELINES["data"](graph, ONE))
+    sim = simulate(plan, synthetic, ONE)
+    assert sim.bytes_moved == 0
+    assert sim.step_s == pytest.approx(sum(synthetic(t) for t in plan.tasks), rel=1e-12)
+    assert sim.idle_s[0] == pytest.approx(0.0, abs=1e-12)
+
+
+# ---- 8. the cost model's task timer -------------------------------------------------------------
+
+
+def test_timer_gives_every_task_a_time(real_plans):
+    seen = set()
+    p100 = DEVICE_KINDS["P100"]
+    for plan, _, cost_model in real_plans.values():
+        task_time = cost_model.timer(plan)
+        elements = {(layer, s.index): s.nbytes // 4 for layer, shards in plan.shards.items() for s in shards}
+        for t in plan.tasks:
+            seen.add(t.phase)
+            seconds = task_time(t)
+            assert math.isfinite(seconds) and seconds >= 0, (t.key, seconds)
+            if t.phase in ("fwd", "bwd", "loss"):  # roofline: FLOPs at peak or bytes at memory bandwidth
+                op, out = t.spec.op, t.spec.out
+                volume = (sum(r.volume for r in op.input_rects(out) if r is not None) + out.volume
+                          + sum(r.volume for r in op.param_rects(out).values()))
+                forward = max(op.flops(out) / p100["flops"], 4 * volume / p100["memory_bandwidth"])
+                backward = max(op.backward_flops(out) / p100["flops"], 8 * volume / p100["memory_bandwidth"])
+                expected = {"fwd": forward, "bwd": backward, "loss": forward + backward}[t.phase]
+                assert seconds == pytest.approx(expected, rel=1e-9) and seconds > 0, t.key
+            elif t.phase in ("slice", "gslice"):  # a copy of the piece
+                assert seconds == pytest.approx(t.nbytes / p100["memory_bandwidth"], rel=1e-12) and seconds > 0
+            elif t.phase in ("update", "reduce"):  # read gradients (and w, v), write w, v (or the sum)
+                passes = len(t.spec.grads) + (4 if t.phase == "update" else 1)
+                expected = passes * elements[(t.layer, t.key[1])] * 4 / p100["memory_bandwidth"]
+                assert seconds == pytest.approx(expected, rel=1e-12) and seconds > 0, t.key
+            else:  # send, wfetch, grad: a reference to an array that exists already
+                assert seconds == 0.0, t.key
+        assert cost_model.runtime(plan) == Runtime()  # simulated machine: an ideal runtime
+    assert seen == PHASES
+
+
+# ---- 9. the choice by simulation in optimize ----------------------------------------------------
+
+
+def test_optimize_checks_by_simulation():
+    graph, machine = models.lenet5(batch=32), Machine.simulated(1, 4)
+    cost_model = CostModel(machine, cache=False, progress=False)
+    strategy = optimize(graph, machine, cost_model, check_by_simulation=True)
+    meta = strategy.meta
+    candidates = {"layer-wise optimum", *BASELINES}
+    simulated = meta["simulated_step_s"]
+    assert set(simulated) == candidates
+    assert meta["chosen_by_simulation"] in candidates
+    assert simulated[meta["chosen_by_simulation"]] == min(simulated.values())
+    assert all(math.isfinite(s) and s > 0 for s in simulated.values())
+    validated = strategy.validated(graph, machine)
+    assert validated.configs == strategy.configs
+    # the simulated time of the returned strategy is the one reported for the choice
+    plan = lower(graph, validated)
+    assert simulate(plan, cost_model.timer(plan), machine).step_s == pytest.approx(
+        simulated[meta["chosen_by_simulation"]], rel=1e-12)
+    for name, make in BASELINES.items():
+        plan = lower(graph, make(graph, machine).validated(graph, machine))
+        assert simulate(plan, cost_model.timer(plan), machine).step_s == pytest.approx(simulated[name], rel=1e-12)
+
+
+# ---- 10. plans that cannot run ------------------------------------------------------------------
+
+
+def test_a_cycle_is_reported_with_its_tasks():
+    p = plan_of(task("a", 0, ["b"]), task("b", 0, ["a"]), task("c", 0))
+    with pytest.raises(AssertionError, match=r"dependency cycle: 2 tasks never ran.*\('a',\).*\('b',\)"):
+        run(p, {}, TWO)
+    with pytest.raises(AssertionError, match="dependency cycle"):
+        run(plan_of(task("a", 0, ["a"])), {}, TWO)
+
+
+def test_a_missing_task_is_named():
+    p = plan_of(task("b", 1, ["a"]))
+    with pytest.raises(AssertionError, match=r"depending on tasks it lacks: \[\('a',\)\]"):
+        run(p, {}, TWO)
+
+
+def test_state_cannot_travel():
+    p = plan_of(task("a", 1, deps=(Dep(STATE, ("w", 0)),)), shards={"w": [SimpleNamespace(server=0)]})
+    with pytest.raises(AssertionError, match="only arrays may travel"):
+        run(p, {}, TWO)
+
+
+# ---- robustness ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("cores", [0, 1])
+def test_long_steps_finish(cores):
+    """Completion does not hinge on a remaining-work threshold that rounding at large times misses."""
+    m = Machine.simulated(1, 2, intra_bandwidth=1.0, latency=0.0)
+    p = plan_of(task("a", 0), task("b", 1, ["a"]), task("c", 1), task("d", 0, ["c"]))
+    for i in range(50):
+        times = {"a": 1e5 * (1 + i / 37), "b": 1e-3 * i / 50, "c": 1e5 * i / 53, "d": i / 41}
+        sim = run(p, times, m, Runtime(cores=cores, cpu_per_task_s=0.25 * cores))
+        assert sim.step_s >= times["a"] + times["b"]
