@@ -96,7 +96,7 @@ class Machine:
 
     @classmethod
     def _adopt(cls, client, cluster, probe) -> Machine:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = worker_info(client)
         if not workers:
             raise MachineError("the Dask cluster has no workers")
         tagged = {}
@@ -154,7 +154,7 @@ class Machine:
 
     def addresses(self) -> dict[int, str]:
         """Current worker address of each device (it changes when a worker restarts)."""
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = worker_info(self.client)
         out = {}
         for address, info in workers.items():
             for tag in info.get("resources", {}):
@@ -327,6 +327,12 @@ _DASK_SETTINGS = {
     "distributed.admin.low-level-log-length": 100_000,  # transfer logs long enough to count bytes per step
     "distributed.worker.daemon": False,
 }
+
+
+def worker_info(client) -> dict:
+    """The scheduler's current view of the workers, fetched now.  (`client.scheduler_info()` returns
+    a cache that the client's periodic refresh may overwrite with a copy without workers.)"""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
 
 def _stop_amm(dask_scheduler=None):

@@ -10,7 +10,7 @@ import pytest
 from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.data import InputError
-from taskrt.machine import Machine, MachineError
+from taskrt.machine import Machine, MachineError, worker_info
 from taskrt.reference import SingleDeviceTrainer
 from taskrt.strategy import Strategy, StrategyError
 from taskrt.trainer import CheckpointError, Trainer
@@ -176,7 +176,7 @@ def test_lost_device_is_reported_clearly(tmp_path):
         machine.cluster.scale(1)  # device 1's worker goes away with its parameters
         machine.cluster.sync(machine.cluster._correct_state)
         deadline = time.monotonic() + 30
-        while len(machine.client.scheduler_info()["workers"]) > 1 and time.monotonic() < deadline:
+        while len(worker_info(machine.client)) > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         with pytest.raises(MachineError, match="lost with their worker"):
             trainer.step(x, y)
@@ -199,4 +199,4 @@ def test_from_client_adopts_a_running_cluster_and_leaves_it_running():
         x, y = batches(graph, 1)[0]
         assert np.isfinite(trainer.step(x, y))
         machine.close()
-        assert client.status == "running" and len(client.scheduler_info()["workers"]) == 2
+        assert client.status == "running" and len(worker_info(client)) == 2
