@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ops.base import Op, array_module
 from ops.conv import check_window, window_input_rect
 from ops.errors import ShapeError
-from ops.windows import col2im, crop, out_size, pad, tile_padding, windows
+from ops.windows import crop, out_size, pad, tile_padding, window_offsets
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,13 @@ class Pool2d(Op):
 
     def forward(self, xs, params, out):
         xp = array_module(xs[0])
-        win = windows(pad(xs[0], self._pads(out), self._fill()), self.kernel, self.stride)
-        if self.mode == "max":
-            y = win.max(axis=(4, 5))
-        else:
-            y = win.sum(axis=(4, 5)) / (self.kernel[0] * self.kernel[1])
+        xpad = pad(xs[0], self._pads(out), self._fill())
+        combine = xp.maximum if self.mode == "max" else xp.add
+        y = None
+        for index in window_offsets(xpad.shape, self.kernel, self.stride):
+            y = xpad[index].copy() if y is None else combine(y, xpad[index], out=y)
+        if self.mode == "avg":
+            y /= self.kernel[0] * self.kernel[1]
         return xp.ascontiguousarray(y, dtype=xs[0].dtype)
 
     def backward(self, dy, xs, y, params, out, need_dx):
@@ -65,20 +67,21 @@ class Pool2d(Op):
         xp = array_module(x)
         pads = self._pads(out)
         xpad = pad(x, pads, self._fill())
-        kh, kw = self.kernel
+        dx = xp.zeros(xpad.shape, dtype=x.dtype)
         if self.mode == "max":
-            win = windows(xpad, self.kernel, self.stride)
-            n, c, ho, wo = dy.shape
+            if y is None:
+                y = self.forward(xs, params, out)
             # The first maximum in window order gets the gradient: a tile sees the same
             # window contents as the whole tensor, so it picks the same element.
-            arg = win.reshape(n, c, ho, wo, kh * kw).argmax(axis=-1)
-            dwin = xp.zeros((n, c, ho, wo, kh * kw), dtype=x.dtype)
-            xp.put_along_axis(dwin, arg[..., None], dy[..., None], axis=-1)
-            dwin = dwin.reshape(n, c, ho, wo, kh, kw)
+            taken = xp.zeros(dy.shape, dtype=bool)
+            for index in window_offsets(xpad.shape, self.kernel, self.stride):
+                hit = (xpad[index] == y) & ~taken
+                dx[index] += xp.where(hit, dy, 0)
+                taken |= hit
         else:
-            scaled = dy / (kh * kw)
-            dwin = xp.broadcast_to(scaled[..., None, None], (*dy.shape, kh, kw))
-        dx = col2im(dwin, xpad.shape, self.stride, x.dtype)
+            scaled = dy / (self.kernel[0] * self.kernel[1])
+            for index in window_offsets(xpad.shape, self.kernel, self.stride):
+                dx[index] += scaled
         return [crop(dx, pads)], {}
 
     def attrs(self):

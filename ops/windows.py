@@ -39,11 +39,16 @@ def pad(x, pads, value=0.0, axes=(2, 3)):
     return array_module(x).pad(x, widths, mode="constant", constant_values=value)
 
 
-def windows(xp_padded, kernel, stride):
-    """View (N, C, Ho, Wo, kh, kw) of every window of a padded NCHW tile; no copy."""
-    xp = array_module(xp_padded)
-    v = xp.lib.stride_tricks.sliding_window_view(xp_padded, kernel, axis=(2, 3))
-    return v[:, :, :: stride[0], :: stride[1]]
+def window_offsets(padded_shape, kernel, stride):
+    """For each kernel offset (i, j) in window order, the index of the (N, C, Ho, Wo) strided
+    view of a padded NCHW tile holding that element of every window.  A loop of kh*kw whole-tile
+    operations over these views is much faster than reducing the small trailing axes of `windows`."""
+    ho = (padded_shape[2] - kernel[0]) // stride[0] + 1
+    wo = (padded_shape[3] - kernel[1]) // stride[1] + 1
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            yield (slice(None), slice(None), slice(i, i + stride[0] * (ho - 1) + 1, stride[0]),
+                   slice(j, j + stride[1] * (wo - 1) + 1, stride[1]))
 
 
 def window_view_nhwc(x_padded_nhwc, kernel, stride):
@@ -87,18 +92,6 @@ def col2im_block(dx_padded_nhwc, dcols, block, stride):
     for i in range(kh):
         for j in range(kw):
             rows[:, i : i + s0 * (bh - 1) + 1 : s0, j : j + s1 * (wo - 1) + 1 : s1, :] += dcols[:, :, :, i, j, :]
-
-
-def col2im(cols6, padded_shape, stride, dtype):
-    """Adjoint of `windows`: sum window gradients (N, C, Ho, Wo, kh, kw) into the padded tile."""
-    xp = array_module(cols6)
-    n, c, ho, wo, kh, kw = cols6.shape
-    dx = xp.zeros(padded_shape, dtype=dtype)
-    sh, sw = stride
-    for i in range(kh):
-        for j in range(kw):
-            dx[:, :, i : i + sh * (ho - 1) + 1 : sh, j : j + sw * (wo - 1) + 1 : sw] += cols6[:, :, :, :, i, j]
-    return dx
 
 
 def crop(x_padded, pads, axes=(2, 3)):
