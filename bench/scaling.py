@@ -83,9 +83,13 @@ def _summary(rows, names, device_counts) -> list[str]:
             f"{lw['images_per_s'] / best['images_per_s']:.2f}x the best other ({best['strategy']}; paper "
             f"{paper['over_best']}x); speedup 1->{top}: {speedup:.1f}x (paper {paper['speedup']}x; best other "
             f"{best_other_speedup:.1f}x, paper {paper['best_other_speedup']}x); bytes moved: "
-            f"{reduction['data']:.1f}x fewer than data, {reduction['model']:.1f}x fewer than model parallelism "
-            "(paper 1.3-23x)")
+            f"{_fewer(reduction['data'])} than data, {_fewer(reduction['model'])} than model parallelism "
+            "(paper 1.3-23x fewer)")
     return lines
+
+
+def _fewer(ratio: float) -> str:
+    return f"{ratio:.1f}x fewer" if ratio >= 1 else f"{1 / ratio:.1f}x MORE"
 
 
 def _plot(rows, names, device_counts, out_dir):

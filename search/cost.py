@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class Tables:
     edges: list[tuple[str, str, int, np.ndarray]]  # (producer, consumer, input index, Cu x Cv)
     estimated: bool
     notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # time spent building each kind of table
 
     def unary(self, layer) -> np.ndarray:
         return self.compute[layer] + self.sync[layer]
@@ -158,20 +160,30 @@ class CostModel:
         return search_space(graph, self.machine, self.powers_of_two, self.placement, self.itemsize)
 
     def tables(self, graph, configs=None) -> Tables:
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
         configs = configs or self.space(graph)
         needed = graph.needs_backward()
         parts = {layer.name: part_table(layer.shape, configs[layer.name]) for layer in graph}
         needs = {(layer.name, j): Needs(layer.op, j, parts[layer.name], configs[layer.name])
                  for layer in graph for j in range(len(layer.inputs))}
+        seconds = {"space and regions": lap()}
         compute = self.compute_costs(graph, parts, needs, needed)
+        seconds["compute"] = lap()
         sync = {layer.name: self.sync_costs(layer, parts[layer.name]) for layer in graph}
+        seconds["sync"] = lap()
         grids = {name: transfer.Grid(table, graph[name].shape, self.links.node, self.machine.num_devices)
                  for name, table in parts.items()}
         edges = [(src, layer.name, j, self.transfer_costs(graph, src, layer.name, grids[src], grids[layer.name],
                                                           needs[(layer.name, j)], needed))
                  for layer in graph for j, src in enumerate(layer.inputs)]
+        seconds["edges"] = lap()
         notes = ["t_c estimated by roofline (simulated machine)"] if self.estimated else []
-        return Tables(configs, compute, sync, edges, self.estimated, notes)
+        return Tables(configs, compute, sync, edges, self.estimated, notes, seconds)
 
     def breakdown(self, graph, strategy) -> Breakdown:
         """Predicted cost of `strategy` under the model, layer by layer."""
@@ -409,8 +421,6 @@ class CostModel:
 # ---- part timing (runs on a device) ---------------------------------------------------------
 def measure_parts(items, repeats, dtype):
     """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx)."""
-    import time
-
     rng = np.random.default_rng(0)
     out = []
     for op, rect, need_dx in items:
@@ -441,8 +451,6 @@ def measure_parts(items, repeats, dtype):
 def measure_synchronization(items, repeats, dtype):
     """Median seconds of an SGD update (or a gradient sum) over `elements` parameters from
     `grads` replicas, for each (phase, elements, grads), as the Update / ReduceGrads tasks run it."""
-    import time
-
     from taskrt.tasks import ReduceGrads, Update
 
     rng = np.random.default_rng(0)
