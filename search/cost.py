@@ -124,7 +124,7 @@ class CostModel:
         self.repeats = repeats
         self.powers_of_two, self.placement, self.progress = powers_of_two, placement, progress
         self.cache = CostCache(default_cache_path() if cache is None else (cache or None))
-        self.measurements = 0  # part timings run by this model (not found in the cache)
+        self.measurements = 0  # timings run by this model (not found in the cache)
         bandwidth = np.array(machine.bandwidth, dtype=float)
         self.inv_bandwidth = np.where(np.isinf(bandwidth), 0.0, 1.0 / bandwidth)
         self.latency = np.array(machine.latency, dtype=float)
@@ -324,13 +324,10 @@ class CostModel:
             else:
                 missing.setdefault(kind, {})[sig] = item
         for kind, items_of_kind in missing.items():
-            device = next(d.id for d in self.machine.devices if d.kind == kind)
-            sigs = list(items_of_kind)
-            seconds = self.machine.client.submit(
-                measure_synchronization, [items_of_kind[s][1:] for s in sigs], self.repeats, self.dtype, pure=False,
-                resources={resource_tag(device): 1}).result()
-            self.cache.put_many(kind, {sig: [t, 0.0] for sig, t in zip(sigs, seconds)})
-            for sig, t in zip(sigs, seconds):
+            seconds = self.measure(kind, {sig: item[1:] for sig, item in items_of_kind.items()},
+                                   measure_synchronization, "synchronizations")
+            self.cache.put_many(kind, {sig: [t, 0.0] for sig, t in seconds.items()})
+            for sig, t in seconds.items():
                 self._sync_times[items_of_kind[sig]] = t
 
     def runtime(self, plan):
@@ -351,19 +348,21 @@ class CostModel:
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"])
 
-    def measure(self, kind, items: dict) -> dict:
-        """Run each part's kernels on a device of this kind (one at a time, as in training)."""
+    def measure(self, kind, items: dict, timing=None, what="part kernels") -> dict:
+        """Time each item on a device of this kind (one at a time, as in training) with `timing`
+        (default `measure_parts`); returns {signature: what `timing` gave for it}."""
         from tqdm import tqdm
 
+        timing = timing or measure_parts
         device = next(d.id for d in self.machine.devices if d.kind == kind)
         client = self.machine.client
         sigs = list(items)
         out = {}
-        with tqdm(total=len(sigs), desc=f"measuring {len(sigs)} part kernels", disable=not self.progress or None,
+        with tqdm(total=len(sigs), desc=f"measuring {len(sigs)} {what}", disable=not self.progress or None,
                   leave=False) as bar:
             for start in range(0, len(sigs), 8):
                 chunk = sigs[start : start + 8]
-                future = client.submit(measure_parts, [items[s] for s in chunk], self.repeats, self.dtype,
+                future = client.submit(timing, [items[s] for s in chunk], self.repeats, self.dtype,
                                        pure=False, resources={resource_tag(device): 1})
                 out.update(zip(chunk, future.result()))
                 bar.update(len(chunk))

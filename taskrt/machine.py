@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -169,8 +171,6 @@ class Machine:
         """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
         hop (`task_overhead`), graph submission per task, one scatter call, the client's
         bandwidth to a worker, and a device's memory bandwidth (an array copy)."""
-        import statistics
-        import time
 
         import dask
 
@@ -197,7 +197,7 @@ class Machine:
             big.append(time.perf_counter() - start)
             del f, g
         copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
-        fresh = client.run(_fresh_copy_rate, workers=[address[0]])[address[0]]
+        fresh = client.run(_copy_rate, fresh=True, workers=[address[0]])[address[0]]
         out.update(self._cpu_costs())
         out.update({
             "submit_per_task_s": statistics.median(submit),
@@ -212,7 +212,6 @@ class Machine:
         """Processor time the runtime itself spends (workers, and this process where the local
         scheduler runs): per task, and per byte moved between two devices.  On a machine whose
         devices share few cores this time competes with the kernels."""
-        import time
 
         import dask
 
@@ -245,7 +244,6 @@ class Machine:
         device, then on min(devices, cores) devices at once; the sum of the speeds relative to
         alone (two virtual cores may not give two cores' worth of work).  Alone and together
         alternate for a few rounds and the median counts, as the machine's speed drifts."""
-        import statistics
 
         cores = os.cpu_count() or 1
         k = min(self.num_devices, cores)
@@ -268,8 +266,6 @@ class Machine:
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
         """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
         per independent task (throughput) and per dependent hop (a task waiting on the one before)."""
-        import statistics
-        import time
 
         import dask
 
@@ -377,7 +373,6 @@ def _noop(*args):
 
 def _conv_seconds(repeats):
     """Median seconds of a mid-sized convolution's forward and backward (a typical kernel)."""
-    import time
 
     from ops import Conv2d
     from ops.rect import Rect
@@ -403,33 +398,23 @@ def _process_cpu(dask_worker=None, dask_scheduler=None) -> float:
     return times.user + times.system
 
 
-def _fresh_copy_rate(dask_worker=None, nbytes=32 * 2**20, repeats=5):
-    """Bytes per second copied into newly allocated memory (what a slice task does: its output
-    is fresh, so the copy pays the page faults too)."""
-    import time
-
+def _copy_rate(dask_worker=None, fresh=False, nbytes=32 * 2**20, repeats=5):
+    """Bytes per second of an array copy on this worker: into a reused buffer (read and write
+    counted once each), or with `fresh` the bytes copied into newly allocated memory (what a
+    slice task does: its output is fresh, so the copy pays the page faults too)."""
     src = np.ones(nbytes // 8)
+    dst = None if fresh else np.empty_like(src)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dst = src.copy()
+        if fresh:
+            copied = src.copy()
+        else:
+            np.copyto(dst, src)
         times.append(time.perf_counter() - start)
-        del dst
-    return nbytes / float(np.median(times))
-
-
-def _copy_rate(dask_worker=None, nbytes=32 * 2**20, repeats=5):
-    """Bytes per second of a plain array copy on this worker (read + write counted once each)."""
-    import time
-
-    src = np.ones(nbytes // 8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / float(np.median(times))
+        if fresh:
+            del copied
+    return (1 if fresh else 2) * nbytes / float(np.median(times))
 
 
 # ---- link probe -----------------------------------------------------------------------------
