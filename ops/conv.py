@@ -51,6 +51,7 @@ class Conv2d(Op):
     stride: tuple[int, int]
     padding: tuple[int, int]
     activation: str | None = None
+    bias: bool = True
 
     kind = "conv2d"
 
@@ -77,7 +78,8 @@ class Conv2d(Op):
 
     def param_shapes(self):
         cin = self.in_shapes[0][1]
-        return {"weight": (self.out_channels, cin, *self.kernel), "bias": (self.out_channels,)}
+        shapes = {"weight": (self.out_channels, cin, *self.kernel)}
+        return {**shapes, "bias": (self.out_channels,)} if self.bias else shapes
 
     def input_rects(self, out):
         cin = self.in_shapes[0][1]
@@ -87,7 +89,8 @@ class Conv2d(Op):
         c0, c1 = out.lo[1], out.hi[1]
         cin = self.in_shapes[0][1]
         kh, kw = self.kernel
-        return {"weight": Rect((c0, 0, 0, 0), (c1, cin, kh, kw)), "bias": Rect((c0,), (c1,))}
+        rects = {"weight": Rect((c0, 0, 0, 0), (c1, cin, kh, kw))}
+        return {**rects, "bias": Rect((c0,), (c1,))} if self.bias else rects
 
     def flops(self, out):
         cin = self.in_shapes[0][1]
@@ -106,7 +109,7 @@ class Conv2d(Op):
         return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1)  # columns (i, j, c), as im2col_block
 
     def forward(self, xs, params, out):
-        x, w, b = xs[0], params["weight"], params["bias"]
+        x, w = xs[0], params["weight"]
         xp = array_module(x)
         n, cout, ho, wo = out.shape
         _, view = self._windows(x, out)
@@ -114,7 +117,8 @@ class Conv2d(Op):
         y = xp.empty((n, ho, wo, cout), dtype=x.dtype)
         for block in row_blocks(n, ho, wo):
             xp.matmul(im2col_block(view, block), wt, out=y[block].reshape(-1, cout))
-        y += b
+        if self.bias:
+            y += params["bias"]
         if self.activation == "relu":
             xp.maximum(y, 0, out=y)
         return xp.ascontiguousarray(y.transpose(0, 3, 1, 2))
@@ -137,7 +141,9 @@ class Conv2d(Op):
                 dcols = (d @ wm).reshape(*dy_nhwc[block].shape[:3], *self.kernel, x.shape[1])
                 col2im_block(dx_pad, dcols, block, self.stride)
         dw = dw.reshape(cout, *self.kernel, x.shape[1]).transpose(0, 3, 1, 2)
-        grads = {"weight": xp.ascontiguousarray(dw), "bias": dy_nhwc.reshape(-1, cout).sum(axis=0)}
+        grads = {"weight": xp.ascontiguousarray(dw)}
+        if self.bias:
+            grads["bias"] = dy_nhwc.reshape(-1, cout).sum(axis=0)
         if dx_pad is None:
             return [None], grads
         dx = crop(dx_pad, self._pads(out), axes=(1, 2))
@@ -150,4 +156,5 @@ class Conv2d(Op):
             "stride": list(self.stride),
             "padding": list(self.padding),
             "activation": self.activation,
+            "bias": self.bias,
         }

@@ -13,6 +13,7 @@ from ops.rect import Rect
 class Linear(Op):
     out_features: int
     activation: str | None = None
+    bias: bool = True
 
     kind = "linear"
 
@@ -35,7 +36,8 @@ class Linear(Op):
         return (self.in_shapes[0][0], self.out_features)
 
     def param_shapes(self):
-        return {"weight": (self.out_features, self.in_shapes[0][1]), "bias": (self.out_features,)}
+        shapes = {"weight": (self.out_features, self.in_shapes[0][1])}
+        return {**shapes, "bias": (self.out_features,)} if self.bias else shapes
 
     def input_rects(self, out):
         # A channel split still reads every input feature (the paper's Figure 2b).
@@ -43,14 +45,16 @@ class Linear(Op):
 
     def param_rects(self, out):
         c0, c1 = out.lo[1], out.hi[1]
-        return {"weight": Rect((c0, 0), (c1, self.in_shapes[0][1])), "bias": Rect((c0,), (c1,))}
+        rects = {"weight": Rect((c0, 0), (c1, self.in_shapes[0][1]))}
+        return {**rects, "bias": Rect((c0,), (c1,))} if self.bias else rects
 
     def flops(self, out):
         return 2 * out.volume * self.in_shapes[0][1]
 
     def forward(self, xs, params, out):
         y = xs[0] @ params["weight"].T
-        y += params["bias"]
+        if self.bias:
+            y += params["bias"]
         if self.activation == "relu":
             array_module(y).maximum(y, 0, out=y)
         return y
@@ -58,8 +62,10 @@ class Linear(Op):
     def backward(self, dy, xs, y, params, out, need_dx):
         if self.activation == "relu":
             dy = dy * (y > 0)
-        grads = {"weight": dy.T @ xs[0], "bias": dy.sum(axis=0)}
+        grads = {"weight": dy.T @ xs[0]}
+        if self.bias:
+            grads["bias"] = dy.sum(axis=0)
         return [dy @ params["weight"] if need_dx[0] else None], grads
 
     def attrs(self):
-        return {"out_features": self.out_features, "activation": self.activation}
+        return {"out_features": self.out_features, "activation": self.activation, "bias": self.bias}

@@ -82,6 +82,12 @@ def _pair(value, what, layer) -> tuple[int, int]:
         raise GraphError(f"layer {layer!r}: {what} must be an int or a pair (h, w), got {value!r}") from None
 
 
+def _flag(value, what, layer) -> bool:
+    if not isinstance(value, bool):
+        raise GraphError(f"layer {layer!r}: {what} must be True or False, got {value!r}")
+    return value
+
+
 class Graph:
     def __init__(self, name: str = "net"):
         self.name = name
@@ -98,11 +104,12 @@ class Graph:
             return Input((), tuple(int(s) for s in shape), dtype)
         return self._add("input", name, [], make)
 
-    def conv2d(self, x, out_channels: int, kernel, stride=1, padding=0, activation=None, name=None) -> Tensor:
+    def conv2d(self, x, out_channels: int, kernel, stride=1, padding=0, activation=None, bias=True,
+               name=None) -> Tensor:
         def make(layer):
             return Conv2d(
                 (x.shape,), int(out_channels), _pair(kernel, "kernel", layer), _pair(stride, "stride", layer),
-                _pair(padding, "padding", layer), activation,
+                _pair(padding, "padding", layer), activation, _flag(bias, "bias", layer),
             )
         return self._add("conv2d", name, [x], make)
 
@@ -113,8 +120,9 @@ class Graph:
             return Pool2d((x.shape,), k, s, _pair(padding, "padding", layer), mode)
         return self._add("pool2d", name, [x], make)
 
-    def linear(self, x, out_features: int, activation=None, name=None) -> Tensor:
-        return self._add("linear", name, [x], lambda _: Linear((x.shape,), int(out_features), activation))
+    def linear(self, x, out_features: int, activation=None, bias=True, name=None) -> Tensor:
+        return self._add("linear", name, [x],
+                         lambda layer: Linear((x.shape,), int(out_features), activation, _flag(bias, "bias", layer)))
 
     def relu(self, x, name=None) -> Tensor:
         return self._add("relu", name, [x], lambda _: Relu((x.shape,)))

@@ -23,7 +23,7 @@ from numbers import Integral, Real
 from taskrt.graph import Graph, Tensor
 
 # Smallest image each network accepts: below it some window no longer fits its input.
-MIN_IMAGE = {"lenet5": 16, "alexnet": 8, "vgg16": 32, "inception_v3": 75, "resnet50": 1}
+MIN_IMAGE = {"lenet5": 16, "alexnet": 8, "vgg16": 32, "inception_v3": 75, "resnet50": 1, "splitbrain_vgg": 8}
 # The ImageNet stem (11x11 stride 4) fits from 63 up; below 64, i.e. CIFAR sizes, use the CIFAR variant.
 ALEXNET_IMAGENET_MIN = 64
 
@@ -55,19 +55,20 @@ class _Net:
     def scaled(self, channels: int) -> int:
         return max(1, round(channels * self.width))
 
-    def conv(self, x, channels, kernel, stride=1, padding=0, relu=True, name=None) -> Tensor:
+    def conv(self, x, channels, kernel, stride=1, padding=0, relu=True, bias=True, name=None) -> Tensor:
         return self.g.conv2d(x, self.scaled(channels), kernel, stride, padding,
-                             activation="relu" if relu else None, name=name)
+                             activation="relu" if relu else None, bias=bias, name=name)
 
     def pool(self, x, kernel, stride=None, padding=0, mode="max", name=None) -> Tensor:
         return self.g.pool2d(x, kernel, stride, padding, mode=mode, name=name)
 
-    def classifier(self, x, hidden, num_classes) -> Graph:
+    def classifier(self, x, hidden, num_classes, bias=True, names=None) -> Graph:
         """flatten, then fc with fused relu per hidden width, then the class fc and the loss."""
+        names = names or [f"fc{i}" for i in range(1, len(hidden) + 1)] + [f"fc{len(hidden) + 1}" if hidden else "fc"]
         x = self.g.flatten(x, name="flatten")
-        for i, features in enumerate(hidden, start=1):
-            x = self.g.linear(x, self.scaled(features), activation="relu", name=f"fc{i}")
-        logits = self.g.linear(x, num_classes, name=f"fc{len(hidden) + 1}" if hidden else "fc")
+        for name, features in zip(names, hidden):
+            x = self.g.linear(x, self.scaled(features), activation="relu", bias=bias, name=name)
+        logits = self.g.linear(x, num_classes, bias=bias, name=names[-1])
         self.g.softmax_cross_entropy(logits, name="loss")
         return self.g
 
@@ -151,6 +152,31 @@ def vgg16(batch=32, image_size=224, num_classes=1000, width=1.0) -> Graph:
             x = net.conv(x, channels, 3, padding=1, name=f"conv{stage}_{i}")
         x = net.pool(x, 2, name=f"pool{stage}")
     return net.classifier(x, (4096, 4096), num_classes)
+
+
+# ---- SplitBrain's VGG variant -----------------------------------------------------------------
+SPLITBRAIN_VGG_STAGES = ((64, 64), (128, 128), (256, 256, 256))
+
+
+def splitbrain_vgg(batch=32, image_size=32, num_classes=10, width=1.0) -> Graph:
+    """The VGG variant SplitBrain (seed 000, Table 1) trains on CIFAR-10: seven 3x3 padding-1
+    convs (64, 64 | 128, 128 | 256, 256, 256) with ReLU, a 2x2 max pool after each group, then
+    fc 1024, fc 1024, fc classes.  Layers are named as in Table 1 (conv0..conv6, fc0..fc2).
+
+    Every layer is bias-free, so the counts are Table 1's exactly at 32x32 and 10 classes:
+    1,734,336 conv and 5,253,120 fc parameters, 6,987,456 in all.  (The paper's text says
+    "7.5M"; its table's rows sum to 6,987,456, i.e. 24.82% conv and 75.18% fc, which the table
+    prints as 24.83% and 75.17%.)
+    """
+    _check_args("splitbrain_vgg", batch, image_size, num_classes, width)
+    net = _Net("splitbrain_vgg", batch, image_size, 3, width)
+    x, k = net.image, 0
+    for stage, widths in enumerate(SPLITBRAIN_VGG_STAGES):
+        for channels in widths:
+            x = net.conv(x, channels, 3, padding=1, bias=False, name=f"conv{k}")
+            k += 1
+        x = net.pool(x, 2, name=f"pool{stage}")
+    return net.classifier(x, (1024, 1024), num_classes, bias=False, names=["fc0", "fc1", "fc2"])
 
 
 # ---- Inception-v3 -----------------------------------------------------------------------------
@@ -298,7 +324,7 @@ def resnet50(batch=32, image_size=224, num_classes=1000, width=1.0) -> Graph:
 
 # ---- lookup -----------------------------------------------------------------------------------
 MODELS = {"lenet5": lenet5, "alexnet": alexnet, "vgg16": vgg16, "inception_v3": inception_v3,
-          "resnet50": resnet50}
+          "resnet50": resnet50, "splitbrain_vgg": splitbrain_vgg}
 
 
 def get(name: str, **kwargs) -> Graph:

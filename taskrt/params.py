@@ -39,10 +39,9 @@ def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str
         rng = np.random.default_rng([seed, zlib.crc32(layer.name.encode())])
         w_shape = shapes["weight"]
         fan_in = prod(w_shape[1:])
-        params[layer.name] = {
-            "weight": (rng.standard_normal(w_shape) * np.sqrt(2.0 / fan_in)).astype(dtype),
-            "bias": np.zeros(shapes["bias"], dtype=dtype),
-        }
+        params[layer.name] = {"weight": (rng.standard_normal(w_shape) * np.sqrt(2.0 / fan_in)).astype(dtype)}
+        if "bias" in shapes:
+            params[layer.name]["bias"] = np.zeros(shapes["bias"], dtype=dtype)
     return params
 
 

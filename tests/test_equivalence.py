@@ -31,12 +31,12 @@ def inception_block(batch=2, size=9, classes=5):
     b2 = g.conv2d(b2, 3, (1, 7), padding=(0, 3), activation="relu", name="b1x7")
     b2 = g.conv2d(b2, 3, (7, 1), padding=(3, 0), activation="relu", name="b7x1")
     b3 = g.pool2d(stem, 3, stride=1, padding=1, mode="avg", name="bpool")
-    b3 = g.conv2d(b3, 2, 1, name="bpool_proj")
+    b3 = g.conv2d(b3, 2, 1, bias=False, name="bpool_proj")
     y = g.concat([b1, b2, b3], name="concat")
     y = g.add(y, g.conv2d(stem, 8, 1, name="shortcut"), name="residual")
     y = g.relu(y, name="relu")
     y = g.pool2d(y, 3, stride=2, name="pool")
-    y = g.linear(g.flatten(y, name="flatten"), classes, name="fc")
+    y = g.linear(g.flatten(y, name="flatten"), classes, bias=False, name="fc")
     g.softmax_cross_entropy(y, name="loss")
     return g
 

@@ -60,7 +60,20 @@ def test_conv2d_int_and_pair_arguments_are_equivalent():
     b = g.conv2d(x, 4, kernel=(3, 3), stride=(2, 2), padding=(1, 1))
     assert g[a.name].op.attrs() == g[b.name].op.attrs()
     assert g[a.name].op.attrs() == {"out_channels": 4, "kernel": [3, 3], "stride": [2, 2], "padding": [1, 1],
-                                    "activation": None}
+                                    "activation": None, "bias": True}
+
+
+def test_bias_free_layers():
+    g, x = image()
+    y = g.conv2d(x, 8, kernel=3, bias=False, name="conv")
+    z = g.linear(g.flatten(y), 5, bias=False, name="fc")
+    assert g["conv"].param_shapes == {"weight": (8, 3, 3, 3)}
+    assert g[z.name].param_shapes == {"weight": (5, 8 * 14 * 14)}
+    assert g.num_params() == 8 * 27 + 5 * 8 * 14 * 14
+    again = Graph.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert again["conv"].param_shapes == g["conv"].param_shapes and not again["fc"].op.bias
+    raises(["'bad'", "bias", "True or False", "'no'"], g.conv2d, x, 8, kernel=3, bias="no", name="bad")
+    raises(["'bad2'", "bias", "None"], g.linear, g.flatten(y), 3, bias=None, name="bad2")
 
 
 def test_conv2d_fused_relu():

@@ -12,8 +12,12 @@ from taskrt.reference import SingleDeviceTrainer
 # Published counts with batch norm (torchvision: inception_v3 without aux logits, resnet50).
 # Their convs have no bias and a BN (2 parameters per channel); ours have a bias and no BN.
 WITH_BATCH_NORM = {"inception_v3": 23_834_568, "resnet50": 25_557_032}
-LAYERS = {"lenet5": (2, 3), "alexnet": (5, 3), "vgg16": (13, 3), "inception_v3": (94, 1), "resnet50": (53, 1)}
-SMALL_IMAGE = {"lenet5": 32, "alexnet": 32, "vgg16": 32, "inception_v3": 75, "resnet50": 32}
+LAYERS = {"lenet5": (2, 3), "alexnet": (5, 3), "vgg16": (13, 3), "inception_v3": (94, 1), "resnet50": (53, 1),
+          "splitbrain_vgg": (7, 3)}
+SMALL_IMAGE = {"lenet5": 32, "alexnet": 32, "vgg16": 32, "inception_v3": 75, "resnet50": 32, "splitbrain_vgg": 32}
+# SplitBrain (seed 000) Table 1: parameters of each trainable layer of its VGG variant
+SPLITBRAIN_TABLE_1 = {"conv0": 1728, "conv1": 36864, "conv2": 73728, "conv3": 147456, "conv4": 294912,
+                      "conv5": 589824, "conv6": 589824, "fc0": 4194304, "fc1": 1048576, "fc2": 10240}
 
 
 def convs(g: Graph):
@@ -30,7 +34,7 @@ def full():
     return {name: build() for name, build in models.MODELS.items()}
 
 
-EXACT = [("lenet5", 61_706), ("alexnet", 61_100_840), ("vgg16", 138_357_544)]
+EXACT = [("lenet5", 61_706), ("alexnet", 61_100_840), ("vgg16", 138_357_544), ("splitbrain_vgg", 6_987_456)]
 
 
 @pytest.mark.parametrize("name, params", EXACT)
@@ -44,6 +48,17 @@ def test_param_counts_match_published_up_to_batch_norm(full, name):
     assert g.num_params() + sum(layer.shape[1] for layer in convs(g)) == WITH_BATCH_NORM[name]
 
 
+def test_splitbrain_vgg_matches_table_1_layer_by_layer(full):
+    g = full["splitbrain_vgg"]
+    counts = {layer.name: sum(int(np.prod(s)) for s in layer.param_shapes.values()) for layer in g
+              if layer.param_shapes}
+    assert counts == SPLITBRAIN_TABLE_1
+    conv = sum(v for k, v in counts.items() if k.startswith("conv"))
+    # the table prints 24.83% and 75.17%: its rows give 24.82% and 75.18%
+    assert round(100 * conv / g.num_params(), 2) == 24.82 and round(100 * (1 - conv / g.num_params()), 2) == 75.18
+    assert g["flatten"].shape == (32, 4096)
+
+
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_counts(full, name):
     assert (count(full[name], "conv2d"), count(full[name], "linear")) == LAYERS[name]
@@ -55,7 +70,8 @@ def test_graph_ends_in_loss_on_logits(full, name):
     (loss,) = g.losses
     logits = g[loss.inputs[0]]
     batch = g["image"].shape[0]
-    assert logits.kind == "linear" and logits.shape == (batch, 10 if name == "lenet5" else 1000)
+    classes = 10 if name in ("lenet5", "splitbrain_vgg") else 1000
+    assert logits.kind == "linear" and logits.shape == (batch, classes)
     assert g[loss.inputs[1]].op.dtype == "int64"
     assert list(g.layers)[-1] == loss.name
 

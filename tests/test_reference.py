@@ -168,6 +168,32 @@ def test_gradients_match_finite_differences():
     assert all(np.abs(g["weight"]).max() > 1e-4 for g in grads.values())
 
 
+def test_bias_free_layers_have_weight_gradients_only():
+    g = Graph("nobias")
+    x = g.input("image", shape=(2, 2, 5, 5))
+    y = g.conv2d(x, 3, kernel=3, padding=1, activation="relu", bias=False, name="conv")
+    y = g.linear(g.flatten(y), 4, bias=False, name="fc")
+    g.softmax_cross_entropy(y)
+    t = SingleDeviceTrainer(g, dtype="float64", seed=2)
+    assert {k: set(v) for k, v in t.params.items()} == {"conv": {"weight"}, "fc": {"weight"}}
+    rng = np.random.default_rng(4)
+    data = (rng.standard_normal((2, 2, 5, 5)), np.array([1, 3]))
+    grads = t.gradients(*data)
+    assert {k: set(v) for k, v in grads.items()} == {"conv": {"weight"}, "fc": {"weight"}}
+    eps = 1e-6
+    for layer in ("conv", "fc"):
+        flat = t.params[layer]["weight"].reshape(-1)
+        for i in rng.choice(flat.size, size=5, replace=False):
+            old = flat[i]
+            flat[i] = old + eps
+            plus = t.loss(*data)
+            flat[i] = old - eps
+            minus = t.loss(*data)
+            flat[i] = old
+            np.testing.assert_allclose(grads[layer]["weight"].reshape(-1)[i], (plus - minus) / (2 * eps),
+                                       rtol=1e-6, atol=1e-10)
+
+
 def test_gradients_sum_over_losses():
     """Two losses: the gradient is that of the sum of their means (each loss scaled 1/N)."""
     g = Graph("two")
