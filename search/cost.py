@@ -280,13 +280,12 @@ class CostModel:
     def timer(self, plan):
         """A function giving the kernel seconds of each task of `plan` (the runtime's own cost per
         task is in `runtime()`)."""
-        shard_bytes = {(layer, s.index): s.nbytes for layer, shards in plan.shards.items() for s in shards}
         sync = {}  # task key -> (device kind, phase, elements, gradients): timed like parts
         for task in plan.tasks:
             if task.phase in ("update", "reduce"):
                 kind = self.kinds[self.kind_index[task.device]]
-                sync[task.key] = (kind, task.phase, shard_bytes[(task.layer, task.key[1])] // self.itemsize,
-                                  len(task.spec.grads))
+                lo, hi, _ = plan.shards[task.layer][task.key[1]].chunks[task.key[2]]
+                sync[task.key] = (kind, task.phase, hi - lo, len(task.spec.grads))
         self._time_synchronization(set(sync.values()))
 
         def task_time(task) -> float:
@@ -297,7 +296,7 @@ class CostModel:
                 return self.part_time(spec.op, spec.out, spec.need_dx, task.device)[1]
             if task.phase == "loss":
                 return sum(self.part_time(spec.op, spec.out, (True, False), task.device))
-            if task.phase in ("slice", "gslice"):
+            if task.phase in ("slice", "gslice", "rslice", "wgather"):  # copies into a fresh array
                 return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
             if task.phase in ("update", "reduce"):
                 return self._sync_times[sync[task.key]]
@@ -459,9 +458,9 @@ def measure_synchronization(items, repeats, dtype):
         state = (rng.standard_normal(elements).astype(dtype), np.zeros(elements, dtype=dtype))
         values = [rng.standard_normal(elements).astype(dtype) for _ in range(grads)]
         if phase == "update":
-            spec, args = Update(tuple((i + 1, None) for i in range(grads))), (state, *values, hyper)
+            spec, args = Update(tuple((i + 1, None, None) for i in range(grads))), (state, *values, hyper)
         else:
-            spec, args = ReduceGrads(tuple((i, None) for i in range(grads))), tuple(values)
+            spec, args = ReduceGrads(tuple((i, None, None) for i in range(grads))), tuple(values)
         spec(*args)
         times = []
         for _ in range(repeats):

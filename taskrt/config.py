@@ -10,6 +10,10 @@ from math import prod
 from ops.rect import Rect
 
 DIMS = ("n", "c", "h", "w")
+# How the replicas of a replicated parameter shard synchronize (see taskrt.lowering):
+#   "ps": a parameter server, the shard's first device, sums the gradients and sends weights back;
+#   "allreduce": reduce-scatter then all-gather, each replica keeping a chunk of the master copy.
+SYNC_METHODS = ("ps", "allreduce")
 
 
 @lru_cache(maxsize=4096)
@@ -32,13 +36,15 @@ class Part:
 @dataclass(frozen=True)
 class ParallelConfig:
     """A degree per dimension (n, c, h, w) and the device of each part, parts numbered row-major
-    over the grid of degrees.  Devices default to 0 .. P-1."""
+    over the grid of degrees.  Devices default to 0 .. P-1.  `sync` says how replicated weights
+    (a split over n, h or w) synchronize: one of SYNC_METHODS."""
 
     n: int = 1
     c: int = 1
     h: int = 1
     w: int = 1
     devices: tuple[int, ...] = field(default=None)
+    sync: str = "ps"
 
     def __post_init__(self):
         for dim in DIMS:
@@ -51,6 +57,8 @@ class ParallelConfig:
             raise ValueError(f"devices must be a list of ints, got {self.devices!r}") from None
         if any(isinstance(d, bool) or not isinstance(d, int) for d in devices):
             raise ValueError(f"devices must be ints, got {list(devices)}")
+        if self.sync not in SYNC_METHODS:
+            raise ValueError(f"sync={self.sync!r} is not one of {', '.join(map(repr, SYNC_METHODS))}")
         object.__setattr__(self, "devices", devices)
 
     @property
@@ -73,12 +81,13 @@ class ParallelConfig:
         ]
 
     def to_dict(self) -> dict:
-        return {**{dim: getattr(self, dim) for dim in DIMS}, "devices": list(self.devices)}
+        out = {**{dim: getattr(self, dim) for dim in DIMS}, "devices": list(self.devices)}
+        return {**out, "sync": self.sync} if self.sync != "ps" else out
 
     @classmethod
     def from_dict(cls, data: dict) -> ParallelConfig:
-        return cls(**{k: data[k] for k in (*DIMS, "devices") if k in data})
+        return cls(**{k: data[k] for k in (*DIMS, "devices", "sync") if k in data})
 
     def __str__(self) -> str:
         degrees = ", ".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
-        return f"{{{degrees}}} on {list(self.devices)}"
+        return f"{{{degrees}}} on {list(self.devices)}" + (f" ({self.sync})" if self.sync != "ps" else "")

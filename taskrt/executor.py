@@ -114,8 +114,8 @@ class Executor:
         fresh = {}
         who_has = self.client.who_has(list(futures.values()))
         for name, future in futures.items():
-            layer, index = name
-            new_key = (f"{layer}-state-it{tag}", index)
+            layer, *index = name
+            new_key = (f"{layer}-state-it{tag}", *index)
             [address] = who_has[future.key][:1]
             by_worker.setdefault(address, {})[future.key] = new_key
             fresh[name] = new_key

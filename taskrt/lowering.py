@@ -5,17 +5,34 @@ reads, and takes it from the producer's parts that intersect it: in place when t
 part is on the same device, as a whole tile when the consumer needs all of it, otherwise
 through a slice task on the producer's device so that only the intersection travels.
 Backward reads the same rule the other way, and the consumer's backward reuses the pieces its
-forward fetched.  Replicated parameter shards are synchronized through a parameter server on
-the shard's first device.
+forward fetched.  Replicated parameter shards synchronize as their layer's config says: through
+a parameter server on the shard's first device ("ps"), or by reduce-scatter and all-gather
+among the replicas ("allreduce": each replica sums and updates one chunk of the flat shard and
+gathers the others' chunks before its forward; every device sends and receives 2 (R-1)/R of
+the shard, the bandwidth of a ring all-reduce, in two dependent hops instead of 2 (R-1)).
 """
 
 from __future__ import annotations
 
 from math import prod
 
+from ops.rect import Rect
 from taskrt.params import shard_sizes
 from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Shard, Task
-from taskrt.tasks import Alias, Backward, Element, Forward, Inputs, Loss, Params, Piece, ReduceGrads, Slice, Update
+from taskrt.tasks import (
+    Alias,
+    Backward,
+    Element,
+    Forward,
+    GatherChunks,
+    Inputs,
+    Loss,
+    Params,
+    Piece,
+    ReduceGrads,
+    Slice,
+    Update,
+)
 
 MODES = ("train", "gradients", "predict")
 
@@ -37,6 +54,7 @@ class _Deps:
 class _Lowering:
     def __init__(self, graph, strategy, mode, itemsize):
         self.graph, self.mode, self.itemsize = graph, mode, itemsize
+        self.sync = {layer.name: strategy[layer.name].sync for layer in graph}
         self.parts = {layer.name: strategy[layer.name].parts(layer.shape) for layer in graph}
         self.needed = graph.needs_backward() if mode != "predict" else set()
         self.tasks: dict[tuple, Task] = {}
@@ -44,7 +62,8 @@ class _Lowering:
         self.slice_count: dict[Dep, int] = {}  # slices cut from each value so far (for their keys)
         self.shards: dict[str, list[Shard]] = {}
         self.shard_of: dict[tuple[str, int], int] = {}
-        self.fetched: dict[tuple[str, int], Dep] = {}
+        self.fetched: dict[tuple[str, int, int], Dep] = {}
+        self.gathered: dict[tuple[str, int, int], Dep] = {}
         self.readers: dict[Dep, int] = {}  # the one device that reads each travelling key
         self.aliases: dict[tuple[Dep, int], Dep] = {}
         self.alias_count: dict[str, int] = {}
@@ -137,7 +156,7 @@ class _Lowering:
             if match is None:
                 layout = tuple(shard_sizes(rects))
                 nbytes = sum(prod(shape) for _, shape in layout) * self.itemsize
-                match = Shard(layer.name, len(shards), rects, layout, part.device, (), nbytes)
+                match = Shard(layer.name, len(shards), rects, layout, part.device, (), nbytes, self.sync[layer.name])
                 shards.append(match)
             shards[match.index] = Shard(**{**match.__dict__, "devices": (*match.devices, part.device)})
             self.shard_of[(layer.name, part.index)] = match.index
@@ -147,16 +166,35 @@ class _Lowering:
         if not layer.param_shapes:
             return None
         shard = self.shards[layer.name][self.shard_of[(layer.name, part.index)]]
-        state = Dep(STATE, (layer.name, shard.index))
-        if part.device == shard.server:
-            return Params(deps.add(state), 0, shard.layout)
-        if (layer.name, shard.index) not in self.fetched:
-            self.fetched[(layer.name, shard.index)] = self.add(Task(
-                (f"{layer.name}-wfetch", shard.index), "wfetch", layer.name, shard.server,
-                Element(0), (state,), shard.nbytes,
+        chunks = shard.chunks
+        if len(chunks) == 1:
+            home = chunks[0][2]
+            if part.device == home:  # the state itself: read its weights in place
+                return Params(deps.add(Dep(STATE, (layer.name, shard.index, 0))), 0, shard.layout)
+            fetched = self.route(self.weights(shard, 0), home, part.device, layer.name)
+            return Params(deps.add(fetched), None, shard.layout)
+        key = (layer.name, shard.index, part.device)
+        if key not in self.gathered:  # all-gather: the chunks of the other replicas come to this device
+            gather, pieces = _Deps(), []
+            for k, (_, _, home) in enumerate(chunks):
+                if home == part.device:
+                    pieces.append((gather.add(Dep(STATE, (layer.name, shard.index, k))), 0))
+                else:
+                    pieces.append((gather.add(self.route(self.weights(shard, k), home, part.device, layer.name)), None))
+            self.gathered[key] = self.add(Task(
+                (f"{layer.name}-wgather", shard.index, part.device), "wgather", layer.name, part.device,
+                GatherChunks(tuple(pieces)), tuple(gather.deps), shard.nbytes))
+        return Params(deps.add(self.gathered[key]), None, shard.layout)
+
+    def weights(self, shard, k) -> Dep:
+        """The weights of chunk `k` of a shard's state, as an array on the chunk's device (what travels)."""
+        if (shard.layer, shard.index, k) not in self.fetched:
+            lo, hi, home = shard.chunks[k]
+            self.fetched[(shard.layer, shard.index, k)] = self.add(Task(
+                (f"{shard.layer}-wfetch", shard.index, k), "wfetch", shard.layer, home,
+                Element(0), (Dep(STATE, (shard.layer, shard.index, k)),), (hi - lo) * self.itemsize,
             ))
-        fetched = self.route(self.fetched[(layer.name, shard.index)], shard.server, part.device, layer.name)
-        return Params(deps.add(fetched), None, shard.layout)
+        return self.fetched[(shard.layer, shard.index, k)]
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, layer):
@@ -212,28 +250,38 @@ class _Lowering:
 
     # ---- parameter synchronization ----------------------------------------------------------
     def synchronize(self, layer):
+        """Per chunk of each shard's state, on the chunk's device: sum the replicas' gradients of
+        the chunk and update it (or, without training, return the sum)."""
         n_inputs = len(layer.inputs)
         for shard in self.shards[layer.name]:
-            deps = _Deps([Dep(STATE, (layer.name, shard.index))] if self.mode == "train" else [])
-            grads = []
-            for part in self.parts[layer.name]:
-                if self.shard_of[(layer.name, part.index)] != shard.index:
-                    continue
-                bwd = Dep(TASK, (f"{layer.name}-bwd", part.index))
-                if part.device == shard.server:
-                    grads.append((deps.add(bwd), n_inputs))
+            replicas = [p for p in self.parts[layer.name] if self.shard_of[(layer.name, p.index)] == shard.index]
+            chunks = shard.chunks
+            for k, (lo, hi, home) in enumerate(chunks):
+                deps = _Deps([Dep(STATE, (layer.name, shard.index, k))] if self.mode == "train" else [])
+                span = None if len(chunks) == 1 else (lo, hi)
+                grads = []
+                for part in replicas:
+                    bwd = Dep(TASK, (f"{layer.name}-bwd", part.index))
+                    if part.device == home:  # its own gradient: the chunk is cut in place
+                        grads.append((deps.add(bwd), n_inputs, span))
+                    elif span is None:  # the whole gradient travels to the server
+                        grad = self.add(Task((f"{layer.name}-grad", part.index), "grad", layer.name, part.device,
+                                             Element(n_inputs), (bwd,), shard.nbytes))
+                        grads.append((deps.add(grad), None, None))
+                    else:  # reduce-scatter: only this chunk of the gradient travels
+                        piece = Piece(0, n_inputs, Rect((0,), (shard.size,)), Rect((lo,), (hi,)))
+                        cut = self.add(Task((f"{layer.name}-rslice", part.index, k), "rslice", layer.name,
+                                            part.device, Slice(piece), (bwd,), (hi - lo) * self.itemsize))
+                        grads.append((deps.add(cut), None, None))
+                flops = 4 * (hi - lo) * len(grads)
+                key = (shard.index, k)
+                if self.mode == "train":
+                    deps.add(HYPER_DEP)
+                    self.add(Task((f"{layer.name}-update", *key), "update", layer.name, home,
+                                  Update(tuple(grads)), tuple(deps.deps), None, flops))
                 else:
-                    grad = self.add(Task((f"{layer.name}-grad", part.index), "grad", layer.name, part.device,
-                                         Element(n_inputs), (bwd,), shard.nbytes))
-                    grads.append((deps.add(grad), None))
-            flops = 4 * shard.nbytes // self.itemsize * len(grads)
-            if self.mode == "train":
-                deps.add(HYPER_DEP)
-                self.add(Task((f"{layer.name}-update", shard.index), "update", layer.name, shard.server,
-                              Update(tuple(grads)), tuple(deps.deps), None, flops))
-            else:
-                self.add(Task((f"{layer.name}-reduce", shard.index), "reduce", layer.name, shard.server,
-                              ReduceGrads(tuple(grads)), tuple(deps.deps), shard.nbytes, flops))
+                    self.add(Task((f"{layer.name}-reduce", *key), "reduce", layer.name, home,
+                                  ReduceGrads(tuple(grads)), tuple(deps.deps), (hi - lo) * self.itemsize, flops))
 
     # ---- whole step -------------------------------------------------------------------------
     def build(self, target=None) -> Plan:
@@ -265,8 +313,8 @@ class _Lowering:
             return {"logits": [(f"{target}-fwd", p.index) for p in self.parts[target]]}
         losses = [(f"{layer.name}-loss", p.index) for layer in self.graph.losses for p in self.parts[layer.name]]
         phase = "update" if self.mode == "train" else "reduce"
-        state = {(name, s.index): (f"{name}-{phase}", s.index) for name, shards in self.shards.items()
-                 for s in shards}
+        state = {(name, s.index, k): (f"{name}-{phase}", s.index, k) for name, shards in self.shards.items()
+                 for s in shards for k in range(len(s.chunks))}
         return {"loss": losses, "state" if self.mode == "train" else "grads": state}
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from ops.rect import Rect
-from taskrt.config import Part
+from taskrt.config import Part, blocks
 
 TASK, STATE, DATA, HYPER = "task", "state", "data", "hyper"
 
@@ -22,7 +23,7 @@ TASK, STATE, DATA, HYPER = "task", "state", "data", "hyper"
 @dataclass(frozen=True)
 class Dep:
     kind: str  # TASK, STATE, DATA or HYPER
-    key: tuple  # task key; (layer, shard) for STATE; (layer, part) for DATA; () for HYPER
+    key: tuple  # task key; (layer, shard, chunk) for STATE; (layer, part) for DATA; () for HYPER
 
 
 HYPER_DEP = Dep(HYPER, ())
@@ -42,15 +43,33 @@ class Task:
 
 @dataclass(frozen=True)
 class Shard:
-    """The part of a layer's parameters some of its parts read; replicas share one shard."""
+    """The part of a layer's parameters some of its parts read; replicas share one shard.
+
+    Its state (master weights and velocity, packed flat) lives in chunks: with sync "ps" one
+    chunk on the server; with "allreduce" one contiguous chunk per replica device, each device
+    updating its own chunk (reduce-scatter) and gathering the others' (all-gather)."""
 
     layer: str
     index: int
     rects: dict  # parameter name -> Rect
     layout: tuple  # ((name, shape), ...) packing order
-    server: int  # device holding the master copy and the velocity
+    server: int  # the first device reading it: holds the whole state under sync "ps"
     devices: tuple[int, ...]  # every device that reads it
     nbytes: int
+    sync: str = "ps"
+
+    @property
+    def size(self) -> int:
+        """Elements of the flat shard."""
+        return sum(prod(shape) for _, shape in self.layout)
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """(lo, hi, device) of each chunk of the flat state, in order."""
+        if self.sync == "ps" or len(self.devices) == 1:
+            return ((0, self.size, self.server),)
+        count = min(len(self.devices), self.size)  # no empty chunks
+        return tuple((lo, hi, d) for (lo, hi), d in zip(blocks(self.size, count), self.devices))
 
 
 @dataclass(frozen=True)
@@ -78,8 +97,8 @@ class Plan:
         if dep.kind == TASK:
             return self.by_key[dep.key].device
         if dep.kind == STATE:
-            layer, shard = dep.key
-            return self.shards[layer][shard].server
+            layer, shard, chunk = dep.key
+            return self.shards[layer][shard].chunks[chunk][2]
         if dep.kind == DATA:
             layer, part = dep.key
             return self.data[layer][part].device

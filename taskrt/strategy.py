@@ -96,10 +96,10 @@ class Strategy:
         for name, spec in data["layers"].items():
             if not isinstance(spec, dict):
                 raise StrategyError(f"{source}: layer {name!r}: config must be an object, got {spec!r}")
-            extra = set(spec) - {*DIMS, "devices"}
+            extra = set(spec) - {*DIMS, "devices", "sync"}
             if extra:
                 raise StrategyError(f"{source}: layer {name!r}: unknown fields {sorted(extra)}; "
-                                    f"a config has {', '.join(DIMS)} and devices")
+                                    f"a config has {', '.join(DIMS)}, devices and optionally sync")
             if "devices" not in spec:
                 raise StrategyError(f"{source}: layer {name!r}: missing field 'devices'")
             try:
@@ -139,7 +139,8 @@ class Strategy:
             cfg = self.configs[name]
             kind = graph[name].kind if graph is not None else ""
             degrees = "{" + ", ".join(f"{d}={getattr(cfg, d)}" for d in DIMS) + "}"
-            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}")
+            sync = f"  (sync: {cfg.sync})" if cfg.sync != "ps" else ""
+            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}{sync}")
         return "\n".join(rows)
 
 

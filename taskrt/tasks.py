@@ -165,9 +165,12 @@ class Alias(Spec):
 
 
 def _sum_grads(values, grads):
+    """Sum of gradient values; each is (dependency, element or None, (lo, hi) of the flat array or None)."""
     total = None
-    for dep, element in grads:
+    for dep, element, span in grads:
         g = values[dep] if element is None else values[dep][element]
+        if span is not None:
+            g = g[span[0] : span[1]]
         if total is None:
             total = g.copy()
         else:
@@ -183,7 +186,7 @@ class Update(Spec):
     hyper-parameters {"lr", "momentum", "weight_decay"}.
     """
 
-    grads: tuple[tuple[int, int | None], ...]
+    grads: tuple[tuple[int, int | None, tuple[int, int] | None], ...]
 
     def __call__(self, state, *values):
         hyper = values[-1]
@@ -193,7 +196,18 @@ class Update(Spec):
 
 @dataclass(frozen=True)
 class ReduceGrads(Spec):
-    grads: tuple[tuple[int, int | None], ...]
+    grads: tuple[tuple[int, int | None, tuple[int, int] | None], ...]
 
     def __call__(self, *values):
         return _sum_grads(values, self.grads)
+
+
+@dataclass(frozen=True)
+class GatherChunks(Spec):
+    """All-gather of a shard's weights: its chunks in order, each (dependency, element or None)."""
+
+    chunks: tuple[tuple[int, int | None], ...]
+
+    def __call__(self, *values):
+        arrays = [values[dep] if element is None else values[dep][element] for dep, element in self.chunks]
+        return array_module(arrays[0]).concatenate(arrays)

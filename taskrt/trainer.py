@@ -120,25 +120,27 @@ class Trainer:
         return self._plans[mode]
 
     def _place(self, params, velocity):
-        """Put each shard's (weights, velocity) on its server device."""
+        """Put each chunk of each shard's state, (weights, velocity), on its device."""
         address = self.machine.addresses()
         self._state = {}
         for layer, shards in self.plan.shards.items():
             for shard in shards:
                 w = pack(slice_params(params[layer], shard.rects))
                 v = pack(slice_params(velocity[layer], shard.rects))
-                [future] = self.machine.client.scatter([(w, v)], workers=[address[shard.server]], hash=False,
-                                                       direct=True)
-                self._state[(layer, shard.index)] = future
+                for k, (lo, hi, device) in enumerate(shard.chunks):
+                    [future] = self.machine.client.scatter([(w[lo:hi].copy(), v[lo:hi].copy())],
+                                                           workers=[address[device]], hash=False, direct=True)
+                    self._state[(layer, shard.index, k)] = future
 
     def _assemble(self, flats: dict) -> dict:
-        """Full parameter tensors of every layer from flat per-shard arrays {(layer, shard): flat}."""
+        """Full parameter tensors of every layer from flat per-chunk arrays {(layer, shard, chunk): flat}."""
         out = {}
         for layer, shards in self.plan.shards.items():
             shapes = self.graph[layer].param_shapes
             full = {k: np.zeros(s, dtype=self.dtype) for k, s in shapes.items()}
             for shard in shards:
-                for name, value in unpack(np.asarray(flats[(layer, shard.index)]), shard.layout).items():
+                flat = np.concatenate([np.asarray(flats[(layer, shard.index, k)]) for k in range(len(shard.chunks))])
+                for name, value in unpack(flat, shard.layout).items():
                     full[name][shard.rects[name].relative_to(Rect.full(shapes[name]))] = value
             out[layer] = full
         return out
@@ -183,7 +185,8 @@ class Trainer:
         except MachineError as error:
             missing = f"{error}. "
         if lost or missing:
-            where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].server})" for layer, shard in lost)
+            where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
+                              for layer, shard, k in lost)
             raise MachineError(
                 f"cannot run step {step}: {missing}"
                 + (f"The parameters of {where} were lost with their worker. " if lost else "")

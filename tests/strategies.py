@@ -6,7 +6,7 @@ from math import prod
 
 from hypothesis import strategies as st
 
-from taskrt.config import ParallelConfig
+from taskrt.config import SYNC_METHODS, ParallelConfig
 from taskrt.strategy import Strategy
 
 
@@ -18,7 +18,7 @@ def layer_configs(draw, layer, num_devices):
         degrees[dim] = degree
         budget //= degree
     devices = draw(st.permutations(range(num_devices)))[: prod(degrees.values())]
-    return ParallelConfig(**degrees, devices=tuple(devices))
+    return ParallelConfig(**degrees, devices=tuple(devices), sync=draw(st.sampled_from(SYNC_METHODS)))
 
 
 @st.composite

@@ -36,7 +36,7 @@ def origin(plan, dep):
     if dep.kind == DATA:
         return dep.key[0], "data"
     task = plan.by_key[dep.key]
-    if task.phase in ("send", "slice", "gslice"):
+    if task.phase in ("send", "slice", "gslice", "rslice"):
         return origin(plan, task.deps[0])
     return task.layer, task.phase
 
@@ -352,16 +352,18 @@ def carried(plan, dep):
     task = plan.by_key[dep.key]
     if task.phase == "send":
         return carried(plan, task.deps[0])
-    if task.phase in ("slice", "gslice"):
+    if task.phase in ("slice", "gslice", "rslice"):
         piece = task.spec.piece
         assert piece.src.contains(piece.rect) and not piece.rect.empty
         _, itemsize = carried(plan, task.deps[0]) if task.deps[0].kind == DATA else (None, F32)
         return piece.rect.volume, itemsize
     if task.phase == "fwd":
         return task.spec.out.volume, F32
-    if task.phase in ("wfetch", "grad"):
-        shard = plan.shards[task.layer][task.key[1] if task.phase == "wfetch" else
-                                        _shard_of_part(plan, task.layer, task.device)]
+    if task.phase == "wfetch":  # the weights of one chunk of the shard's state
+        lo, hi, _ = plan.shards[task.layer][task.key[1]].chunks[task.key[2]]
+        return hi - lo, F32
+    if task.phase == "grad":
+        shard = plan.shards[task.layer][_shard_of_part(plan, task.layer, task.device)]
         return sum(r.volume for r in shard.rects.values()), F32
     raise AssertionError(f"{task.key} ({task.phase}) should not travel")
 
@@ -377,9 +379,11 @@ def region_bytes(graph, strategy, mode="train"):
     Forward: each part of each layer reads input_rects(part) of each input; every intersection
     with a producer part on another device moves once to that device.  Backward: each part of
     each layer that needs backward receives, from every consumer part on another device, the
-    intersection of what that part read with its own Rect.  Parameters: every device holding a
-    replica of a shard other than the shard's server (its first part's device) receives the
-    weights and sends its gradient back."""
+    intersection of what that part read with its own Rect.  Parameters, sync "ps": every device
+    holding a replica of a shard other than the shard's server (its first part's device)
+    receives the weights and sends its gradient back; sync "allreduce": the flat shard is cut
+    into one chunk per replica (as equal as possible, the first ones larger), and every replica
+    receives every other replica's chunk of the weights and sends it that chunk of its gradient."""
     s = strategy.validated(graph)
     parts = {layer.name: s[layer.name].parts(layer.shape) for layer in graph}
     itemsize = {layer.name: 8 if layer.name == "labels" else F32 for layer in graph}
@@ -411,10 +415,19 @@ def region_bytes(graph, strategy, mode="train"):
         for p in parts[layer.name]:
             shards.setdefault(tuple(sorted(layer.op.param_rects(p.rect).items())), []).append(p.device)
         for rects, devices in shards.items():
-            nbytes = sum(r.volume for _, r in rects) * F32
-            for d in devices[1:]:
-                out[(devices[0], d)] += nbytes
-                out[(d, devices[0])] += nbytes
+            size = sum(r.volume for _, r in rects)
+            if s[layer.name].sync == "ps" or len(devices) == 1:
+                for d in devices[1:]:
+                    out[(devices[0], d)] += size * F32
+                    out[(d, devices[0])] += size * F32
+                continue
+            count = min(len(devices), size)
+            chunk = [size // count + (i < size % count) for i in range(count)]
+            for owner, elements in zip(devices, chunk):
+                for d in devices:
+                    if d != owner:
+                        out[(owner, d)] += elements * F32
+                        out[(d, owner)] += elements * F32
     return {pair: b for pair, b in out.items() if b}
 
 
@@ -463,3 +476,64 @@ def test_random_small_plans_match_the_region_rules(make, data):
     g = make()
     _, strategy = data.draw(random_strategies(g, max_devices=6))
     check_random_plan(g, strategy)
+
+
+# ---- collective parameter synchronization ---------------------------------------------------
+
+
+def mlp_no_bias():
+    g = Graph("mlp_nb")
+    x = g.input("x", shape=(8, 12))
+    y = g.linear(x, 10, activation="relu", bias=False, name="fc1")
+    g.softmax_cross_entropy(g.linear(y, 6, bias=False, name="fc2"), name="loss")
+    return g
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_allreduce_moves_two_r_minus_one_over_r_of_each_shard_per_device(replicas):
+    """Data parallel: each device sends and receives 2 (R-1)/R of every replicated shard (the
+    bandwidth of ring all-reduce), where the parameter server receives and sends (R-1) shards."""
+    g = mlp_no_bias()
+    ps = lower(g, everywhere(g, ParallelConfig(n=replicas)))
+    ar = lower(g, everywhere(g, ParallelConfig(n=replicas, sync="allreduce")))
+    sizes = {"fc1": 10 * 12, "fc2": 6 * 10}  # elements per shard (bias-free)
+    for layer, size in sizes.items():
+        chunk = [size // replicas + (i < size % replicas) for i in range(replicas)]
+        for d in range(replicas):
+            out_bytes = sum(b for (s, _), b in moved(ar, layer, "wfetch").items() if s == d)
+            in_bytes = sum(b for (_, t), b in moved(ar, layer, "bwd").items() if t == d)
+            assert out_bytes == (replicas - 1) * chunk[d] * F32  # its chunk of the weights to every other replica
+            assert in_bytes == (replicas - 1) * chunk[d] * F32  # every other replica's gradient of its chunk
+        # the parameter server: all traffic at device 0
+        assert sum(b for (s, _), b in moved(ps, layer, "wfetch").items() if s == 0) == (replicas - 1) * size * F32
+    # the same bytes in total, spread over every device instead of concentrated on one
+    assert ar.bytes_moved == ps.bytes_moved
+    counts = ar.phase_counts()
+    assert counts["rslice"] == 2 * replicas * (replicas - 1)  # each replica cuts every other owner's chunk
+    assert counts["wgather"] == counts["update"] == 2 * replicas
+    assert "grad" not in counts
+
+
+def test_allreduce_state_is_chunked_over_the_replicas():
+    g = mlp_no_bias()
+    grid = ParallelConfig(n=2, c=2, devices=(3, 1, 0, 2), sync="allreduce")
+    plan = lower(g, Strategy({"fc1": grid, "fc2": grid, "loss": ParallelConfig(n=2, devices=(3, 0))}))
+    (s0, s1) = plan.shards["fc1"]
+    assert s0.devices == (3, 0) and s1.devices == (1, 2)  # channel block 0 on parts 0 and 2
+    assert [c[2] for c in s0.chunks] == [3, 0] and s0.chunks[0][:2] == (0, 30) and s0.chunks[1][:2] == (30, 60)
+    assert set(plan.outputs["state"]) == {(name, s, k) for name in ("fc1", "fc2") for s in (0, 1) for k in (0, 1)}
+    # an unreplicated layer keeps one chunk on its device whatever its sync says
+    split = ParallelConfig(c=2, sync="allreduce")
+    single = lower(g, Strategy({"fc1": split, "fc2": split, "loss": ParallelConfig(devices=(0,))}))
+    assert all(len(s.chunks) == 1 for shards in single.shards.values() for s in shards)
+    assert "wgather" not in single.phase_counts() and "rslice" not in single.phase_counts()
+
+
+def test_allreduce_never_makes_empty_chunks():
+    g = Graph("tiny")
+    x = g.input("x", shape=(8, 2))
+    g.softmax_cross_entropy(g.linear(x, 1, bias=False, name="fc"), g.input("y", shape=(8,), dtype="int64"),
+                            name="loss")
+    plan = lower(g, everywhere(g, ParallelConfig(n=4, sync="allreduce")))
+    (shard,) = plan.shards["fc"]
+    assert [c[:2] for c in shard.chunks] == [(0, 1), (1, 2)] and [c[2] for c in shard.chunks] == [0, 1]

@@ -183,8 +183,8 @@ def test_a_value_in_flight_is_awaited_not_fetched_again(messages):
 
 def test_data_state_and_hyper_inputs(messages):
     data = {"x": [SimpleNamespace(device=0)]}
-    shards = {"w": [SimpleNamespace(server=1)]}
-    state, tile = Dep(STATE, ("w", 0)), Dep(DATA, ("x", 0))
+    shards = {"w": [SimpleNamespace(chunks=((0, 10, 1),))]}
+    state, tile = Dep(STATE, ("w", 0, 0)), Dep(DATA, ("x", 0))
     p = plan_of(task("local", 0, deps=(tile, HYPER_DEP)), task("remote", 1, deps=(tile, state, HYPER_DEP)),
                 data=data, data_nbytes={("x", 0): 500}, shards=shards)
     sim = run(p, {"local": 1.0, "remote": 1.0}, LINKS, Runtime(start_s=1.0))
@@ -540,7 +540,7 @@ def test_a_missing_task_is_named():
 
 
 def test_state_cannot_travel():
-    p = plan_of(task("a", 1, deps=(Dep(STATE, ("w", 0)),)), shards={"w": [SimpleNamespace(server=0)]})
+    p = plan_of(task("a", 1, deps=(Dep(STATE, ("w", 0, 0)),)), shards={"w": [SimpleNamespace(chunks=((0, 10, 0),))]})
     with pytest.raises(AssertionError, match="only arrays may travel"):
         run(p, {}, TWO)
 

@@ -109,6 +109,17 @@ def test_config_dict_round_trip(cfg):
     assert back == cfg and back.devices == cfg.devices
 
 
+def test_sync_method_round_trips_and_is_checked(tmp_path):
+    cfg = ParallelConfig(n=4, sync="allreduce")
+    assert cfg.to_dict()["sync"] == "allreduce" and ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg != ParallelConfig(n=4) and "allreduce" in str(cfg)
+    with pytest.raises(ValueError, match="sync='ring' is not one of 'ps', 'allreduce'"):
+        ParallelConfig(n=2, sync="ring")
+    layers = good_layers()
+    layers["conv1"]["sync"] = "ring"
+    error(lambda: Strategy.load(write(tmp_path, {"layers": layers})), "'conv1'", "sync='ring'", "'allreduce'")
+
+
 def test_config_from_dict_defaults_missing_degrees_to_one():
     assert ParallelConfig.from_dict({"h": 2, "devices": [1, 0]}) == ParallelConfig(h=2, devices=(1, 0))
 
