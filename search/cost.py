@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, part_table
 from search.space import search_space
-from taskrt.config import ParallelConfig
+from taskrt.config import ParallelConfig, blocks
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS, resource_tag
 from taskrt.params import resolve_dtype
@@ -166,7 +166,8 @@ class CostModel:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        configs = configs or self.space(graph)
+        choose_sync = configs is None  # the space: each config gets the cheaper sync method
+        configs = dict(configs or self.space(graph))
         needed = graph.needs_backward()
         parts = {layer.name: part_table(layer.shape, configs[layer.name]) for layer in graph}
         needs = {(layer.name, j): Needs(layer.op, j, parts[layer.name], configs[layer.name])
@@ -174,7 +175,16 @@ class CostModel:
         seconds = {"space and regions": lap()}
         compute = self.compute_costs(graph, parts, needs, needed)
         seconds["compute"] = lap()
-        sync = {layer.name: self.sync_costs(layer, parts[layer.name]) for layer in graph}
+        sync = {}
+        for layer in graph:
+            methods = self.sync_methods(layer, parts[layer.name])
+            if choose_sync:
+                ps, allreduce = methods["ps"], methods["allreduce"]
+                sync[layer.name] = np.minimum(ps, allreduce)
+                configs[layer.name] = [replace(c, sync="allreduce" if a < p else "ps")
+                                       for c, p, a in zip(configs[layer.name], ps, allreduce)]
+            else:
+                sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(configs[layer.name])])
         seconds["sync"] = lap()
         grids = {name: transfer.Grid(table, graph[name].shape, self.links.node, self.machine.num_devices)
                  for name, table in parts.items()}
@@ -369,11 +379,19 @@ class CostModel:
         return out
 
     # ---- t_s --------------------------------------------------------------------------------
-    def sync_costs(self, layer, table) -> np.ndarray:
-        """Parameter server per shard: replicas send gradients in and fetch weights back, one
-        after another at the server; shards synchronize in parallel."""
+    def sync_methods(self, layer, table) -> dict[str, np.ndarray]:
+        """t_s of every config under each sync method (see taskrt.lowering): {"ps": ..., "allreduce": ...}.
+
+        Shards synchronize in parallel; a device handles its incoming and outgoing messages one
+        after another.  "ps": the server receives every replica's gradient and sends the weights
+        back.  "allreduce": each replica owns one chunk of the shard; it receives the other
+        replicas' gradients of its chunk and sends them its chunks of theirs (reduce-scatter),
+        then sends its updated chunk to every other replica and receives theirs (all-gather).
+        Both add the dependent tasks' overhead: (grad, update, wfetch) and (rslice, update,
+        wfetch, wgather) when replicated, the update alone otherwise."""
+        configs = len(table.starts)
         if not layer.param_shapes:
-            return np.zeros(len(table.starts))
+            return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
         config = table.config
         # parts reading the same parameters (same channel block of the same config) form a shard
         shard_of = np.unique(np.stack([config, table.lo[:, 1], table.hi[:, 1]], axis=1), axis=0,
@@ -391,11 +409,26 @@ class CostModel:
         per_shard = np.bincount(shard_of, weights=per_replica)
         replicas = np.bincount(shard_of)
         shard_config = config[first]
-        worst = np.zeros(len(table.starts))
-        np.maximum.at(worst, shard_config, per_shard)
-        replicated = np.zeros(len(table.starts), dtype=bool)
+        replicated = np.zeros(configs, dtype=bool)
         np.logical_or.at(replicated, shard_config, replicas > 1)
-        return worst + np.where(replicated, 3, 1) * self.hop  # (grad, update, wfetch) or update
+        ps = np.zeros(configs)
+        np.maximum.at(ps, shard_config, per_shard)
+        allreduce = np.zeros(configs)
+        for shard in np.flatnonzero(replicas > 1):
+            rows = np.flatnonzero(shard_of == shard)  # in part order: the order of the chunks
+            devices, size = device[rows], int(volume[rows[0]])
+            count = min(len(rows), size)
+            chunk = np.zeros(len(rows))
+            chunk[:count] = [hi - lo for lo, hi in blocks(size, count)]
+            seconds = self.inv_bandwidth[np.ix_(devices, devices)] * self.itemsize  # per element, row -> column
+            lat = self.latency[np.ix_(devices, devices)]
+            has = chunk > 0
+            busy = (chunk * (seconds.sum(axis=0) + seconds.sum(axis=1))  # its own chunk: gradients in, weights out
+                    + seconds.T @ chunk + seconds @ chunk  # the others' chunks: weights in, gradients out
+                    + has * (lat.sum(axis=0) + lat.sum(axis=1)) + lat.T @ has + lat @ has)
+            allreduce[shard_config[shard]] = max(allreduce[shard_config[shard]], busy.max())
+        return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
+                "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
 
     def _shard_volume(self, layer, c0, c1) -> int:
         key = (layer.name, int(c0), int(c1))

@@ -244,7 +244,7 @@ def test_links_that_are_not_node_structured_use_the_general_path():
 
 # ---- 3. the cost model moves the bytes the lowering moves -----------------------------------------
 
-PARAMETER_PHASES = ("wfetch", "grad")
+PARAMETER_PHASES = ("wfetch", "grad", "rslice")
 
 
 def origin(plan, dep):
@@ -402,6 +402,58 @@ def test_sync_cost_across_nodes():
     # server on device 0: one replica on its node, two on the other, one after another
     expected = 2 * shard / 20e9 + 2 * 2 * shard / 5e9 + 3 * 2 * 1e-5
     assert cm.breakdown(g, Strategy({"fc": data, "loss": data})).t_s["fc"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("hop", [0.0, 1e-3])
+def test_allreduce_sync_cost_by_hand(hop):
+    g = one_linear(features=1024, out=1024)
+    cm = search.CostModel(Machine.simulated(1, 4), cache=False, overhead=hop)
+    latency, shard = 5e-6, (1024 * 1024 + 1024) * 4
+    data = ParallelConfig(n=4, devices=(0, 1, 2, 3))
+    ring = dataclasses.replace(data, sync="allreduce")
+    t_s = {c.sync: cm.breakdown(g, Strategy({"fc": c, "loss": ParallelConfig()})).t_s["fc"] for c in (data, ring)}
+    # every device: its chunk's gradients in and weights out, the others' chunks in and out, 3 messages each way
+    assert t_s["allreduce"] == pytest.approx(4 * 3 * (shard // 4) / NVLINK + 4 * 3 * latency + 4 * hop, rel=1e-12)
+    assert t_s["ps"] == pytest.approx(2 * 3 * shard / NVLINK + 2 * 3 * latency + 3 * hop, rel=1e-12)
+    # the search's tables price each config at its cheaper method and say which: the collective
+    # halves the bytes of the busiest device, at the cost of one more dependent task
+    tables = cm.tables(g)
+    index = next(i for i, c in enumerate(tables.configs["fc"]) if (c.n, c.c) == (4, 1))
+    best = min(t_s, key=t_s.get)
+    assert best == ("allreduce" if hop == 0 else "ps")
+    assert tables.configs["fc"][index].sync == best and tables.sync["fc"][index] == pytest.approx(t_s[best], rel=1e-12)
+    single = next(i for i, c in enumerate(tables.configs["fc"]) if (c.n, c.c) == (1, 4))
+    assert tables.configs["fc"][single].sync == "ps"  # nothing replicated: no collective
+
+
+def sync_busy_bytes(plan, layer):
+    """Per device: bytes of `layer`'s parameter synchronization it sends plus bytes it receives."""
+    busy = Counter()
+    for t in plan.transfers():
+        if origin(plan, t.dep)[:2] in {(layer, phase) for phase in PARAMETER_PHASES}:
+            busy[t.src] += t.nbytes
+            busy[t.dst] += t.nbytes
+    return busy
+
+
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+@settings(RANDOM, max_examples=25)
+@given(data=st.data())
+def test_sync_cost_is_the_busiest_device_of_the_plans_sync_traffic(sync, data):
+    """With uniform links and no latency or overhead, t_s times the bandwidth is the largest number
+    of bytes one device sends and receives for the layer's synchronization in the plan."""
+    g = models.lenet5(batch=8, image_size=16, width=0.5)
+    machine = Machine.simulated(1, 8, latency=0.0)
+    cm = search.CostModel(machine, cache=False, overhead=0.0)
+    space = cm.space(g)
+    strategy = draw_strategy(data, space)
+    strategy = Strategy({n: dataclasses.replace(c, sync=sync) for n, c in strategy.items()})
+    plan = lower(g, strategy)
+    t_s = cm.breakdown(g, strategy).t_s
+    for layer in g:
+        if layer.param_shapes:
+            busiest = max(sync_busy_bytes(plan, layer.name).values(), default=0)
+            assert t_s[layer.name] * NVLINK == pytest.approx(busiest, rel=1e-9, abs=1e-6), layer.name
 
 
 # ---- 5. choices on VGG-16 (4 nodes x 4 P100) -----------------------------------------------------

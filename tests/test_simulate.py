@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import Counter, defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from taskrt.lowering import lower
 from taskrt.machine import DEVICE_KINDS, Device, Machine
 from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Task
 from taskrt.simulate import Runtime, simulate
+from taskrt.strategy import Strategy
 
 
 def _noop(*values):
@@ -320,7 +322,7 @@ def test_nothing_to_run_with_shared_cores():
 GRAPHS = {"lenet5": lambda: models.lenet5(batch=8),
           "vgg16": lambda: models.vgg16(batch=4, image_size=32, num_classes=5, width=1 / 16)}
 MACHINES = {"1x4": lambda: Machine.simulated(1, 4), "2x2": lambda: Machine.simulated(2, 2)}
-PHASES = {"fwd", "bwd", "loss", "slice", "gslice", "send", "wfetch", "grad", "update", "reduce"}
+PHASES = {"fwd", "bwd", "loss", "slice", "gslice", "send", "wfetch", "grad", "update", "reduce", "rslice", "wgather"}
 
 
 @pytest.fixture(scope="module")
@@ -332,8 +334,10 @@ def real_plans():
         for m_name, make_machine in MACHINES.items():
             machine = make_machine()
             cost_model = CostModel(machine, cache=False, progress=False)
-            for s_name, make in BASELINES.items():
+            for s_name, make in {**BASELINES, "data-allreduce": BASELINES["data"]}.items():
                 strategy = make(graph, machine).validated(graph, machine)
+                if s_name.endswith("allreduce"):
+                    strategy = Strategy({n: replace(c, sync="allreduce") for n, c in strategy.items()})
                 for mode in ("train", "gradients"):
                     out[(g_name, m_name, s_name, mode)] = (lower(graph, strategy, mode=mode), machine, cost_model)
     return out
@@ -472,7 +476,8 @@ def test_timer_gives_every_task_a_time(real_plans):
     p100 = DEVICE_KINDS["P100"]
     for plan, _, cost_model in real_plans.values():
         task_time = cost_model.timer(plan)
-        elements = {(layer, s.index): s.nbytes // 4 for layer, shards in plan.shards.items() for s in shards}
+        elements = {(layer, s.index, k): hi - lo for layer, shards in plan.shards.items() for s in shards
+                    for k, (lo, hi, _) in enumerate(s.chunks)}
         for t in plan.tasks:
             seen.add(t.phase)
             seconds = task_time(t)
@@ -485,11 +490,11 @@ def test_timer_gives_every_task_a_time(real_plans):
                 backward = max(op.backward_flops(out) / p100["flops"], 8 * volume / p100["memory_bandwidth"])
                 expected = {"fwd": forward, "bwd": backward, "loss": forward + backward}[t.phase]
                 assert seconds == pytest.approx(expected, rel=1e-9) and seconds > 0, t.key
-            elif t.phase in ("slice", "gslice"):  # a copy of the piece
+            elif t.phase in ("slice", "gslice", "rslice", "wgather"):  # a copy of the piece
                 assert seconds == pytest.approx(t.nbytes / p100["memory_bandwidth"], rel=1e-12) and seconds > 0
             elif t.phase in ("update", "reduce"):  # read gradients (and w, v), write w, v (or the sum)
                 passes = len(t.spec.grads) + (4 if t.phase == "update" else 1)
-                expected = passes * elements[(t.layer, t.key[1])] * 4 / p100["memory_bandwidth"]
+                expected = passes * elements[(t.layer, t.key[1], t.key[2])] * 4 / p100["memory_bandwidth"]
                 assert seconds == pytest.approx(expected, rel=1e-12) and seconds > 0, t.key
             else:  # send, wfetch, grad: a reference to an array that exists already
                 assert seconds == 0.0, t.key
