@@ -1,6 +1,8 @@
 """Array kernels and region rules, one module per op.
 
-Kernels take the array module of their inputs (numpy here, cupy on GPU workers).
+Kernels take the array module of their inputs (numpy here, cupy on GPU workers); convolution and
+linear layers on cupy arrays run through torch (cuDNN, cuBLAS) when it is importable
+(`ops.torch_kernels`).  GPU float32 precision is an explicit choice: `ops.set_precision`.
 """
 
 from ops.base import Op, array_module, dims_of
@@ -13,12 +15,13 @@ from ops.input import Input
 from ops.linear import Linear
 from ops.loss import SoftmaxCrossEntropy
 from ops.pool import Pool2d
+from ops.precision import get_precision, set_precision
 from ops.rect import Rect
 from ops.sgd import sgd_update
 
 OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy)}
 
 __all__ = [
-    "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "sgd_update",
+    "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "sgd_update", "set_precision", "get_precision",
     "Input", "Conv2d", "Pool2d", "Linear", "Relu", "Add", "Concat", "Flatten", "SoftmaxCrossEntropy",
 ]

@@ -1,9 +1,12 @@
-"""2D convolution (NCHW, weight (Cout, Cin, kh, kw)) with optional fused ReLU: im2col + GEMM."""
+"""2D convolution (NCHW, weight (Cout, Cin, kh, kw)) with optional fused ReLU: im2col + GEMM.
+
+On GPU tiles the same convolution runs through cuDNN when torch can (`ops.torch_kernels`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ops import torch_kernels
 from ops.base import Op, array_module
 from ops.errors import ShapeError
 from ops.rect import Rect
@@ -109,6 +112,8 @@ class Conv2d(Op):
         return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1)  # columns (i, j, c), as im2col_block
 
     def forward(self, xs, params, out):
+        if torch_kernels.use_torch(xs[0]):
+            return torch_kernels.conv2d_forward(xs[0], params, self.stride, self._pads(out), self.activation)
         x, w = xs[0], params["weight"]
         xp = array_module(x)
         n, cout, ho, wo = out.shape
@@ -124,6 +129,9 @@ class Conv2d(Op):
         return xp.ascontiguousarray(y.transpose(0, 3, 1, 2))
 
     def backward(self, dy, xs, y, params, out, need_dx):
+        if torch_kernels.use_torch(xs[0]):
+            return torch_kernels.conv2d_backward(dy, xs[0], y, params, self.stride, self._pads(out), self.activation,
+                                                 need_dx[0])
         x, w = xs[0], params["weight"]
         xp = array_module(x)
         n, cout, ho, wo = out.shape

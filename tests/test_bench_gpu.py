@@ -1,0 +1,161 @@
+"""The GPU benchmark's parts that need no GPU: refusing to run without one, choosing layers, rows,
+summaries and the report, on made-up timings."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from bench import gpu
+from taskrt import models
+
+
+@pytest.fixture
+def keep_cupy_variable(monkeypatch):
+    """run_part resets the precision, which writes CUPY_TF32: put it back afterwards."""
+    monkeypatch.delenv("CUPY_TF32", raising=False)
+
+
+def test_run_without_a_gpu_exits_naming_what_is_missing(tmp_path):
+    if not gpu.missing_gpu_requirements():
+        pytest.skip("this machine has what the benchmark needs")
+    with pytest.raises(SystemExit, match="missing here: .*(cupy|CUDA|torch)"):
+        gpu.run(out_dir=tmp_path, quick=True)
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_a_cupy_without_a_device_is_named(monkeypatch):
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_device)))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
+    missing = gpu.missing_gpu_requirements()
+    assert any("a CUDA device" in m and "cudaErrorNoDevice" in m for m in missing)
+
+
+def test_large_conv_layers_are_distinct_and_large():
+    vgg = gpu.NETWORKS["vgg16"]()
+    layers = gpu.large_conv_layers(vgg)
+    assert [layer.name for layer, _ in layers] == ["conv1_2", "conv2_1", "conv2_2", "conv3_1", "conv3_2", "conv4_1",
+                                                   "conv4_2", "conv5_1"]
+    assert sum(count for _, count in layers) == 12  # all but conv1_1, which has 3 input channels
+    alexnet = gpu.large_conv_layers(gpu.NETWORKS["alexnet"]())
+    assert [layer.name for layer, _ in alexnet] == ["conv2", "conv3", "conv4", "conv5"]
+    inception = gpu.large_conv_layers(gpu.NETWORKS["inception_v3"]())
+    shapes = {(l.op.in_shapes, l.op.out_channels, l.op.kernel, l.op.stride) for l, _ in inception}
+    assert len(shapes) == len(inception) > 10
+
+
+def fake_layer():
+    graph = models.vgg16(batch=2, image_size=32, num_classes=10, width=0.25)
+    return graph["conv2_1"]
+
+
+def test_kernel_rows_and_summary():
+    layer = fake_layer()
+    rows = [
+        gpu.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
+                                                    "cupy_im2col": (0.01, 0.02)}),
+        gpu.kernel_row("vgg16", layer, 1, "tf32", {"taskrt": (0.001, 0.002), "cudnn": (0.0006, 0.0012)},
+                       {"cupy_im2col": "OutOfMemoryError: out of memory"}),
+    ]
+    gflop = 3 * layer.op.flops(gpu.Rect.full(layer.shape)) / 1e9
+    assert rows[0]["gflop"] == pytest.approx(gflop)
+    assert rows[0]["taskrt_tflops"] == pytest.approx(gflop / 0.006 / 1e3)
+    assert rows[0]["taskrt_of_cudnn"] == pytest.approx(0.5)
+    assert rows[0]["cupy_im2col_of_cudnn"] == pytest.approx(0.1)
+    assert rows[1]["taskrt_of_cudnn"] == pytest.approx(0.6)
+    assert "cupy_im2col_tflops" not in rows[1] and "out of memory" in rows[1]["cupy_im2col_error"]
+    lines = gpu.kernel_summary(rows)
+    assert any("fp32" in line and "median 50%" in line and "met by all" in line for line in lines)
+    assert any("im2col path reaches median 10%" in line for line in lines)
+    assert any("failed" in line and "cupy_im2col" in line for line in lines)
+    missed = gpu.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.003, 0.006), "cudnn": (0.001, 0.002)})
+    assert any("met by 1 of 2" in line for line in gpu.kernel_summary([rows[0], missed]))
+
+
+def test_training_rows_and_summary():
+    row = gpu.training_row("alexnet", 128, "fp32", runtime_s=0.030, torch_s=0.015, runtime_loss=6.9078,
+                           torch_loss=6.9077)
+    assert row["runtime_images_per_s"] == pytest.approx(128 / 0.030)
+    assert row["of_torch"] == pytest.approx(0.5) and row["goal"] == "met"
+    assert gpu.training_row("a", 1, "tf32", 0.1, 0.09, 1.0, 1.0)["goal"] == "moonshot"
+    assert gpu.training_row("a", 1, "tf32", 0.1, 0.04, 1.0, 1.0)["goal"] == "missed"
+    assert row["first_loss_rel_diff"] == pytest.approx(1e-4 / 6.9077)
+    lines = gpu.training_summary([row])
+    assert "0.50x" in lines[0] and "met" in lines[0]
+    assert "1.4e-05" in lines[1]
+
+
+def test_strategy_rows_and_summary():
+    planned = {(0, 1): 1000, (1, 0): 500}
+    good = gpu.strategy_row("vgg16_32", 2, "data", [2.3, 2.2, 2.1], [2.3, 2.2, 2.1 * (1 + 5e-5)], planned,
+                            dict(planned), 0.05, 64)
+    assert good["matches_one_device"] and good["bytes_match"]
+    assert good["planned_by_pair"] == {"0->1": 1000, "1->0": 500} and good["planned_bytes"] == 1500
+    assert good["images_per_s"] == pytest.approx(64 / 0.05)
+    bad = gpu.strategy_row("vgg16_32", 2, "model", [2.3, 2.5, 2.1], [2.3, 2.2, 2.1], planned, {(0, 1): 1000},
+                           0.08, 64)
+    assert not bad["matches_one_device"] and not bad["bytes_match"]
+    failed = {"part": "strategies", "model": "vgg16_32", "workers": 4, "strategy": "owt", "error": "KeyError: 3"}
+    lines = gpu.strategy_summary([good, bad, failed])
+    assert any("NOT model on 2" in line for line in lines)
+    assert any("DIFFER for model on 2" in line for line in lines)
+    assert any("data 50 ms" in line and line.index("data") < line.index("model") for line in lines)
+    assert any("owt on 4: KeyError: 3" in line for line in lines)
+    assert lines[-1] == "caveat: " + gpu.CAVEAT
+    assert gpu.strategy_summary([]) == []
+
+
+def test_run_part_reports_a_failure_and_goes_on(keep_cupy_variable, capsys):
+    errors, rows = {}, []
+
+    def broken(rows):
+        rows.append({"done": 1})
+        raise RuntimeError("out of memory")
+
+    gpu.run_part("kernels", errors, broken, rows)
+    gpu.run_part("training", errors, lambda rows: rows.append({"done": 2}), rows)
+    assert errors == {"kernels": "RuntimeError: out of memory"}
+    assert rows == [{"done": 1}, {"done": 2}]  # the failing part keeps what it had
+    assert "part kernels FAILED" in capsys.readouterr().out
+
+
+def test_report_files(tmp_path):
+    layer = fake_layer()
+    kernel_rows = [gpu.kernel_row("vgg16", layer, 2, p, {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
+                                                         "cupy_im2col": (0.01, 0.02)}) for p in gpu.PRECISIONS]
+    training_rows = [gpu.training_row("alexnet", 128, p, 0.03, 0.015, 6.9, 6.9) for p in gpu.PRECISIONS]
+    planned = {(0, 1): 10, (1, 0): 20}
+    strategy_rows = [gpu.strategy_row("lenet5", 2, s, [2.3], [2.3], planned, planned, 0.01, 64)
+                     for s in ("data", "model")]
+    strategy_rows.append({"part": "strategies", "model": "lenet5", "workers": 2, "strategy": "owt", "error": "x"})
+    meta = {"gpu": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cupy": "14.2", "driver": "570.1"}}
+    md = gpu.write_report(tmp_path, kernel_rows, training_rows, strategy_rows, meta,
+                          {"strategies": "MachineError: no GPU worker"})
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["gpu"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert len(record["rows"]) == 2 and len(record["kernels"]) == 2 and len(record["strategies"]) == 3
+    assert record["errors"] == {"strategies": "MachineError: no GPU worker"}
+    text = md.read_text()
+    for heading in ("## a.", "## b.", "## c.", "Caveat:", "part strategies FAILED", "NVIDIA H100"):
+        assert heading in text
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_gpu_description_says_why_a_field_is_missing():
+    info = gpu.gpu_description()
+    assert set(info) >= {"gpu", "driver", "cupy", "torch", "cudnn", "cuda_driver_api", "cuda_runtime"}
+    if gpu.missing_gpu_requirements():
+        assert str(info["gpu"]).startswith("unavailable (")
+
+
+def test_random_batch_fits_the_graph():
+    graph = models.lenet5(batch=4)
+    x, y = gpu.random_batch(graph)
+    assert x.shape == graph.inputs[0].shape and x.dtype == np.float32
+    assert y.shape == (4,) and y.min() >= 0 and y.max() < 10
