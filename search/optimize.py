@@ -13,7 +13,9 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
-    the total, how far eliminations reduced the graph, and how long the search took.
+    the total, how far eliminations reduced the graph, how long the search took, and the memory
+    per device of a step by kind (`memory_per_device`, bytes).  Replicated weights take the
+    cheaper of the parameter server and the all-reduce per layer (each config's `sync`).
 
     Equation 1 adds layers up, so it cannot see one layer's synchronization overlapping another's
     backward, or devices sharing processor cores.  With `check_by_simulation`, the optimum is
@@ -48,7 +50,17 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation:
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
+    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy, cost_model.itemsize)
     return strategy
+
+
+def memory_per_device(graph, strategy, itemsize=4) -> dict:
+    """JSON-ready bytes per device of a training step under `strategy`, by kind (taskrt.memory)."""
+    from taskrt.lowering import lower
+    from taskrt.memory import plan_memory
+
+    plan = lower(graph, strategy.validated(graph), itemsize=itemsize)
+    return {str(d): m.to_dict() for d, m in plan_memory(plan, itemsize).items()}
 
 
 def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:

@@ -15,6 +15,7 @@ from math import prod
 
 from ops.rect import Rect
 from taskrt.config import DIMS, ParallelConfig, blocks
+from taskrt.memory import part_footprint
 
 PLACEMENTS = ("first", "aligned")
 
@@ -26,19 +27,16 @@ def degree_choices(num_devices: int, powers_of_two: bool = True) -> list[int]:
 
 
 def part_memory(layer, config: ParallelConfig, itemsize: int) -> int:
-    """Bytes the largest part holds during a step: its input tiles, its output and output
-    gradient, and its parameter shard with gradient and velocity.  Blocks that do not divide
-    evenly are larger first, so part 0 is the largest."""
+    """Bytes the largest part holds during a step (taskrt.memory.part_footprint: its input tiles,
+    its output and output gradient, and its parameter shard with gradient and velocity).  Blocks
+    that do not divide evenly are larger first, so part 0 is the largest."""
     return _block_memory(layer.op, tuple(blocks(size, getattr(config, dim))[0][1]
                                          for size, dim in zip(layer.shape, DIMS)), itemsize)
 
 
 @lru_cache(maxsize=65536)
 def _block_memory(op, extent, itemsize) -> int:
-    rect = Rect((0,) * len(extent), extent)
-    inputs = sum(r.volume for r in op.input_rects(rect) if r is not None)
-    params = sum(r.volume for r in op.param_rects(rect).values())
-    return (2 * inputs + 2 * rect.volume + 3 * params) * itemsize
+    return part_footprint(op, Rect((0,) * len(extent), extent), itemsize).total
 
 
 def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement: str = "first",

@@ -157,6 +157,9 @@ def cmd_search(args):
         print(f"search: {info['configs']} configs, cost tables {info['tables_s']:.3f} s, node/edge elimination "
               f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})\n")
         print(report(graph, strategy))
+        print("\nmemory per device of one step (parameters, gradients, optimizer state, activations kept for "
+              "backward, largest backward working set):")
+        print(memory_report(strategy.meta["memory_per_device"], machine))
         if args.compare:
             print("\npredicted step time of the standard strategies under the same cost model:")
             for name, make in search.BASELINES.items():
@@ -171,18 +174,32 @@ def cmd_search(args):
     return 0
 
 
+def memory_report(memory: dict, machine) -> str:
+    """The per-device memory table (MiB), with each device's capacity where the machine knows it."""
+    from taskrt.memory import KINDS
+
+    rows = [f"{'device':>6} " + " ".join(f"{k:>12}" for k in (*KINDS, "total")) + f" {'of capacity':>12}   (MiB)"]
+    for device, m in memory.items():
+        capacity = machine.devices[int(device)].memory
+        share = f"{m['total'] / capacity:12.1%}" if capacity else f"{'?':>12}"
+        rows.append(f"{device:>6} " + " ".join(f"{m[k] / 2**20:12.2f}" for k in (*KINDS, "total")) + f" {share}")
+    return "\n".join(rows)
+
+
 def report(graph, strategy) -> str:
     """The chosen strategy per layer, in the style of the paper's Table 5, with predicted costs."""
     from taskrt.config import DIMS
 
     meta = strategy.meta
-    rows = [f"{'layer':<28} {'kind':<22} {'config':<24} {'devices':<10} {'t_c ms':>9} {'t_x ms':>9} {'t_s ms':>9}"]
+    rows = [f"{'layer':<28} {'kind':<22} {'config':<24} {'devices':<10} {'t_c ms':>9} {'t_x ms':>9} {'t_s ms':>9}"
+            "  sync"]
     for name in graph.layers:
         cfg, cost = strategy[name], meta["per_layer_s"][name]
         degrees = "{" + ", ".join(f"{d}={getattr(cfg, d)}" for d in DIMS) + "}"
         span = f"{cfg.devices[0]}-{cfg.devices[-1]}" if len(cfg.devices) > 1 else str(cfg.devices[0])
+        sync = cfg.sync if graph[name].param_shapes and (cfg.n, cfg.h, cfg.w) != (1, 1, 1) else ""
         rows.append(f"{name:<28} {graph[name].kind:<22} {degrees:<24} {span:<10} {cost['t_c'] * 1e3:9.3f} "
-                    f"{cost['t_x'] * 1e3:9.3f} {cost['t_s'] * 1e3:9.3f}")
+                    f"{cost['t_x'] * 1e3:9.3f} {cost['t_s'] * 1e3:9.3f}  {sync}")
     rows.append(f"predicted step time: {meta['predicted_step_s'] * 1e3:.3f} ms"
                 + (" (t_c: roofline estimates for the simulated device kind)" if meta["estimated"] else ""))
     return "\n".join(rows)

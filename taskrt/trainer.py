@@ -27,6 +27,7 @@ from taskrt.files import write_atomic
 from taskrt.graph import Graph
 from taskrt.lowering import lower
 from taskrt.machine import MachineError
+from taskrt.memory import plan_memory
 from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
 from taskrt.strategy import Strategy
 
@@ -47,6 +48,7 @@ class StepStats:
     tasks: int
     tasks_by_phase: dict
     planned_bytes: dict  # (source device, destination device) -> bytes, from the plan
+    memory: dict = field(default_factory=dict)  # device -> taskrt.memory.DeviceMemory, from the plan
     _measure: object = field(repr=False, default=None)
     _measured: dict | None = field(repr=False, default=None)
 
@@ -63,8 +65,10 @@ class StepStats:
 
     def summary(self) -> str:
         pairs = ", ".join(f"{s}->{d}: {b:,}" for (s, d), b in sorted(self.planned_bytes.items())) or "none"
+        peak = max(self.memory.items(), key=lambda item: item[1].total, default=None)
+        memory = f", most memory on device {peak[0]}: {peak[1].total / 2**20:.1f} MiB" if peak else ""
         return (f"step {self.step}: {self.wall_s * 1e3:.1f} ms, {self.tasks} tasks, "
-                f"{self.bytes_moved:,} bytes moved ({pairs})")
+                f"{self.bytes_moved:,} bytes moved ({pairs}){memory}")
 
 
 class StepFuture:
@@ -110,6 +114,7 @@ class Trainer:
         self._last_finished = 0.0
         self._aux_runs = 0
         self.stats: StepStats | None = None
+        self._memory = None
         params = init_parameters(graph, seed, self.dtype)
         self._place(params, {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()})
 
@@ -234,8 +239,15 @@ class Trainer:
         self._last_finished = run.finished
         self.stats = StepStats(
             run.step, run.finished - started, len(run.plan.tasks), run.plan.phase_counts(),
-            run.plan.bytes_by_pair(), _measure=lambda keys=run.keys: self.executor.measured_bytes(keys),
+            run.plan.bytes_by_pair(), self.memory(),
+            _measure=lambda keys=run.keys: self.executor.measured_bytes(keys),
         )
+
+    def memory(self) -> dict:
+        """Bytes per device of a training step, by kind (taskrt.memory): {device: DeviceMemory}."""
+        if self._memory is None:
+            self._memory = plan_memory(self.plan, self.dtype.itemsize)
+        return self._memory
 
     def gradients(self, *data) -> dict:
         """Gradients of the mean loss for a batch, without updating: {layer: {"weight", "bias"}}."""

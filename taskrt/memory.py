@@ -1,0 +1,109 @@
+"""Memory per device: what one training step keeps on each device, by kind, from the plan.
+
+    memory = plan_memory(plan)            # {device: DeviceMemory}
+    memory[0].total, memory[0].to_dict()
+
+Kinds (bytes):
+- parameters: the weights a device computes with (the shard's state where it holds all of it,
+  otherwise the copy it fetched or gathered), plus the master chunks it owns under "allreduce";
+- gradients: its parameter gradients, plus the replicas' gradients it receives to sum (a
+  parameter server receives whole shards, an all-reduce owner one chunk from each replica);
+- optimizer: the velocity of the state chunks it owns (SGD with momentum);
+- activations: what forward keeps for backward: its outputs, the slices it cut for others, the
+  data tiles it was sent and every piece it received (backward reuses what forward fetched);
+- transient: the largest working set of one task beyond those (an output gradient assembled
+  from its pieces and the input gradients it produces).
+
+The sum is the peak of a step under the runtime's schedule (all of forward kept, then one
+backward task at a time), not counting Dask's own buffers.  `part_footprint` is the same
+accounting for one part of one layer, which the search uses to drop configs that cannot fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from taskrt.plan import DATA, TASK, Plan
+
+KINDS = ("parameters", "gradients", "optimizer", "activations", "transient")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    transient: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, kind) for kind in KINDS)
+
+    def to_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
+
+
+def part_footprint(op, out, itemsize: int) -> DeviceMemory:
+    """One part's share of a device's memory (output Rect `out` of `op`): its parameter shard with
+    gradient and velocity (at worst it holds the whole shard's state), its input tiles and output
+    kept for backward, and its backward working set (output gradient and input gradients)."""
+    inputs = sum(r.volume for r in op.input_rects(out) if r is not None)
+    params = sum(r.volume for r in op.param_rects(out).values())
+    return DeviceMemory(params * itemsize, params * itemsize, params * itemsize,
+                        (inputs + out.volume) * itemsize, (inputs + out.volume) * itemsize)
+
+
+def plan_memory(plan: Plan, itemsize: int = 4) -> dict[int, DeviceMemory]:
+    """Bytes per device, by kind, for one step of `plan` (see the module docstring)."""
+    devices = {t.device for t in plan.tasks} | {p.device for parts in plan.data.values() for p in parts}
+    out = {d: dict.fromkeys(KINDS, 0) for d in devices}
+    for shards in plan.shards.values():
+        for shard in shards:
+            chunks = shard.chunks
+            training = plan.mode != "predict"
+            for d in shard.devices:
+                out.setdefault(d, dict.fromkeys(KINDS, 0))
+                out[d]["parameters"] += shard.nbytes  # the weights it computes with
+                out[d]["gradients"] += shard.nbytes * training  # its own gradient
+            replicas = len(shard.devices)
+            for lo, hi, d in chunks:
+                chunk = (hi - lo) * itemsize
+                out[d]["optimizer"] += chunk
+                if len(chunks) > 1:  # a master chunk beside the gathered copy
+                    out[d]["parameters"] += chunk
+                if training:
+                    out[d]["gradients"] += (replicas - 1) * (shard.nbytes if len(chunks) == 1 else chunk)
+    for layer, parts in plan.data.items():
+        for part in parts:
+            out[part.device]["activations"] += plan.data_nbytes[(layer, part.index)]
+    for task in plan.tasks:
+        if task.phase in ("fwd", "slice") and task.nbytes:
+            out[task.device]["activations"] += task.nbytes
+        if task.phase in ("bwd", "loss"):
+            spec = task.spec
+            out[task.device]["transient"] = max(out[task.device]["transient"],
+                                                part_footprint(spec.op, spec.out, itemsize).transient)
+    for transfer in plan.transfers():
+        if _is_forward_value(plan, transfer.dep):
+            out[transfer.dst]["activations"] += transfer.nbytes
+    return {d: DeviceMemory(**out[d]) for d in sorted(out)}
+
+
+def _is_forward_value(plan, dep) -> bool:
+    """Data, a forward output or a slice of one (through aliases): what forward fetches."""
+    while dep.kind == TASK:
+        task = plan.by_key[dep.key]
+        if task.phase != "send":
+            return task.phase in ("fwd", "slice")
+        dep = task.deps[0]
+    return dep.kind == DATA
+
+
+def summary(memory: dict[int, DeviceMemory]) -> str:
+    """One line per device, in MiB, by kind."""
+    rows = [f"{'device':>6} " + " ".join(f"{k:>12}" for k in (*KINDS, "total")) + "   (MiB)"]
+    for d, m in memory.items():
+        values = [getattr(m, k) for k in KINDS] + [m.total]
+        rows.append(f"{d:>6} " + " ".join(f"{v / 2**20:12.2f}" for v in values))
+    return "\n".join(rows)
