@@ -382,13 +382,14 @@ class CostModel:
     def sync_methods(self, layer, table) -> dict[str, np.ndarray]:
         """t_s of every config under each sync method (see taskrt.lowering): {"ps": ..., "allreduce": ...}.
 
-        Shards synchronize in parallel; a device handles its incoming and outgoing messages one
-        after another.  "ps": the server receives every replica's gradient and sends the weights
-        back.  "allreduce": each replica owns one chunk of the shard; it receives the other
-        replicas' gradients of its chunk and sends them its chunks of theirs (reduce-scatter),
-        then sends its updated chunk to every other replica and receives theirs (all-gather).
-        Both add the dependent tasks' overhead: (grad, update, wfetch) and (rslice, update,
-        wfetch, wgather) when replicated, the update alone otherwise."""
+        Shards synchronize in parallel.  Links are full duplex, as in t_x and the simulator: a
+        device receives its incoming messages one after another and sends its outgoing ones one
+        after another, both at once, so a shard costs its busiest device's larger direction.
+        "ps": the server receives every replica's gradient and sends each the weights.
+        "allreduce": each replica owns one chunk of the shard; it receives the other replicas'
+        gradients of its chunk (reduce-scatter) and their updated chunks (all-gather), and sends
+        the same amounts.  Both add the dependent tasks' overhead: (grad, update, wfetch) and
+        (rslice, update, wfetch, wgather) when replicated, the update alone otherwise."""
         configs = len(table.starts)
         if not layer.param_shapes:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
@@ -404,9 +405,9 @@ class CostModel:
         volume = np.array([self._shard_volume(layer, lo, hi) for lo, hi in extents.tolist()])[which.ravel()]
         device = table.device
         nbytes = volume * self.itemsize
-        per_replica = (nbytes * (self.inv_bandwidth[device, server] + self.inv_bandwidth[server, device])
-                       + self.latency[device, server] + self.latency[server, device])
-        per_shard = np.bincount(shard_of, weights=per_replica)
+        gradients_in = nbytes * self.inv_bandwidth[device, server] + self.latency[device, server]
+        weights_out = nbytes * self.inv_bandwidth[server, device] + self.latency[server, device]
+        per_shard = np.maximum(np.bincount(shard_of, weights=gradients_in), np.bincount(shard_of, weights=weights_out))
         replicas = np.bincount(shard_of)
         shard_config = config[first]
         replicated = np.zeros(configs, dtype=bool)
@@ -423,9 +424,10 @@ class CostModel:
             seconds = self.inv_bandwidth[np.ix_(devices, devices)] * self.itemsize  # per element, row -> column
             lat = self.latency[np.ix_(devices, devices)]
             has = chunk > 0
-            busy = (chunk * (seconds.sum(axis=0) + seconds.sum(axis=1))  # its own chunk: gradients in, weights out
-                    + seconds.T @ chunk + seconds @ chunk  # the others' chunks: weights in, gradients out
-                    + has * (lat.sum(axis=0) + lat.sum(axis=1)) + lat.T @ has + lat @ has)
+            incoming = (chunk * seconds.sum(axis=0) + seconds.T @ chunk  # gradients of its chunk, the others' chunks
+                        + has * lat.sum(axis=0) + lat.T @ has)
+            outgoing = chunk * seconds.sum(axis=1) + seconds @ chunk + has * lat.sum(axis=1) + lat @ has
+            busy = np.maximum(incoming, outgoing)
             allreduce[shard_config[shard]] = max(allreduce[shard_config[shard]], busy.max())
         return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
                 "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}

@@ -19,8 +19,11 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
 
     Equation 1 adds layers up, so it cannot see one layer's synchronization overlapping another's
     backward, or devices sharing processor cores.  With `check_by_simulation`, the optimum is
-    simulated against data, model and OWT parallelism and the fastest of the four is returned
-    (meta["chosen_by_simulation"] says which, with every simulated time).
+    simulated against data, model and OWT parallelism and every configuration of the seed
+    families (SplitBrain, the Pr x Pc grids); the search starts from the fastest and makes one
+    greedy pass over the layers, keeping any config another close candidate gives a layer when
+    the simulated step gets faster.  meta["chosen_by_simulation"] names the start, with every
+    candidate's simulated time; meta["refined_layers"] and meta["refined_step_s"] the result.
     """
     cost_model = cost_model or CostModel(machine)
     started = time.perf_counter()
@@ -63,21 +66,54 @@ def memory_per_device(graph, strategy, itemsize=4) -> dict:
     return {str(d): m.to_dict() for d, m in plan_memory(plan, itemsize).items()}
 
 
-def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:
+def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
+    """What the simulation check compares: the Eq. 1 optimum, the baselines, and every valid
+    configuration of the seed families (SplitBrain's mp, the Pr x Pc grids)."""
     from search.baselines import BASELINES
+    from search.families import integrated_family, splitbrain_family
+
+    out = {"layer-wise optimum": optimum, **{name: make(graph, machine) for name, make in BASELINES.items()}}
+    for family in (splitbrain_family(graph, machine), integrated_family(graph, machine, "batch"),
+                   integrated_family(graph, machine, "grid")):
+        out.update(family)
+    return {name: strategy.validated(graph, machine) for name, strategy in out.items()}
+
+
+def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:
+    """The fastest candidate by simulation, then one greedy pass over the layers: each layer tries
+    the configs the candidates within 1.5x of the fastest give it, and keeps one when the
+    simulated step gets faster."""
+    from tqdm import tqdm
+
     from taskrt.lowering import lower
     from taskrt.simulate import simulate
 
-    candidates = {"layer-wise optimum": optimum, **{name: make(graph, machine) for name, make in BASELINES.items()}}
-    simulated = {}
-    for name, strategy in candidates.items():
-        plan = lower(graph, strategy.validated(graph, machine), itemsize=cost_model.itemsize)
-        simulated[name] = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan)).step_s
-    best = min(simulated, key=simulated.get)
-    meta = {**optimum.meta, "chosen_by_simulation": best, "simulated_step_s": simulated}
-    if best != "layer-wise optimum":
-        chosen = cost_model.breakdown(graph, candidates[best])
-        meta["predicted_step_s"] = chosen.total
-        meta["per_layer_s"] = {n: {"t_c": chosen.t_c[n], "t_x": chosen.t_x[n], "t_s": chosen.t_s[n]}
-                               for n in chosen.t_c}
-    return Strategy(candidates[best].validated(graph, machine).configs, name="layer-wise", meta=meta)
+    def simulated_s(strategy) -> float:
+        plan = lower(graph, strategy, itemsize=cost_model.itemsize)
+        return simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan)).step_s
+
+    pool = candidates(graph, machine, optimum)
+    simulated = {name: simulated_s(strategy) for name, strategy in pool.items()}
+    start = min(simulated, key=simulated.get)
+    configs, best = dict(pool[start].configs), simulated[start]
+    changed = []
+    layers = [layer.name for layer in graph if not layer.is_input]
+    close = [c for name, c in pool.items() if simulated[name] <= 1.5 * best]  # far slower ones rarely help a layer
+    for name in tqdm(layers, desc="refining by simulation", leave=False, disable=not cost_model.progress or None):
+        for option in dict.fromkeys(c.configs[name] for c in close):
+            if option == configs[name]:
+                continue
+            trial = Strategy({**configs, name: option}).validated(graph, machine)
+            seconds = simulated_s(trial)
+            if seconds < best * (1 - 1e-9):
+                configs, best = dict(trial.configs), seconds
+                changed.append(name)
+    meta = {**optimum.meta, "chosen_by_simulation": start, "simulated_step_s": simulated,
+            "refined_layers": changed, "refined_step_s": best}
+    chosen = Strategy(configs)
+    if start != "layer-wise optimum" or changed:
+        breakdown = cost_model.breakdown(graph, chosen)
+        meta["predicted_step_s"] = breakdown.total
+        meta["per_layer_s"] = {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
+                               for n in breakdown.t_c}
+    return Strategy(chosen.validated(graph, machine).configs, name="layer-wise", meta=meta)
