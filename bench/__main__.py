@@ -7,6 +7,10 @@
   accuracy     predicted vs measured step time on 1 and 2 local devices (the paper's Table 4)
   scaling      throughput and bytes moved on 1-16 simulated P100s (the paper's Figures 7 and 8)
   convergence  loss curves of data parallel and layer-wise against one device
+  seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
+               the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
+  gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
+  gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence"]
+BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
+ON_REQUEST = ["gholami", "gpu"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", choices=BENCHMARKS + ["all"], help="which benchmark, or all of them")
+    parser.add_argument("name", choices=BENCHMARKS + ON_REQUEST + ["all"], help="which benchmark, or all of them")
     parser.add_argument("--quick", action="store_true", help="a short version (CI)")
     parser.add_argument("--out", default="results", help="folder for results (default: results/)")
     args = parser.parse_args(argv)
