@@ -453,7 +453,12 @@ class CostModel:
 
 # ---- part timing (runs on a device) ---------------------------------------------------------
 def measure_parts(items, repeats, dtype):
-    """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx)."""
+    """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx),
+    on this worker's device: on a GPU worker the arrays live on the GPU and every timing waits for
+    the device to finish (taskrt.device.synchronize)."""
+    from ops import array_module
+    from taskrt.device import synchronize, to_device
+
     rng = np.random.default_rng(0)
     out = []
     for op, rect, need_dx in items:
@@ -466,15 +471,19 @@ def measure_parts(items, repeats, dtype):
             else:
                 xs.append(rng.standard_normal(r.shape).astype(dtype))
         params = {k: (rng.standard_normal(r.shape) * 0.01).astype(dtype) for k, r in op.param_rects(rect).items()}
+        xs, params = [to_device(x) for x in xs], {k: to_device(v) for k, v in params.items()}
         y = op.forward(xs, params, rect)
-        dy = np.ones_like(y)
+        dy = array_module(y).ones_like(y)
         op.backward(dy, xs, y, params, rect, need_dx)  # warm-up
         fwd, bwd = [], []
         for _ in range(repeats):
+            synchronize()
             start = time.perf_counter()
             y = op.forward(xs, params, rect)
+            synchronize()
             middle = time.perf_counter()
             op.backward(dy, xs, y, params, rect, need_dx)
+            synchronize()
             fwd.append(middle - start)
             bwd.append(time.perf_counter() - middle)
         out.append([float(np.median(fwd)), float(np.median(bwd))])
@@ -484,14 +493,15 @@ def measure_parts(items, repeats, dtype):
 def measure_synchronization(items, repeats, dtype):
     """Median seconds of an SGD update (or a gradient sum) over `elements` parameters from
     `grads` replicas, for each (phase, elements, grads), as the Update / ReduceGrads tasks run it."""
+    from taskrt.device import synchronize, to_device
     from taskrt.tasks import ReduceGrads, Update
 
     rng = np.random.default_rng(0)
     hyper = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4}
     out = []
     for phase, elements, grads in items:
-        state = (rng.standard_normal(elements).astype(dtype), np.zeros(elements, dtype=dtype))
-        values = [rng.standard_normal(elements).astype(dtype) for _ in range(grads)]
+        state = to_device((rng.standard_normal(elements).astype(dtype), np.zeros(elements, dtype=dtype)))
+        values = [to_device(rng.standard_normal(elements).astype(dtype)) for _ in range(grads)]
         if phase == "update":
             spec, args = Update(tuple((i + 1, None, None) for i in range(grads))), (state, *values, hyper)
         else:
@@ -499,8 +509,10 @@ def measure_synchronization(items, repeats, dtype):
         spec(*args)
         times = []
         for _ in range(repeats):
+            synchronize()
             start = time.perf_counter()
             spec(*args)
+            synchronize()
             times.append(time.perf_counter() - start)
         out.append(float(np.median(times)))
     return out

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import dask
 
 from ops.rect import Rect
+from taskrt.device import to_device, to_host
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import DATA, HYPER, STATE, TASK, Plan
 
@@ -68,37 +69,26 @@ class Executor:
 
     def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
-        def resolve(dep):
-            if dep.kind == TASK:
-                return step_key(dep.key, tag)
-            if dep.kind == STATE:
-                return state[dep.key]
-            if dep.kind == DATA:
-                return data[dep.key]
-            if dep.kind == HYPER:
-                return dict(hyper)
-            raise AssertionError(dep)
-
-        dsk, restriction = {}, {}
-        for task in plan.tasks:
-            key = step_key(task.key, tag)
-            dsk[key] = (task.spec, *[resolve(d) for d in task.deps])
-            restriction[key] = {resource_tag(task.device): 1}
+        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices)
         names, wanted = [], []
-        for name, value in plan.outputs.items():
+        for name, value in outputs.items():
             keys = list(value.values()) if isinstance(value, dict) else list(value)
             names.append((name, value, len(keys)))
-            wanted += [step_key(k, tag) for k in keys]
+            wanted += keys
         submitted = time.perf_counter()
         with dask.annotate(resources=lambda key: restriction[key]):
             futures = self.client.get(dsk, wanted, sync=False)
-        outputs, i = {}, 0
+        out, i = {}, 0
         for name, value, count in names:
             chunk = futures[i : i + count]
-            outputs[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
+            out[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
             i += count
         keys = set(dsk) | {f.key for f in data.values()}
-        return StepRun(step, tag, plan, outputs, keys, submitted)
+        return StepRun(step, tag, plan, out, keys, submitted)
+
+    @property
+    def gpu_devices(self) -> frozenset:
+        return frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
 
     def cut_lineage(self, futures: dict, tag: str) -> dict:
         """The same values under fresh keys that have no dependencies.
@@ -141,6 +131,60 @@ class Executor:
             for sender, nbytes in entries:
                 counts[(device_of[sender], device_of[receiver])] += nbytes
         return dict(counts)
+
+
+def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset()):
+    """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
+
+    On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
+    array once, by a task beside it ('<layer>-todevice'), and every output the client reads (a loss
+    part's sum, logits, gradient sums) is brought back to host memory there ('<layer>-host'),
+    so nothing but the step's data crosses between host and device inside a step."""
+    dsk, restriction = {}, {}
+
+    def add(key, value, device):
+        dsk[key] = value
+        restriction[key] = {resource_tag(device): 1}
+        return key
+
+    def resolve(dep, device):
+        if dep.kind == TASK:
+            return step_key(dep.key, tag)
+        if dep.kind == STATE:
+            return state[dep.key]
+        if dep.kind == DATA:
+            home = plan.device_of(dep)
+            if home not in gpu_devices:
+                return data[dep.key]
+            layer, part = dep.key
+            key = step_key((f"{layer}-todevice", part), tag)
+            return key if key in dsk else add(key, (to_device, data[dep.key]), home)
+        if dep.kind == HYPER:
+            return dict(hyper)
+        raise AssertionError(dep)
+
+    for task in plan.tasks:
+        add(step_key(task.key, tag), (task.spec, *[resolve(d, task.device) for d in task.deps]), task.device)
+    outputs = {}
+    for name, value in plan.outputs.items():
+        keys = list(value.values()) if isinstance(value, dict) else list(value)
+        adapted = []
+        for key in keys:
+            device = plan.by_key[key].device
+            if device in gpu_devices and name != "state":  # state stays on its device
+                to_client = loss_sum if name == "loss" else to_host
+                layer = key[0].rsplit("-", 1)[0]
+                adapted.append(add(step_key((f"{layer}-host", *key[1:]), tag),
+                                   (to_client, step_key(key, tag)), device))
+            else:
+                adapted.append(step_key(key, tag))
+        outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
+    return dsk, restriction, outputs
+
+
+def loss_sum(value) -> float:
+    """The summed per-sample losses of a loss part (its value is (d logits, None, losses))."""
+    return float(to_host(value[-1]).sum())
 
 
 def _rekey(renames, dask_worker=None):

@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,31 +68,52 @@ class Machine:
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
-    def local(cls, n: int = 2, memory_limit="auto", probe=True, quiet=True) -> Machine:
-        """Start `n` single-threaded worker processes on 127.0.0.1, dashboard on a free port."""
+    def local(cls, n: int = 2, memory_limit="auto", probe=True, quiet=True, gpu: bool = False) -> Machine:
+        """Start `n` single-threaded worker processes on 127.0.0.1, dashboard on a free port.
+
+        `gpu=True`: GPU workers, each computing with cupy on one GPU: through dask-cuda's
+        LocalCUDACluster (one worker per GPU) when it is installed and `n` equals the GPU count,
+        otherwise worker i sees GPU i % count, so several workers may share one GPU (the only way
+        to run multi-device plans on a one-GPU machine; their timings are not those of separate
+        GPUs)."""
         import dask
         from distributed import Client, Nanny, Scheduler, SpecCluster
 
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
-        if n > (os.cpu_count() or 1):
+        gpus = _local_gpu_count() if gpu else 0
+        if not gpu and n > (os.cpu_count() or 1):
             logging.getLogger("taskrt").warning(
                 "Machine.local(%d) on %d cores: timings are not meaningful, bytes and results are",
                 n, os.cpu_count())
         dask.config.set(_DASK_SETTINGS)
         level = logging.WARNING if quiet else logging.INFO
-        workers = {
-            i: {"cls": Nanny, "options": {"nthreads": 1, "resources": {resource_tag(i): 1}, "host": "127.0.0.1",
-                                          "memory_limit": memory_limit, "silence_logs": level}}
-            for i in range(n)
-        }
         scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
-        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
+        if gpu and n == gpus and _has_dask_cuda():
+            from dask_cuda import LocalCUDACluster
+
+            cluster = LocalCUDACluster(n_workers=n, threads_per_worker=1, host="127.0.0.1",
+                                       dashboard_address="127.0.0.1:0", silence_logs=level, memory_limit=memory_limit)
+        else:
+            def env(i):
+                if gpu:
+                    return {"TASKRT_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": str(i % gpus)}
+                return {"TASKRT_DEVICE": "cpu"}
+
+            workers = {
+                i: {"cls": Nanny, "options": {"nthreads": 1, "resources": {resource_tag(i): 1}, "host": "127.0.0.1",
+                                              "memory_limit": memory_limit, "silence_logs": level, "env": env(i)}}
+                for i in range(n)
+            }
+            cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
         client = Client(cluster, set_as_default=False)
         client.wait_for_workers(n)
         machine = cls._adopt(client, cluster=cluster, probe=probe)
         machine._owns_client = True
-        print(f"taskrt: {n} local devices, dashboard at {client.dashboard_link}")
+        what = "local devices" if not gpu else (
+            f"GPU workers on {gpus} GPU(s)" + (" (workers share GPUs: timings are not those of separate GPUs)"
+                                               if n > gpus else ""))
+        print(f"taskrt: {n} {what}, dashboard at {client.dashboard_link}")
         return machine
 
     @classmethod
@@ -116,11 +138,17 @@ class Machine:
             for i, address in tagged.items():
                 client.run(_set_resource, resource_tag(i), workers=[address])
         hosts = sorted({workers[a]["host"] for a in tagged.values()})
+        described = client.run(_describe_device)
+        # workers sharing one GPU share its memory
+        sharing = Counter((workers[a]["host"], described[a].get("gpu")) for a in tagged.values())
         devices = []
         for i in range(len(tagged)):
-            info = workers[tagged[i]]
-            kind = _device_kind(client, tagged[i])
-            devices.append(Device(i, hosts.index(info["host"]), kind, info.get("memory_limit") or None))
+            info, found = workers[tagged[i]], described[tagged[i]]
+            if found["kind"].startswith("gpu:"):
+                memory = found["memory"] / sharing[(info["host"], found["gpu"])]
+            else:
+                memory = info.get("memory_limit") or None
+            devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
         n = len(devices)
@@ -346,30 +374,38 @@ async def _set_resource(tag, dask_worker=None):
     await dask_worker.set_resources(**{**dask_worker.state.total_resources, tag: 1})
 
 
-def _device_kind(client, address) -> str:
-    def kind(dask_worker=None):
-        try:
-            import sys
+def _describe_device(dask_worker=None) -> dict:
+    """This worker's device kind and memory (taskrt.device), and which GPU it is (PCI bus id)."""
+    from taskrt import device
 
-            if "cupy" in sys.modules or os.environ.get("CUDA_VISIBLE_DEVICES"):
-                import cupy
+    out = device.describe()
+    if device.is_gpu():
+        import cupy
 
-                props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-                return "gpu:" + props["name"].decode()
-        except Exception:  # noqa: BLE001  (no GPU: a CPU core)
-            pass
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        return "cpu:" + line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        import platform
+        out["gpu"] = cupy.cuda.Device().pci_bus_id
+    return out
 
-        return "cpu:" + (platform.processor() or platform.machine())
 
-    return client.run(kind, workers=[address])[address]
+def _local_gpu_count() -> int:
+    """GPUs this host's processes can use; a clear error when there are none."""
+    try:
+        import cupy
+    except ImportError:
+        raise MachineError("Machine.local(gpu=True) needs cupy, which is not installed: pip install "
+                           "'taskrt[gpu]' (cupy-cuda12x) or cupy-cuda13x, to match the CUDA driver") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001  (a CUDA runtime error: no driver, no device)
+        raise MachineError(f"Machine.local(gpu=True): cupy finds no CUDA device ({e})") from None
+    if count < 1:
+        raise MachineError("Machine.local(gpu=True): no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+    return count
+
+
+def _has_dask_cuda() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dask_cuda") is not None
 
 
 def _noop(*args):
@@ -404,27 +440,35 @@ def _process_cpu(dask_worker=None, dask_scheduler=None) -> float:
 
 
 def _copy_rate(dask_worker=None, fresh=False, nbytes=32 * 2**20, repeats=5):
-    """Bytes per second of an array copy on this worker: into a reused buffer (read and write
-    counted once each), or with `fresh` the bytes copied into newly allocated memory (what a
+    """Bytes per second of an array copy on this worker's device: into a reused buffer (read and
+    write counted once each), or with `fresh` the bytes copied into newly allocated memory (what a
     slice task does: its output is fresh, so the copy pays the page faults too)."""
-    src = np.ones(nbytes // 8)
-    dst = None if fresh else np.empty_like(src)
+    from taskrt import device
+
+    xp = device.array_module()
+    src = xp.ones(nbytes // 8)
+    dst = None if fresh else xp.empty_like(src)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        device.synchronize()
         start = time.perf_counter()
         if fresh:
             copied = src.copy()
         else:
-            np.copyto(dst, src)
+            xp.copyto(dst, src)
+        device.synchronize()
         times.append(time.perf_counter() - start)
         if fresh:
             del copied
-    return (1 if fresh else 2) * nbytes / float(np.median(times))
+    return (1 if fresh else 2) * nbytes / float(np.median(times[1:]))  # the first run warms up
 
 
 # ---- link probe -----------------------------------------------------------------------------
 def _payload(nbytes):
-    return np.ones(nbytes // 8, dtype=np.float64)
+    """An array on the worker's device: GPU workers' links are probed with what they send (cupy)."""
+    from taskrt import device
+
+    return device.array_module().ones(nbytes // 8, dtype=np.float64)
 
 
 def _touch(x):

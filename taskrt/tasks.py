@@ -143,7 +143,8 @@ class Slice(Spec):
     piece: Piece
 
     def __call__(self, *values):
-        return array_module(values[0]).ascontiguousarray(cut(values, self.piece))
+        piece = cut(values, self.piece)  # the dependency may be a tuple (a backward's gradients)
+        return array_module(piece).ascontiguousarray(piece)
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ops.precision import PRECISIONS, set_precision
 from ops.rect import Rect
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
+from taskrt.device import to_device, to_host
 from taskrt.executor import Executor, StepRun
 from taskrt.files import write_atomic
 from taskrt.graph import Graph
 from taskrt.lowering import lower
-from taskrt.machine import MachineError
+from taskrt.machine import MachineError, resource_tag
 from taskrt.memory import plan_memory
 from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
 from taskrt.strategy import Strategy
@@ -82,7 +84,9 @@ class StepFuture:
         if self._loss is None:
             values = self._trainer._gather(self.run.outputs["loss"], self.run.step)
             self._trainer._wait(list(self.run.outputs["state"].values()), self.run.step)
-            self._loss = float(sum(v[-1].sum() for v in values) / self._trainer._batch)
+            # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
+            total = sum(v if isinstance(v, float) else v[-1].sum() for v in values)
+            self._loss = float(total / self._trainer._batch)
             self._trainer._finished(self.run)
             self._trainer._cut_lineage(self.run)
         return self._loss
@@ -97,14 +101,20 @@ class StepFuture:
 
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
-                 seed=0):
+                 seed=0, precision="fp32"):
+        """`precision`: float32 on GPU workers, strict "fp32" (the default) or "tf32" (tensor cores,
+        about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         self.graph = graph
         self.machine = machine
+        self.precision = precision
         self.strategy = strategy.validated(graph, machine)
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
         self.executor = Executor(machine)
+        machine.client.run(set_precision, precision)
         self._plans = {}
         self.plan = self._plan("train")
         self._batch = graph.losses[0].shape[0] if graph.losses else None
@@ -135,6 +145,9 @@ class Trainer:
                 for k, (lo, hi, device) in enumerate(shard.chunks):
                     [future] = self.machine.client.scatter([(w[lo:hi].copy(), v[lo:hi].copy())],
                                                            workers=[address[device]], hash=False, direct=True)
+                    if device in self.executor.gpu_devices:  # created once on the GPU, updated there
+                        future = self.machine.client.submit(to_device, future, resources={resource_tag(device): 1},
+                                                            key=f"{layer}-state-{shard.index}-{k}-{uuid.uuid4().hex[:8]}")
                     self._state[(layer, shard.index, k)] = future
 
     def _assemble(self, flats: dict) -> dict:
@@ -256,14 +269,22 @@ class Trainer:
         grads = self._gather(list(run.outputs["grads"].values()), run.step)
         return self._assemble(dict(zip(run.outputs["grads"], grads)))
 
+    def _states(self) -> list:
+        """The current (weights, velocity) of every state chunk, as numpy, in the order of `_state`."""
+        client, futures = self.machine.client, []
+        for (layer, shard, k), future in self._state.items():
+            device = self.plan.shards[layer][shard].chunks[k][2]
+            if device in self.executor.gpu_devices:  # brought to host memory on its worker
+                future = client.submit(to_host, future, resources={resource_tag(device): 1}, pure=False)
+            futures.append(future)
+        return self._gather(futures, self.steps_done)
+
     def parameters(self) -> dict:
         """Current parameters as full numpy tensors: {layer: {"weight": ..., "bias": ...}}."""
-        states = self._gather(list(self._state.values()), self.steps_done)
-        return self._assemble({key: state[0] for key, state in zip(self._state, states)})
+        return self._assemble({key: state[0] for key, state in zip(self._state, self._states())})
 
     def _velocity(self) -> dict:
-        states = self._gather(list(self._state.values()), self.steps_done)
-        return self._assemble({key: state[1] for key, state in zip(self._state, states)})
+        return self._assemble({key: state[1] for key, state in zip(self._state, self._states())})
 
     def predict(self, x) -> np.ndarray:
         """Logits for any number of samples, in batches of the graph's batch size."""
@@ -289,7 +310,7 @@ class Trainer:
         meta = {
             "format": CHECKPOINT_FORMAT, "graph": self.graph.to_dict(), "strategy": self.strategy.to_dict(),
             "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
-            "dtype": self.dtype.name, "seed": self.seed, "steps_done": self.steps_done,
+            "dtype": self.dtype.name, "seed": self.seed, "steps_done": self.steps_done, "precision": self.precision,
         }
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
         for layer, p in params.items():
@@ -316,7 +337,8 @@ class Trainer:
         graph = Graph.from_dict(meta["graph"])
         strategy = strategy or Strategy.from_dict(meta["strategy"], source=str(path))
         trainer = cls(graph, strategy, machine, lr=meta["lr"], momentum=meta["momentum"],
-                      weight_decay=meta["weight_decay"], dtype=meta["dtype"], seed=meta["seed"])
+                      weight_decay=meta["weight_decay"], dtype=meta["dtype"], seed=meta["seed"],
+                      precision=meta.get("precision", "fp32"))
         params, velocity = {}, {}
         for key, value in arrays.items():
             kind, _, rest = key.partition("/")
