@@ -1,0 +1,141 @@
+"""GPU workers for real (marker `gpu`; skipped without cupy and a CUDA device): random strategies
+against the numpy reference, residency of every array of a step on the GPU, checkpoints between
+GPU and CPU machines, and the search end to end.  Two workers share one GPU when there is only one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001  (no cupy, no driver, no device)
+        return 0
+
+
+if _gpu_count() < 1:
+    pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
+
+import search  # noqa: E402
+from taskrt import models  # noqa: E402
+from taskrt.config import ParallelConfig as P  # noqa: E402
+from taskrt.machine import Machine  # noqa: E402
+from taskrt.reference import SingleDeviceTrainer  # noqa: E402
+from taskrt.strategy import Strategy  # noqa: E402
+from taskrt.trainer import Trainer  # noqa: E402
+from tests.strategies import random_strategies  # noqa: E402
+from tests.test_equivalence import GRAPHS, batch_for, check_equivalence  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpu2():
+    m = Machine.local(2, gpu=True, probe=False)
+    yield m
+    m.close()
+
+
+def test_gpu_workers_are_recognized(gpu2):
+    assert all(d.kind.startswith("gpu:") for d in gpu2.devices)
+    assert all(d.memory and d.memory < 200e9 for d in gpu2.devices)  # the GPU's memory, not the host's
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_strategies_on_gpu_workers_match_the_numpy_reference(gpu2, name, data):
+    graph = GRAPHS[name]()
+    _, strategy = data.draw(random_strategies(graph, max_devices=gpu2.num_devices))
+    check_equivalence(graph, strategy, gpu2, "float32")
+
+
+def test_every_array_of_a_step_lives_on_the_gpu(gpu2):
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    strategy = Strategy({l.name: P(n=2, sync="allreduce") for l in graph if not l.is_input})
+    trainer = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9)
+    x, y = batch_for(graph, seed=0)
+    for _ in range(2):
+        trainer.step(x, y)
+    param_bytes = 4 * graph.num_params()
+    pools = gpu2.client.run(_pool_bytes)
+    assert sum(pools.values()) >= param_bytes  # weights, velocity and gathered copies on the GPUs
+
+    kinds = gpu2.client.run(_array_kinds, trainer._token)
+    for worker, found in kinds.items():
+        assert found["numpy"] == [], f"{worker}: numpy arrays of the step in worker memory: {found['numpy']}"
+        assert found["cupy"], worker
+
+
+def test_checkpoints_move_between_gpu_and_cpu_machines(gpu2, tmp_path):
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    strategy = Strategy({l.name: P(n=2) for l in graph if not l.is_input})
+    hyper = {"lr": 0.05, "momentum": 0.9, "seed": 2}
+    reference = SingleDeviceTrainer(graph, **hyper)
+    batches = [batch_for(graph, seed=s) for s in range(3)]
+    on_gpu = Trainer(graph, strategy, gpu2, **hyper)
+    for x, y in batches[:1]:
+        assert on_gpu.step(x, y) == pytest.approx(reference.step(x, y), rel=1e-4)
+    on_gpu.save(tmp_path / "gpu.npz")
+    with Machine.local(2, probe=False) as cpu:
+        on_cpu = Trainer.load(tmp_path / "gpu.npz", cpu)
+        x, y = batches[1]
+        assert on_cpu.step(x, y) == pytest.approx(reference.step(x, y), rel=1e-4)
+        on_cpu.save(tmp_path / "cpu.npz")
+    back = Trainer.load(tmp_path / "cpu.npz", gpu2)
+    x, y = batches[2]
+    assert back.step(x, y) == pytest.approx(reference.step(x, y), rel=1e-4)
+    for layer, params in reference.parameters().items():
+        for name, value in params.items():
+            got = back.parameters()[layer][name]
+            assert isinstance(got, np.ndarray)
+            np.testing.assert_allclose(got, value, rtol=1e-3, atol=1e-5)
+
+
+def test_search_on_gpu_workers_end_to_end(gpu2, tmp_path):
+    graph = models.lenet5(batch=16, image_size=16, width=0.5)
+    cost_model = search.CostModel(gpu2, cache=tmp_path / "costs.json", repeats=2, progress=False)
+    strategy = search.optimize(graph, gpu2, cost_model)
+    assert cost_model.measurements > 0 and all(k.startswith("gpu:") for k in cost_model.kinds)
+    trainer = Trainer(graph, strategy, gpu2, lr=0.01)
+    x, y = batch_for(graph, seed=5)
+    assert np.isfinite(trainer.step(x, y))
+    assert trainer.stats.measured_bytes == trainer.stats.planned_bytes
+
+
+def _pool_bytes():
+    from taskrt.device import pool_bytes
+
+    return pool_bytes()
+
+
+def _array_kinds(token, dask_worker=None):
+    """Keys of this trainer's steps in worker memory whose values are numpy or cupy arrays."""
+    import cupy
+
+    found = {"numpy": [], "cupy": []}
+
+    def arrays(value):
+        if isinstance(value, tuple):
+            for v in value:
+                yield from arrays(v)
+        elif value is not None:
+            yield value
+
+    for key, value in dask_worker.data.items():
+        name = key[0] if isinstance(key, tuple) else str(key)
+        if token not in name or "-host" in name:  # outputs brought to the host on purpose
+            continue
+        for array in arrays(value):
+            if isinstance(array, np.ndarray):
+                found["numpy"].append(str(key))
+            elif isinstance(array, cupy.ndarray):
+                found["cupy"].append(str(key))
+    return found
