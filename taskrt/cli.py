@@ -216,7 +216,7 @@ def main(argv=None):
     run.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
     run.set_defaults(func=cmd_run)
     find = sub.add_parser("search", help="find the best layer-wise strategy for a model on a machine")
-    find.add_argument("--model", required=True, help="lenet5, alexnet, vgg16, inception_v3 or resnet50")
+    find.add_argument("--model", required=True, help="lenet5, alexnet, vgg16, inception_v3, resnet50 or splitbrain_vgg")
     find.add_argument("--machine", default="simulated:4x4", help="simulated:<nodes>x<per node>[:P100] or local:<n>")
     find.add_argument("--devices", type=int, help="device count (checked against --machine)")
     find.add_argument("--batch-per-device", type=int, default=32)
