@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -147,17 +146,6 @@ def release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-@contextmanager
-def kernel_backend(name):
-    from ops import torch_kernels
-
-    previous = torch_kernels.set_backend(name)
-    try:
-        yield
-    finally:
-        torch_kernels.set_backend(previous)
-
-
 def run_part(name: str, errors: dict, fn, *args) -> float:
     """Run one part; a failure is printed and recorded in `errors`, not raised.  Returns its seconds."""
     started = time.perf_counter()
@@ -231,17 +219,17 @@ def _conv_timers(op, implementation, cupy, seed=0):
     from ops import torch_kernels
 
     backend = "auto" if implementation == "taskrt" else "reference"
-    with kernel_backend(backend):
+    with torch_kernels.backend(backend):
         if implementation == "taskrt" and not torch_kernels.use_torch(x):
             raise RuntimeError("the dispatch does not choose the torch path for cupy arrays here")
         y = op.forward([x], params, whole)
 
     def forward():
-        with kernel_backend(backend):
+        with torch_kernels.backend(backend):
             return op.forward([x], params, whole)
 
     def backward():
-        with kernel_backend(backend):
+        with torch_kernels.backend(backend):
             return op.backward(dy, [x], y, params, whole, [True])
     return forward, backward
 

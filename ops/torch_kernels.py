@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import warnings
+from contextlib import contextmanager
 
 import numpy
 
@@ -49,6 +50,16 @@ def set_backend(backend: str) -> str:
 
 def get_backend() -> str:
     return _backend
+
+
+@contextmanager
+def backend(name: str):
+    """`set_backend(name)` for the duration of a with-block."""
+    previous = set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
 
 
 def load_torch():

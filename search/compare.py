@@ -120,24 +120,20 @@ def _plan_words(graph, plan):
         else:
             consumers = [name for name, _ in graph.consumers(layer.name)]
             weight_or_loss[layer.name] = weight_or_loss.get(consumers[0]) if consumers else None
-    moved, busy, seen = Counter(), {}, set()
-    sync_busy = Counter()
-    for task in plan.tasks:
-        for dep in task.deps:
-            src = plan.device_of(dep)
-            if src is None or src == task.device or (dep, task.device) in seen:
-                continue
-            seen.add((dep, task.device))
-            words = plan.nbytes_of(dep) // (8 if _is_labels(graph, plan, dep) else 4)
-            phase, origin = _origin(plan, dep)
-            if phase in ("wfetch", "grad", "rslice"):
-                moved[(origin, SYNC)] += words
-                sync_busy[(origin, task.device)] += words
-            elif phase in ("fwd", "data"):
-                if not _is_labels(graph, plan, dep):
-                    moved[(weight_or_loss[task.layer], FORWARD)] += words
-            else:  # an input gradient, sent back by the layer that computed it
-                moved[(weight_or_loss[origin], BACKWARD)] += words
+    moved, busy, sync_busy = Counter(), {}, Counter()
+    for transfer in plan.transfers():
+        dep = transfer.dep
+        if _is_labels(graph, plan, dep):  # class labels: the model has no term for them
+            continue
+        words = transfer.nbytes // 4
+        phase, origin = _origin(plan, dep)
+        if phase in ("wfetch", "grad", "rslice"):
+            moved[(origin, SYNC)] += words
+            sync_busy[(origin, transfer.dst)] += words
+        elif phase in ("fwd", "data"):
+            moved[(weight_or_loss[plan.by_key[transfer.reader].layer], FORWARD)] += words
+        else:  # an input gradient, sent back by the layer that computed it
+            moved[(weight_or_loss[origin], BACKWARD)] += words
     for (layer, _), words in sync_busy.items():
         busy[layer] = max(busy.get(layer, 0), words)
     return moved, busy

@@ -78,6 +78,7 @@ class Transfer:
     src: int
     dst: int
     nbytes: int
+    reader: tuple = ()  # key of the first task on `dst` that reads it
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Plan:
                 nbytes = self.nbytes_of(dep)
                 if nbytes is None:
                     raise AssertionError(f"task {task.key} reads {dep} from device {src}: only arrays may travel")
-                out.append(Transfer(dep, src, task.device, nbytes))
+                out.append(Transfer(dep, src, task.device, nbytes, task.key))
         return out
 
     def check_single_reader(self) -> None:

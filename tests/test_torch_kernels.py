@@ -54,15 +54,6 @@ def op_id(op):
     return f"linear{op.out_features}{'-relu' if op.activation else ''}{'' if op.bias else '-nobias'}"
 
 
-@contextmanager
-def backend(name):
-    previous = torch_kernels.set_backend(name)
-    try:
-        yield
-    finally:
-        torch_kernels.set_backend(previous)
-
-
 def rel_error(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape
@@ -93,7 +84,7 @@ def check_tiles(op, degrees, dtype, seed=0, to_device=np.asarray, to_host=np.asa
     the same tile, and the scatter-sum of its input and parameter gradients against the whole ones."""
     x, params, dy = random_case(op, np.random.default_rng(seed))
     whole = Rect.full(op.out_shape)
-    with backend("reference"):
+    with torch_kernels.backend("reference"):
         y = op.forward([x], params, whole)
         (dx_whole,), dp_whole = op.backward(dy, [x], y, params, whole, [True])
     tol = TOLERANCE[dtype]
@@ -104,7 +95,7 @@ def check_tiles(op, degrees, dtype, seed=0, to_device=np.asarray, to_host=np.asa
         x_tile = x[x_rect.relative_to(Rect.full(x.shape))]
         p_tile = {k: params[k][r.relative_to(Rect.full(params[k].shape))] for k, r in op.param_rects(out).items()}
         sl = out.relative_to(whole)
-        with backend("reference"):
+        with torch_kernels.backend("reference"):
             (dx_ref,), dp_ref = op.backward(dy[sl], [x_tile], y[sl], p_tile, out, [True])
 
         def dev(a):
@@ -112,7 +103,7 @@ def check_tiles(op, degrees, dtype, seed=0, to_device=np.asarray, to_host=np.asa
 
         # Both sides get the same y, so a fused relu masks the same elements.
         xt, pt = dev(x_tile), {k: dev(v) for k, v in p_tile.items()}
-        with backend(kernels):
+        with torch_kernels.backend(kernels):
             y_tile = op.forward([xt], pt, out)
             (dx_tile,), dp_tile = op.backward(dev(dy[sl]), [xt], dev(y[sl]), pt, out, [True])
         assert y_tile.dtype == dtype and dx_tile.dtype == dtype
@@ -156,9 +147,9 @@ def test_whole_network_through_torch_matches_reference(make):
     x = rng.standard_normal(graph.inputs[0].shape)
     y = rng.integers(0, graph[graph.losses[0].inputs[0]].shape[1], graph.inputs[1].shape)
     trainer = SingleDeviceTrainer(graph, dtype="float64", seed=0)
-    with backend("reference"):
+    with torch_kernels.backend("reference"):
         loss, grads = trainer.loss(x, y), trainer.gradients(x, y)
-    with backend("torch"):
+    with torch_kernels.backend("torch"):
         assert abs(trainer.loss(x, y) - loss) < 1e-10 * abs(loss)
         torch_grads = trainer.gradients(x, y)
     for layer, expected in grads.items():
@@ -215,9 +206,9 @@ def test_dispatch_uses_the_reference_for_numpy_unless_forced():
     x = np.zeros((1, 1, 3, 3))
     assert torch_kernels.get_backend() == "auto"
     assert not torch_kernels.use_torch(x)
-    with backend("torch"):
+    with torch_kernels.backend("torch"):
         assert torch_kernels.use_torch(x)
-    with backend("reference"):
+    with torch_kernels.backend("reference"):
         assert not torch_kernels.use_torch(x)
     with pytest.raises(ValueError, match="backend must be one of"):
         torch_kernels.set_backend("cudnn")
@@ -227,9 +218,9 @@ def test_read_only_inputs_are_accepted():
     op = CONVS[1]
     x, params, _ = random_case(op, np.random.default_rng(0))
     x.flags.writeable = False
-    with backend("reference"):
+    with torch_kernels.backend("reference"):
         expected = op.forward([x], params, Rect.full(op.out_shape))
-    with backend("torch"):
+    with torch_kernels.backend("torch"):
         got = op.forward([x], params, Rect.full(op.out_shape))
     assert rel_error(got, expected) < 1e-10
 
@@ -366,12 +357,12 @@ class TestOnGpu:
         op = Conv2d(((8, 64, 28, 28),), 64, (3, 3), (1, 1), (1, 1))
         x, params, _ = random_case(op, np.random.default_rng(0))
         whole = Rect.full(op.out_shape)
-        with backend("reference"):
+        with torch_kernels.backend("reference"):
             expected = op.forward([x], params, whole)
         errors = {}
         for precision in ("fp32", "tf32"):
             set_precision(precision)
-            with backend(kernels):
+            with torch_kernels.backend(kernels):
                 got = op.forward([cupy.asarray(x, dtype=np.float32)],
                                  {k: cupy.asarray(v, dtype=np.float32) for k, v in params.items()}, whole)
             errors[precision] = rel_error(cupy.asnumpy(got), expected)
