@@ -388,8 +388,11 @@ class CostModel:
         "ps": the server receives every replica's gradient and sends each the weights.
         "allreduce": each replica owns one chunk of the shard; it receives the other replicas'
         gradients of its chunk (reduce-scatter) and their updated chunks (all-gather), and sends
-        the same amounts.  Both add the dependent tasks' overhead: (grad, update, wfetch) and
-        (rslice, update, wfetch, wgather) when replicated, the update alone otherwise."""
+        the same amounts.  Traffic between nodes also passes each node's shared network interface
+        (as in t_x and the simulator): every shard of the layer synchronizes at once, so a node's
+        interface carries the bytes all of them send across, and a config costs at least its
+        busiest interface's time.  Both add the dependent tasks' overhead: (grad, update, wfetch)
+        and (rslice, update, wfetch, wgather) when replicated, the update alone otherwise."""
         configs = len(table.starts)
         if not layer.param_shapes:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
@@ -414,6 +417,14 @@ class CostModel:
         np.logical_or.at(replicated, shard_config, replicas > 1)
         ps = np.zeros(configs)
         np.maximum.at(ps, shard_config, per_shard)
+        node = self.links.node
+        nodes = node.max() + 1
+        # bytes into each node's interface per config (what leaves a node equals what enters another:
+        # every sync message is answered by one of the same size, so in and out agree per node)
+        ps_nic, allreduce_nic = np.zeros((configs, nodes)), np.zeros((configs, nodes))
+        across = node[device] != node[server]
+        np.add.at(ps_nic, (config[across], node[server][across]), nbytes[across])  # gradients to the server
+        np.add.at(ps_nic, (config[across], node[device][across]), nbytes[across])  # weights to the replica
         allreduce = np.zeros(configs)
         for shard in np.flatnonzero(replicas > 1):
             rows = np.flatnonzero(shard_of == shard)  # in part order: the order of the chunks
@@ -429,6 +440,12 @@ class CostModel:
             outgoing = chunk * seconds.sum(axis=1) + seconds @ chunk + has * lat.sum(axis=1) + lat @ has
             busy = np.maximum(incoming, outgoing)
             allreduce[shard_config[shard]] = max(allreduce[shard_config[shard]], busy.max())
+            other = node[devices][:, None] != node[devices][None, :]  # sender (row) and receiver on different nodes
+            received = (other * (chunk[:, None] + chunk[None, :])).sum(axis=0) * self.itemsize  # its chunk, theirs
+            np.add.at(allreduce_nic[shard_config[shard]], node[devices], received)
+        nic = self.links.nic_inv_bandwidth
+        ps = np.maximum(ps, ps_nic.max(axis=1) * nic)
+        allreduce = np.maximum(allreduce, allreduce_nic.max(axis=1) * nic)
         return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
                 "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from search.cost import Breakdown, CostModel
 from search.eliminate import minimize
@@ -67,12 +68,17 @@ def memory_per_device(graph, strategy, itemsize=4) -> dict:
 
 
 def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
-    """What the simulation check compares: the Eq. 1 optimum, the baselines, and every valid
-    configuration of the seed families (SplitBrain's mp, the Pr x Pc grids)."""
+    """What the simulation check compares: the Eq. 1 optimum (also with every layer on one sync
+    method), the baselines, and every valid configuration of the seed families (SplitBrain's mp,
+    the Pr x Pc grids)."""
     from search.baselines import BASELINES
     from search.families import integrated_family, splitbrain_family
 
-    out = {"layer-wise optimum": optimum, **{name: make(graph, machine) for name, make in BASELINES.items()}}
+    out = {"layer-wise optimum": optimum}
+    # the optimum with one sync method everywhere: Eq. 1 cannot see how either overlaps with backward
+    for sync in ("ps", "allreduce"):
+        out[f"layer-wise optimum, all {sync}"] = Strategy({n: replace(c, sync=sync) for n, c in optimum.items()})
+    out.update({name: make(graph, machine) for name, make in BASELINES.items()})
     for family in (splitbrain_family(graph, machine), integrated_family(graph, machine, "batch"),
                    integrated_family(graph, machine, "grid")):
         out.update(family)

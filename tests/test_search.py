@@ -428,6 +428,29 @@ def test_allreduce_sync_cost_by_hand(hop):
     assert tables.configs["fc"][single].sync == "ps"  # nothing replicated: no collective
 
 
+def two_nodes_one_interface(link=20e9, nic=5e9):
+    """2 nodes x 2 devices, every link `link`, each node's shared network interface `nic` bytes/s."""
+    from taskrt.machine import Device
+
+    devices = [Device(i, i // 2, "P100", 16e9) for i in range(4)]
+    bandwidth = np.full((4, 4), link)
+    np.fill_diagonal(bandwidth, np.inf)
+    return Machine(devices, bandwidth, np.zeros((4, 4)), description="2x2, shared interfaces", nic_bandwidth=nic)
+
+
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_sync_cost_counts_the_nodes_shared_interface(sync):
+    g = one_linear()
+    cm = search.CostModel(two_nodes_one_interface(), cache=False, overhead=0.0)
+    shard = (16 * 32 + 32) * 4
+    data = ParallelConfig(n=4, devices=(0, 1, 2, 3), sync=sync)
+    # node 1's interface carries the weights for devices 2 and 3 (ps: the whole shard each; allreduce:
+    # each of them gets both node-0 chunks and sends them its own, 4 pairs x (S/4 + S/4)); the
+    # devices' own links are 4 times faster, so the interface is what limits
+    assert cm.breakdown(g, Strategy({"fc": data, "loss": data})).t_s["fc"] == pytest.approx(2 * shard / 5e9,
+                                                                                            rel=1e-12)
+
+
 def sync_busy_bytes(plan, layer):
     """Per device: the larger of the bytes of `layer`'s parameter synchronization it sends and receives."""
     sent, received = Counter(), Counter()
@@ -436,6 +459,32 @@ def sync_busy_bytes(plan, layer):
             sent[t.src] += t.nbytes
             received[t.dst] += t.nbytes
     return {d: max(sent[d], received[d]) for d in set(sent) | set(received)}
+
+
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+@settings(RANDOM, max_examples=25)
+@given(data=st.data())
+def test_sync_cost_is_the_busiest_interface_of_the_plans_sync_traffic(sync, data):
+    """Where nodes share a slower interface: t_s is the larger of the busiest device's bytes over
+    its links and the busiest node interface's cross-node bytes over the interface."""
+    g = models.lenet5(batch=8, image_size=16, width=0.5)
+    machine = two_nodes_one_interface()
+    cm = search.CostModel(machine, cache=False, overhead=0.0)
+    strategy = draw_strategy(data, cm.space(g))
+    strategy = Strategy({n: dataclasses.replace(c, sync=sync) for n, c in strategy.items()})
+    plan = lower(g, strategy)
+    t_s = cm.breakdown(g, strategy).t_s
+    node = [d.node for d in machine.devices]
+    for layer in g:
+        if not layer.param_shapes:
+            continue
+        interface = Counter()
+        for t in plan.transfers():
+            if origin(plan, t.dep)[:2] in {(layer.name, p) for p in PARAMETER_PHASES} and node[t.src] != node[t.dst]:
+                interface[node[t.dst]] += t.nbytes
+        busiest = max(sync_busy_bytes(plan, layer.name).values(), default=0)
+        expected = max(busiest / 20e9, max(interface.values(), default=0) / 5e9)
+        assert t_s[layer.name] == pytest.approx(expected, rel=1e-9, abs=1e-15), layer.name
 
 
 @pytest.mark.parametrize("sync", ["ps", "allreduce"])

@@ -1,0 +1,29 @@
+"""`taskrt search` on a simulated machine: the strategy table with its sync methods, the memory per
+device, the comparison with the baselines, and the strategy file with its JSON-ready meta."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from taskrt.cli import main
+from taskrt.strategy import Strategy
+
+
+def test_search_prints_memory_per_device_and_saves_it(tmp_path, capsys):
+    out = tmp_path / "lenet.json"
+    assert main(["search", "--model", "lenet5", "--machine", "simulated:1x4", "--batch-per-device", "8",
+                 "--image-size", "16", "--compare", "--cache", str(tmp_path / "c.json"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "memory per device of one step" in text and "parameters" in text and "of capacity" in text
+    assert "t_s ms  sync" in text and "(layer-wise is" in text
+    saved = Strategy.load(out)
+    memory = json.loads(out.read_text())["meta"]["memory_per_device"]
+    assert sorted(memory) == ["0", "1", "2", "3"][: len(memory)] and memory["0"]["total"] > 0
+    assert saved.meta["memory_per_device"] == memory
+
+
+def test_search_rejects_a_bad_machine_spec():
+    with pytest.raises(SystemExit, match="expected simulated:<nodes>x<devices per node>"):
+        main(["search", "--model", "lenet5", "--machine", "simulated:four"])
