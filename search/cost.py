@@ -33,10 +33,11 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, part_table
 from search.space import search_space
-from taskrt.config import ParallelConfig, blocks
+from taskrt.config import ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS, resource_tag
 from taskrt.params import resolve_dtype
+from taskrt.plan import chunk_bounds
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 
@@ -429,9 +430,9 @@ class CostModel:
         for shard in np.flatnonzero(replicas > 1):
             rows = np.flatnonzero(shard_of == shard)  # in part order: the order of the chunks
             devices, size = device[rows], int(volume[rows[0]])
-            count = min(len(rows), size)
+            bounds = chunk_bounds(size, len(rows))
             chunk = np.zeros(len(rows))
-            chunk[:count] = [hi - lo for lo, hi in blocks(size, count)]
+            chunk[: len(bounds)] = [hi - lo for lo, hi in bounds]
             seconds = self.inv_bandwidth[np.ix_(devices, devices)] * self.itemsize  # per element, row -> column
             lat = self.latency[np.ix_(devices, devices)]
             has = chunk > 0

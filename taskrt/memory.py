@@ -58,10 +58,10 @@ def plan_memory(plan: Plan, itemsize: int = 4) -> dict[int, DeviceMemory]:
     """Bytes per device, by kind, for one step of `plan` (see the module docstring)."""
     devices = {t.device for t in plan.tasks} | {p.device for parts in plan.data.values() for p in parts}
     out = {d: dict.fromkeys(KINDS, 0) for d in devices}
+    training = plan.mode != "predict"
     for shards in plan.shards.values():
         for shard in shards:
             chunks = shard.chunks
-            training = plan.mode != "predict"
             for d in shard.devices:
                 out.setdefault(d, dict.fromkeys(KINDS, 0))
                 out[d]["parameters"] += shard.nbytes  # the weights it computes with

@@ -68,8 +68,13 @@ class Shard:
         """(lo, hi, device) of each chunk of the flat state, in order."""
         if self.sync == "ps" or len(self.devices) == 1:
             return ((0, self.size, self.server),)
-        count = min(len(self.devices), self.size)  # no empty chunks
-        return tuple((lo, hi, d) for (lo, hi), d in zip(blocks(self.size, count), self.devices))
+        return tuple((lo, hi, d) for (lo, hi), d in zip(chunk_bounds(self.size, len(self.devices)), self.devices))
+
+
+def chunk_bounds(size: int, replicas: int) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) of each replica's chunk of a flat shard of `size` elements under "allreduce":
+    as equal as possible, the first ones larger; no empty chunks (at most `size` of them)."""
+    return blocks(size, min(replicas, size))
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,17 @@ def test_predict_input_errors(trainer):
 # ---- gradients --------------------------------------------------------------------------------
 
 
+def central_difference(trainer, data, flat, i, eps):
+    """d loss / d flat[i] by a central difference (flat: a view of one of the trainer's parameters)."""
+    old = flat[i]
+    flat[i] = old + eps
+    plus = trainer.loss(*data)
+    flat[i] = old - eps
+    minus = trainer.loss(*data)
+    flat[i] = old
+    return (plus - minus) / (2 * eps)
+
+
 def test_gradients_match_finite_differences():
     rng = np.random.default_rng(1)
     t = SingleDeviceTrainer(small_net(), dtype="float64", seed=3)
@@ -154,13 +165,7 @@ def test_gradients_match_finite_differences():
             flat = w.reshape(-1)
             idx = rng.choice(flat.size, size=min(points, flat.size), replace=False)
             for i in idx:
-                old = flat[i]
-                flat[i] = old + eps
-                plus = t.loss(x, y)
-                flat[i] = old - eps
-                minus = t.loss(x, y)
-                flat[i] = old
-                numeric = (plus - minus) / (2 * eps)
+                numeric = central_difference(t, (x, y), flat, i, eps)
                 analytic = g.reshape(-1)[i]
                 np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-10,
                                            err_msg=f"{layer}.{key}[{i}]")
@@ -184,13 +189,7 @@ def test_bias_free_layers_have_weight_gradients_only():
     for layer in ("conv", "fc"):
         flat = t.params[layer]["weight"].reshape(-1)
         for i in rng.choice(flat.size, size=5, replace=False):
-            old = flat[i]
-            flat[i] = old + eps
-            plus = t.loss(*data)
-            flat[i] = old - eps
-            minus = t.loss(*data)
-            flat[i] = old
-            np.testing.assert_allclose(grads[layer]["weight"].reshape(-1)[i], (plus - minus) / (2 * eps),
+            np.testing.assert_allclose(grads[layer]["weight"].reshape(-1)[i], central_difference(t, data, flat, i, eps),
                                        rtol=1e-6, atol=1e-10)
 
 
@@ -208,13 +207,7 @@ def test_gradients_sum_over_losses():
     w = t.params["fc"]["bias"]
     eps = 1e-6
     for i in range(w.size):
-        old = w[i]
-        w[i] = old + eps
-        plus = t.loss(*data)
-        w[i] = old - eps
-        minus = t.loss(*data)
-        w[i] = old
-        np.testing.assert_allclose(grads["fc"]["bias"][i], (plus - minus) / (2 * eps), rtol=1e-6)
+        np.testing.assert_allclose(grads["fc"]["bias"][i], central_difference(t, data, w, i, eps), rtol=1e-6)
 
 
 def test_parameter_free_prefix_gets_no_gradient():
