@@ -9,6 +9,8 @@
   convergence  loss curves of data parallel and layer-wise against one device
   seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
+  hypergraph   seed 003: VGG-16 partitions (layer-wise, naive, Mt-KaHyPar) at N = 2..128 beside the
+               thesis's Tables 5.1-5.15 and Appendix A
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
 """
@@ -21,7 +23,8 @@ import sys
 import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
-ON_REQUEST = ["gholami", "gpu"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
+# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph takes minutes even with --quick
+ON_REQUEST = ["gholami", "gpu", "hypergraph"]
 
 
 def main(argv=None):
