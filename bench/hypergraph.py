@@ -150,12 +150,13 @@ def epoch_rows(ns, batches) -> list[dict]:
         dp_plan = lower(graph, data_parallel(graph, n)).bytes_moved
         for batch in batches:
             steps = EPOCH_5_14 // batch
-            dp, hp = 2 * (n - 1) * p * steps, 2 * forward * steps  # per epoch, bytes
+            dp, hp = 2 * (n - 1) * p * steps, 2 * forward * batch // BATCH * steps  # per epoch, bytes
             thesis_dp, thesis_hp = THESIS_TABLE_5_14.get((n, batch), ("", ""))
             # activation traffic scales with the batch, steps inversely: per epoch it does not depend on it
             rows.append({"N": n, "batch": batch, "dp_gib": round(dp / 2 ** 30, 1), "thesis_dp_gib": thesis_dp,
                          "dp_plan_gib": round(dp_plan * steps / 2 ** 30, 1), "hp_gib": round(hp / 2 ** 30, 1),
-                         "thesis_hp_gib": thesis_hp, "hp_plan_gib": round(plan_bytes * BATCH / batch * steps / 2 ** 30),
+                         "thesis_hp_gib": thesis_hp,
+                         "hp_plan_gib": round(plan_bytes * batch / BATCH * steps / 2 ** 30, 1),
                          "reduction": f"{1 - hp / dp:.1%}",
                          "thesis_reduction": f"{1 - thesis_hp / thesis_dp:.0%}" if thesis_dp else ""})
     return rows
@@ -206,29 +207,40 @@ def run(out_dir="results", quick=False):
     epoch = epoch_rows((2,) if quick else (2, 4, 8), (32,) if quick else (16, 32, 64))
     print("table 5.15 by simulation", flush=True)
     runtime = runtime_rows((2,) if quick else (2, 4), (32,) if quick else (16, 32, 64))
+    record = {"name": "hypergraph", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
+              "quick": quick, "tables": tables, "imbalance": imbalance, "epoch": epoch, "runtime": runtime}
+    write(out_dir, record)
+
+
+def write(out_dir, record):
+    """results/hypergraph.json, .md and .png from the record's rows (the summary is derived here)."""
+    tables, imbalance, epoch, runtime = (record[k] for k in ("tables", "imbalance", "epoch", "runtime"))
     timing = [r for r in tables if r["method"] == "coarse hypergraph"]
     lines = _summary(tables, imbalance, epoch, runtime, timing)
+    record = {**record, "summary": lines}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"name": "hypergraph", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
-              "quick": quick, "summary": lines, "tables": tables, "imbalance": imbalance, "epoch": epoch,
-              "runtime": runtime}
     (out / "hypergraph.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     md = ["# hypergraph: seed 003 (VGG-16, batch 32) on the runtime", ""]
     md += [f"- {line}" for line in lines] + [""]
     md += ["## Tables 5.1-5.12: work (GFLOP, forward + backward) and forward communication (MiB)", "",
-           markdown_table([(k, k) for k in ("N", "method", "max_gflop", "min_gflop", "avg_gflop", "max_min", "max_avg",
-                                            "thesis_max_avg", "volume_mib", "thesis_volume_mib", "bound_mib",
-                                            "max_comm_mib", "avg_comm_mib", "max_avg_comm", "seconds")], tables), ""]
-    md += ["## Appendix A: final imbalance", "", markdown_table([(k, k) for k in imbalance[0]], imbalance), ""]
-    md += ["## Table 5.14: one epoch of 64,000 images (GiB)", "",
-           markdown_table([(k, k) for k in epoch[0]], epoch), ""]
+           _table(("N", "method", "max_gflop", "min_gflop", "avg_gflop", "max_min", "max_avg", "thesis_max_avg",
+                   "volume_mib", "thesis_volume_mib", "bound_mib", "max_comm_mib", "avg_comm_mib", "max_avg_comm",
+                   "seconds"), tables), ""]
+    md += ["## Appendix A: final imbalance", "", _table(tuple(imbalance[0]), imbalance), ""]
+    md += ["## Table 5.14: one epoch of 64,000 images (GiB)", "", _table(tuple(epoch[0]), epoch), ""]
     md += ["## Table 5.15-like: seconds per epoch of 10,240 images, by simulation", "",
-           markdown_table([(k, k) for k in ("N", "batch", "method", "epoch_s", "thesis_epoch_s", "step_ms",
-                                            "mib_per_step", "search_s")], runtime), ""]
+           _table(("N", "batch", "method", "epoch_s", "thesis_epoch_s", "step_ms", "mib_per_step", "search_s"),
+                  runtime), ""]
     (out / "hypergraph.md").write_text("\n".join(md) + "\n")
     _plot(tables, out / "hypergraph.png")
     print((out / "hypergraph.md").read_text())
+
+
+def _table(keys, rows) -> str:
+    def cell(v):
+        return f"{v:,.1f}" if isinstance(v, float) and abs(v) >= 100 else v
+    return markdown_table([(k, k) for k in keys], [{k: cell(v) for k, v in r.items()} for r in rows])
 
 
 def _summary(tables, imbalance, epoch, runtime, timing) -> list[str]:
