@@ -333,7 +333,6 @@ class FineModel:
     hypergraph: Hypergraph
     layer_of: np.ndarray  # (vertices,): vertex layer each vertex belongs to
     filters_of: np.ndarray  # (vertices,): filters (reduction vertices, inputs) or filter-channels it stands for
-    order: np.ndarray  # vertices in network order: a filter's channel vertices, then its reduction vertex
 
 
 def fine_grain(graph, work="flops", itemsize: int = 4, max_atoms: int | None = 32,
@@ -341,7 +340,8 @@ def fine_grain(graph, work="flops", itemsize: int = 4, max_atoms: int | None = 3
     """The fine-grain model with at most `max_atoms` filter atoms and channel atoms per layer."""
     coarse = coarse_grain(graph, work, itemsize)
     atoms = coarse.atoms(max_atoms)
-    weights, layer_of, filters_of, order = [], [], [], []
+    # vertices are numbered in network order: a filter atom's channel vertices, then its reduction vertex
+    weights, layer_of, filters_of = [], [], []
     home: dict[int, list[int]] = {}  # vertex layer -> vertex id of each atom's reduction (or input) vertex
     channel: dict[int, dict[tuple[int, int], int]] = {}  # filter layer -> (filter atom, channel atom) -> vertex
     incoming = {r: net for net in coarse.nets for r in net.readers}
@@ -351,7 +351,6 @@ def fine_grain(graph, work="flops", itemsize: int = 4, max_atoms: int | None = 3
         weights.append(w)
         layer_of.append(layer)
         filters_of.append(filters)
-        order.append(len(weights) - 1)
         return len(weights) - 1
 
     for i, v in enumerate(coarse.layers):
@@ -384,7 +383,7 @@ def fine_grain(graph, work="flops", itemsize: int = 4, max_atoms: int | None = 3
     start = np.cumsum([0] + [len(n) for n in nets]).astype(np.int64)
     h = Hypergraph(_units(weights, unit_work), _units(np.array(costs, dtype=np.float64), unit_bytes), start,
                    np.concatenate([np.asarray(n, dtype=np.int64) for n in nets]), np.array(gathers))
-    return FineModel(coarse, h, np.array(layer_of), np.array(filters_of), np.array(order))
+    return FineModel(coarse, h, np.array(layer_of), np.array(filters_of))
 
 
 # ---- partitions and their metrics --------------------------------------------------------------
@@ -584,7 +583,7 @@ def incremental(model, k: int) -> Partition:
     average = float(h.weights.sum()) / k
     parts = np.zeros(h.num_vertices, dtype=np.int64)
     part, load = 0, 0.0
-    for v in model.order:
+    for v in range(h.num_vertices):  # vertex numbers follow network order
         parts[v] = part
         load += float(h.weights[v])
         if load > average and part < k - 1:
