@@ -1,4 +1,4 @@
-"""python -m bench <name>|all [--quick] [--out DIR]: benchmarks writing results/<name>.json, .md and .png.
+"""python -m bench <name>|all [--quick] [--out DIR] [--budget S]: benchmarks writing results/<name>.json, .md and .png.
 
   kernels      conv forward+backward GFLOP/s next to GEMM (one thread)
   overhead     Dask scheduling overhead per training step
@@ -13,12 +13,19 @@
                thesis's Tables 5.1-5.15 and Appendix A
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
+
+With --budget S, each benchmark runs in its own process and the run stops once S seconds are
+spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
+A benchmark that fails still fails the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -33,12 +40,50 @@ def main(argv=None):
     parser.add_argument("name", choices=BENCHMARKS + ON_REQUEST + ["all"], help="which benchmark, or all of them")
     parser.add_argument("--quick", action="store_true", help="a short version (CI)")
     parser.add_argument("--out", default="results", help="folder for results (default: results/)")
+    parser.add_argument("--budget", type=float, default=None, metavar="S",
+                        help="stop after S seconds in all; what did not run is listed (default: no limit)")
     args = parser.parse_args(argv)
-    for name in BENCHMARKS if args.name == "all" else [args.name]:
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget:g}")
+    names = BENCHMARKS if args.name == "all" else [args.name]
+    if args.budget is None:
+        for name in names:
+            start = time.perf_counter()
+            print(f"== bench {name}{' (quick)' if args.quick else ''}", flush=True)
+            importlib.import_module(f"bench.{name}").run(args.out, args.quick)
+            print(f"== bench {name}: {time.perf_counter() - start:.0f} s\n", flush=True)
+        return 0
+    return _within_budget(names, args)
+
+
+def _within_budget(names, args) -> int:
+    """Each benchmark in a child process, so one that runs past the budget can be stopped cleanly."""
+    deadline = time.perf_counter() + args.budget
+    stopped, skipped = None, []
+    for name in names:
+        left = deadline - time.perf_counter()
+        if left <= 0 or stopped:
+            skipped.append(name)
+            continue
         start = time.perf_counter()
-        print(f"== bench {name}{' (quick)' if args.quick else ''}", flush=True)
-        importlib.import_module(f"bench.{name}").run(args.out, args.quick)
+        print(f"== bench {name}{' (quick)' if args.quick else ''} ({left:.0f} s of the budget left)", flush=True)
+        command = [sys.executable, "-m", "bench", name, "--out", args.out] + (["--quick"] if args.quick else [])
+        child = subprocess.Popen(command, start_new_session=True)  # its own group: its workers stop with it
+        try:
+            code = child.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            stopped = name
+            print(f"== bench {name}: stopped at the budget of {args.budget:.0f} s", flush=True)
+            continue
+        if code != 0:
+            print(f"== bench {name}: FAILED (exit code {code})", flush=True)
+            return code
         print(f"== bench {name}: {time.perf_counter() - start:.0f} s\n", flush=True)
+    if stopped or skipped:
+        print(f"budget of {args.budget:.0f} s spent: stopped {stopped or 'none'}; not run: "
+              f"{', '.join(skipped) or 'none'}", flush=True)
     return 0
 
 
