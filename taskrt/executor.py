@@ -9,6 +9,7 @@ between steps.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import dask
 
 from ops.rect import Rect
 from taskrt.device import to_device, to_host
+from taskrt.fusion import fuse
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import DATA, HYPER, STATE, TASK, Plan
 
@@ -43,10 +45,11 @@ class StepRun:
 
 
 class Executor:
-    def __init__(self, machine):
+    def __init__(self, machine, fused: bool = True):
         if machine.client is None:
             raise MachineError(f"{machine!r} has no cluster to run on (simulated machines only plan and simulate)")
         self.machine = machine
+        self.fused = fused
         self.client = machine.client
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
@@ -59,17 +62,22 @@ class Executor:
             for part in parts:
                 tile = full[part.rect.relative_to(Rect.full(full.shape))]
                 by_device.setdefault(part.device, []).append(((layer, part.index), tile.copy()))
+        devices = list(by_device)
+
+        async def to_every_device():  # at once: one round trip for all devices, not one per device
+            return await asyncio.gather(*[
+                self.client._scatter([tile for _, tile in by_device[d]], workers=[address[d]], hash=False, direct=True)
+                for d in devices])
+
         futures = {}
-        for device, items in by_device.items():
-            scattered = self.client.scatter([tile for _, tile in items], workers=[address[device]],
-                                            hash=False, direct=True)
-            for (name, _), future in zip(items, scattered):
+        for device, scattered in zip(devices, self.client.sync(to_every_device)):
+            for (name, _), future in zip(by_device[device], scattered):
                 futures[name] = future
         return futures
 
     def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
-        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices)
+        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, self.fused)
         names, wanted = [], []
         for name, value in outputs.items():
             keys = list(value.values()) if isinstance(value, dict) else list(value)
@@ -77,7 +85,7 @@ class Executor:
             wanted += keys
         submitted = time.perf_counter()
         with dask.annotate(resources=lambda key: restriction[key]):
-            futures = self.client.get(dsk, wanted, sync=False)
+            futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
         out, i = {}, 0
         for name, value, count in names:
             chunk = futures[i : i + count]
@@ -133,18 +141,33 @@ class Executor:
         return dict(counts)
 
 
-def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset()):
+def _named_graph(dsk: dict, tag: str):
+    """The graph as Dask's low-level graph expression, named by the step's tag: without a name Dask
+    derives one by hashing every task's callable and arguments, a third of a second per step on a
+    slow machine for nothing, since every key already carries the step's unique tag."""
+    try:
+        from dask._expr import LLGExpr  # dask >= 2025.1; older versions take the dict as it is
+    except ImportError:
+        return dsk
+    return LLGExpr(dsk, _determ_token=f"taskrt-step-{tag}")
+
+
+def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
+               fused: bool = True):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
     array once, by a task beside it ('<layer>-todevice'), and every output the client reads (a loss
     part's sum, logits, gradient sums) is brought back to host memory there ('<layer>-host'),
-    so nothing but the step's data crosses between host and device inside a step."""
-    dsk, restriction = {}, {}
+    so nothing but the step's data crosses between host and device inside a step.
+
+    `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
+    (taskrt.fusion); the keys the client and other devices read stay as they are."""
+    dsk, device_of = {}, {}
 
     def add(key, value, device):
         dsk[key] = value
-        restriction[key] = {resource_tag(device): 1}
+        device_of[key] = device
         return key
 
     def resolve(dep, device):
@@ -179,6 +202,10 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
             else:
                 adapted.append(step_key(key, tag))
         outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
+    if fused:
+        wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
+        dsk, device_of = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage))
+    restriction = {key: {resource_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs
 
 

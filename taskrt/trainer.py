@@ -101,9 +101,11 @@ class StepFuture:
 
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
-                 seed=0, precision="fp32"):
+                 seed=0, precision="fp32", fused=True):
         """`precision`: float32 on GPU workers, strict "fp32" (the default) or "tf32" (tensor cores,
-        about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it."""
+        about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it.
+        `fused`: run each device's tasks between two waits for another device as one Dask task
+        (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         self.graph = graph
@@ -113,7 +115,7 @@ class Trainer:
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
-        self.executor = Executor(machine)
+        self.executor = Executor(machine, fused)
         machine.client.run(set_precision, precision)
         self._plans = {}
         self.plan = self._plan("train")

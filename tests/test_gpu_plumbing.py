@@ -39,8 +39,8 @@ def test_step_graph_adds_adapters_only_on_gpu_devices():
     data = {key: f"data-{key}" for key in plan.data_nbytes}
     state = {key: f"state-{key}" for key in (k for k in plan.outputs["state"])}
     hyper = {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
-    cpu, _, cpu_out = step_graph(plan, "3-ab", state, data, hyper)
-    gpu, restriction, gpu_out = step_graph(plan, "3-ab", state, data, hyper, gpu_devices=frozenset({1}))
+    cpu, _, cpu_out = step_graph(plan, "3-ab", state, data, hyper, fused=False)
+    gpu, restriction, gpu_out = step_graph(plan, "3-ab", state, data, hyper, gpu_devices=frozenset({1}), fused=False)
     added = {key_split(k) for k in set(gpu) - set(cpu)}
     assert added == {"image-todevice", "labels-todevice", "loss-host"}
     # one conversion per data tile that lives on a GPU device, pinned beside it

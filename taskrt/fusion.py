@@ -1,0 +1,110 @@
+"""Fusing a step's tasks: every run of work a device can do without waiting for another device
+becomes one Dask task, so a step pays Dask's per-task cost once per run, not once per task.
+
+Each task gets a stage: the most device changes on any path of tasks leading to it.  Tasks on one
+device with the same stage form a group, and a group is convex: a path that leaves its device
+raises the stage, so no path leaves a group and comes back into it, and a group's task can run
+as soon as the group's outside inputs are there.  A group of several tasks runs as one
+`FusedRun` task; each of its values that something outside the group reads (a task on another
+device or stage, or the client) is taken out of the result by a small task under its original
+key on the same device.  Keys, bytes moved and the values the client sees are those of the
+unfused graph; only the group's inner values never become Dask keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import getitem
+
+
+@dataclass(frozen=True)
+class FusedRun:
+    """Runs `steps` in order; returns the values of `exports` as a tuple.
+
+    steps: ((key, callable, args), ...) where each arg is ("in", i) for the i-th outside input,
+    ("own", key) for an earlier step's value, or ("lit", value)."""
+
+    steps: tuple
+    exports: tuple
+
+    def __call__(self, *inputs):
+        last_use = {}
+        for n, (_, _, args) in enumerate(self.steps):
+            for kind, ref in args:
+                if kind == "own":
+                    last_use[ref] = n
+        keep = set(self.exports)
+        values = {}
+        for n, (key, fn, args) in enumerate(self.steps):
+            resolved = [inputs[ref] if kind == "in" else values[ref] if kind == "own" else ref for kind, ref in args]
+            try:
+                values[key] = fn(*resolved)
+            except Exception as error:
+                error.add_note(f"in task {key} (fused with {len(self.steps) - 1} others on its device)")
+                raise
+            for kind, ref in args:  # an inner value no later step reads is dropped now: memory as unfused
+                if kind == "own" and last_use[ref] == n and ref not in keep:
+                    del values[ref]
+        return tuple(values[key] for key in self.exports)
+
+    def __repr__(self):  # shown by Dask's dashboard and errors
+        return f"FusedRun({len(self.steps)} tasks, {len(self.exports)} outputs)"
+
+
+def stages(dsk: dict, device: dict) -> dict:
+    """key -> the most device changes on a path of tasks to it; `dsk` in dependency order."""
+    stage = {}
+    for key, (_, *args) in dsk.items():
+        stage[key] = max((stage[a] + (device[a] != device[key]) for a in args if _is_key(a, stage)), default=0)
+    return stage
+
+
+def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
+    """(fused graph, device of each of its keys).  `dsk` maps key -> (callable, *args) in
+    dependency order, args being keys of `dsk` or values; `outputs`: keys the client reads;
+    `name(device, stage)` gives a group's key."""
+    stage = stages(dsk, device)
+    groups: dict[tuple, list] = {}
+    for key in dsk:
+        groups.setdefault((device[key], stage[key]), []).append(key)
+    group_of = {key: g for g, keys in groups.items() for key in keys}
+    read_outside = set(outputs)
+    for key, (_, *args) in dsk.items():
+        read_outside.update(a for a in args if _is_key(a, dsk) and group_of[a] != group_of[key])
+    fused, where = {}, {}
+    for g, keys in groups.items():
+        if len(keys) == 1:
+            [key] = keys
+            fused[key], where[key] = dsk[key], g[0]
+            continue
+        inside = set(keys)
+        inputs, index, steps = [], {}, []
+        for key in keys:
+            fn, *args = dsk[key]
+            refs = []
+            for a in args:
+                if _is_key(a, inside):
+                    refs.append(("own", a))
+                elif _is_key(a, dsk) or not isinstance(a, dict):  # another group's key, or a future
+                    slot = index.setdefault(_identity(a), len(inputs))
+                    if slot == len(inputs):
+                        inputs.append(a)
+                    refs.append(("in", slot))
+                else:
+                    refs.append(("lit", a))
+            steps.append((key, fn, tuple(refs)))
+        exports = tuple(k for k in keys if k in read_outside)
+        run_key = name(*g)
+        fused[run_key], where[run_key] = (FusedRun(tuple(steps), exports), *inputs), g[0]
+        for i, key in enumerate(exports):
+            fused[key], where[key] = (getitem, run_key, i), g[0]
+    return fused, where
+
+
+def _is_key(value, keys) -> bool:
+    return isinstance(value, tuple) and value in keys
+
+
+def _identity(value):
+    """A hashable name for an outside input: its key, or for a future its key too."""
+    return value if isinstance(value, tuple) else ("future", getattr(value, "key", id(value)))

@@ -1,0 +1,113 @@
+"""Fusing a step's tasks per device and stage (taskrt.fusion): the fused graph computes every value
+the unfused one gives the client and other devices, under the same keys; groups are convex; one
+device's whole step is a single Dask task."""
+
+from __future__ import annotations
+
+from operator import getitem
+
+import dask
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taskrt import models
+from taskrt.config import ParallelConfig as P
+from taskrt.executor import step_graph
+from taskrt.fusion import FusedRun, fuse, stages
+from taskrt.lowering import lower
+from taskrt.strategy import Strategy
+from tests.strategies import random_strategies
+
+
+def combine(*values):
+    return sum(values) * 3 + 1
+
+
+@st.composite
+def device_graphs(draw):
+    """A random DAG in dependency order: key -> (combine, *earlier keys or literals), each on a device."""
+    n = draw(st.integers(1, 25))
+    devices = draw(st.integers(1, 4))
+    dsk, device = {}, {}
+    for i in range(n):
+        parents = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        dsk[("t", i)] = (combine, *[("t", p) for p in parents], draw(st.integers(-3, 3)))
+        device[("t", i)] = draw(st.integers(0, devices - 1))
+    outputs = {("t", i) for i in draw(st.lists(st.integers(0, n - 1), min_size=1, unique=True))}
+    return dsk, device, outputs
+
+
+def dependencies(dsk):
+    return {key: [a for a in args if isinstance(a, tuple) and a in dsk] for key, (_, *args) in dsk.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(device_graphs())
+def test_fused_graph_gives_the_same_values_under_the_same_keys(case):
+    dsk, device, outputs = case
+    fused, where = fuse(dsk, device, outputs, lambda d, s: (f"dev{d}-fused", s))
+    # every key another device or the client reads is still there, on its device, with its value
+    read_elsewhere = set(outputs) | {a for k, deps in dependencies(dsk).items() for a in deps if device[a] != device[k]}
+    keys = sorted(read_elsewhere)
+    assert dask.get(fused, keys) == dask.get(dsk, keys)
+    for key in read_elsewhere:
+        assert where[key] == device[key]
+    # a fused run and its extractions live where their tasks did; nothing crosses devices inside one
+    for key, (fn, *args) in fused.items():
+        if isinstance(fn, FusedRun):
+            assert {device[k] for k, _, _ in fn.steps} == {where[key]}
+        if fn is getitem:
+            assert where[args[0]] == where[key]
+
+
+@settings(max_examples=200, deadline=None)
+@given(device_graphs())
+def test_groups_are_convex(case):
+    """No path of tasks leaves a (device, stage) group and comes back: a group never waits on itself."""
+    dsk, device, _ = case
+    stage = stages(dsk, device)
+    dag = nx.DiGraph([(a, k) for k, deps in dependencies(dsk).items() for a in deps])
+    dag.add_nodes_from(dsk)
+    group = {k: (device[k], stage[k]) for k in dsk}
+    for a, b in dag.edges:
+        assert stage[b] >= stage[a] + (device[a] != device[b])
+    quotient = nx.quotient_graph(dag, lambda u, v: group[u] == group[v])
+    assert nx.is_directed_acyclic_graph(quotient)
+
+
+def fake_inputs(plan):
+    data = {key: f"data-{key}" for key in plan.data_nbytes}
+    state = {key: f"state-{key}" for key in plan.outputs["state"]}
+    return state, data, {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
+
+
+@pytest.mark.parametrize("mode", ["train", "gradients", "predict"])
+def test_one_device_runs_a_whole_step_as_one_task(mode):
+    g = models.lenet5(batch=4, image_size=16, width=0.5)
+    plan = lower(g, Strategy({layer.name: P(devices=(0,)) for layer in g}), mode)
+    state, data, hyper = fake_inputs(plan) if mode == "train" else (*fake_inputs(lower(g, Strategy(
+        {layer.name: P(devices=(0,)) for layer in g}), "train"))[:2], None)
+    dsk, _, outputs = step_graph(plan, "1-ab", state, data, hyper)
+    runs = [k for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)]
+    wanted = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    assert len(runs) == 1
+    assert sorted(set(dsk) - set(runs)) == sorted(wanted)  # only the values the client reads are keys
+    assert len(dsk[runs[0]][0].steps) == len(plan.tasks)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_strategies_keep_every_travelling_and_output_key(data):
+    g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
+    _, strategy = data.draw(random_strategies(g, max_devices=4))
+    plan = lower(g, strategy.validated(g))
+    state, data_, hyper = fake_inputs(plan)
+    plain, plain_restriction, outputs = step_graph(plan, "2-cd", state, data_, hyper, fused=False)
+    fused, restriction, fused_outputs = step_graph(plan, "2-cd", state, data_, hyper)
+    assert fused_outputs == outputs
+    travelling = {(f"{t.dep.key[0]}-it2-cd", *t.dep.key[1:]) for t in plan.transfers() if t.dep.kind == "task"}
+    for key in travelling | {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}:
+        assert key in fused and restriction[key] == plain_restriction[key]
+    assert len(fused) <= len(plain) + len([k for k in fused if isinstance(fused[k][0], FusedRun)])
