@@ -1,6 +1,11 @@
-"""Scheduling overhead per step: measured step time minus the kernel time on the critical path,
-for LeNet-5 and a small VGG under data parallelism on 2 local devices, next to Dask's own
-per-task cost measured in the same run on trivial tasks."""
+"""The runtime's own cost per step.
+
+One device: the same SGD step in-process (SingleDeviceTrainer, one BLAS thread) against Trainer on
+Machine.local(1), fused (the default) and unfused, in interleaved rounds; the goal is local(1)
+within 1.15x of in-process for AlexNet-32 and VGG-16-32 and within 2x for LeNet-5.
+Two devices: measured step time minus the kernel time on the critical path, for LeNet-5 and a
+small VGG under data parallelism, next to Dask's own per-task cost measured in the same run on
+trivial tasks."""
 
 from __future__ import annotations
 
@@ -10,13 +15,16 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.report import write_result
+from bench.report import markdown_table, write_result
 from taskrt import models
 from taskrt.config import ParallelConfig
-from taskrt.executor import step_key
+from taskrt.executor import step_graph, step_key
 from taskrt.machine import Machine
+from taskrt.reference import SingleDeviceTrainer
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer
+
+GOALS = {"lenet5": 2.0, "alexnet32": 1.15, "vgg16_32": 1.15}  # local(1) / in-process, issue 14
 
 
 def data_parallel(graph, devices):
@@ -33,13 +41,56 @@ def compute_times(client, keys: set, since: float) -> dict:
     return out
 
 
-def measure_model(machine, name, graph, steps, warmup=2):
-    trainer = Trainer(graph, data_parallel(graph, machine.num_devices), machine, lr=1e-4, momentum=0.9)
+def batch_for(graph):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(graph.inputs[0].shape).astype(np.float32)
-    y = rng.integers(0, graph[graph.losses[0].inputs[0]].shape[1], graph.inputs[1].shape)
+    return x, rng.integers(0, graph[graph.losses[0].inputs[0]].shape[1], graph.inputs[1].shape)
+
+
+def single_device_rows(models_: dict, rounds: int) -> list[dict]:
+    """In-process against local(1), fused and unfused: medians over interleaved rounds."""
+    from threadpoolctl import threadpool_limits
+
+    rows = []
+    with Machine.local(1, probe=False) as machine, threadpool_limits(1):
+        for name, make in models_.items():
+            graph = make()
+            x, y = batch_for(graph)
+            hyper = {"lr": 1e-4, "momentum": 0.9}
+            runners = {"in-process": SingleDeviceTrainer(graph, **hyper)}
+            one = data_parallel(graph, 1)
+            runners["local(1)"] = Trainer(graph, one, machine, **hyper)
+            runners["local(1) unfused"] = Trainer(graph, one, machine, fused=False, **hyper)
+            times = {label: [] for label in runners}
+            for runner in runners.values():  # warm-up: first-touch memory, caches, numba
+                runner.step(x, y)
+            for _ in tqdm(range(rounds), desc=f"{name} on one device", leave=False, disable=None):
+                for label, runner in runners.items():
+                    start = time.perf_counter()
+                    runner.step(x, y)
+                    times[label].append(time.perf_counter() - start)
+            med = {label: statistics.median(t) for label, t in times.items()}
+            ratio = med["local(1)"] / med["in-process"]
+            rows.append({"model": name, "batch": graph.inputs[0].shape[0],
+                         "in_process_ms": med["in-process"] * 1e3, "local1_ms": med["local(1)"] * 1e3,
+                         "local1_unfused_ms": med["local(1) unfused"] * 1e3, "ratio": ratio,
+                         "unfused_ratio": med["local(1) unfused"] / med["in-process"],
+                         "goal": GOALS.get(name), "meets_goal": ratio <= GOALS[name] if name in GOALS else None,
+                         "plan_tasks": len(runners["local(1)"].plan.tasks),
+                         "fused_tasks": dask_tasks(runners["local(1)"])})
+    return rows
+
+
+def measure_model(machine, name, graph, steps, warmup=2):
+    """Unfused, so the task stream times every plan task (the critical path's kernels); the fused
+    trainer's steps are timed in the same rounds beside it."""
+    strategy = data_parallel(graph, machine.num_devices)
+    trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, fused=False)
+    fused = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9)
+    x, y = batch_for(graph)
     for _ in range(warmup):
         trainer.step(x, y)
+        fused.step(x, y)
     rows = []
     for _ in tqdm(range(steps), desc=name, leave=False, disable=None):
         since = time.time()
@@ -48,8 +99,10 @@ def measure_model(machine, name, graph, steps, warmup=2):
         run = future.run
         times = compute_times(machine.client, run.keys, since - 1)
         kernel, path = run.plan.critical_path(lambda t, times=times, tag=run.tag: times.get(step_key(t.key, tag), 0))
-        rows.append({"step_s": trainer.stats.wall_s, "critical_kernel_s": kernel, "critical_tasks": len(path),
-                     "all_kernel_s": sum(times.values())})
+        step_s = trainer.stats.wall_s
+        fused.step(x, y)
+        rows.append({"step_s": step_s, "critical_kernel_s": kernel, "critical_tasks": len(path),
+                     "all_kernel_s": sum(times.values()), "fused_step_s": fused.stats.wall_s})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     overhead = med["step_s"] - med["critical_kernel_s"]
     return {
@@ -64,10 +117,24 @@ def measure_model(machine, name, graph, steps, warmup=2):
         "overhead_ms": overhead * 1e3,
         "overhead_per_task_ms": overhead / len(trainer.plan.tasks) * 1e3,
         "overhead_per_hop_ms": overhead / med["critical_tasks"] * 1e3,
+        "fused_step_ms": med["fused_step_s"] * 1e3,
+        "fused_tasks": dask_tasks(fused),
     }
 
 
+def dask_tasks(trainer) -> int:
+    """Dask tasks per training step as the trainer submits them (fused or not)."""
+    data = {key: None for key in trainer.plan.data_nbytes}
+    dsk, _, _ = step_graph(trainer.plan, "count", trainer._state, data, {}, fused=trainer.executor.fused)
+    return len(dsk)
+
+
 def run(out_dir="results", quick=False):
+    from bench.measure import LOCAL_MODELS
+
+    rounds = 3 if quick else 9
+    chosen = {"lenet5": LOCAL_MODELS["lenet5"]} if quick else LOCAL_MODELS
+    single = single_device_rows(chosen, rounds)
     steps = 3 if quick else 15
     configs = [
         ("lenet5", models.lenet5(batch=64)),
@@ -82,18 +149,33 @@ def run(out_dir="results", quick=False):
     summary = [
         f"Dask on trivial tasks, same cluster: {per_task * 1e3:.2f} ms per independent task, "
         f"{per_hop * 1e3:.2f} ms per dependent hop (pinned to one device)",
-        "overhead = measured step time - kernel time on the critical path (task stream compute times); "
-        "medians over the measured steps",
+        "overhead = measured step time - kernel time on the critical path (task stream compute times) of "
+        "the unfused step, whose task stream times every plan task; the fused step (the default) is timed "
+        "beside it in the same rounds; medians over the measured steps",
         "every step creates only the tasks listed: one fwd and one bwd per part, one loss per part, and for "
         "each parameter shard: a grad extraction per remote replica, one update, weight fetches to replicas",
     ]
+    for row in single:
+        goal = f"goal <= {row['goal']}x: {'met' if row['meets_goal'] else 'MISSED'}" if row["goal"] else "no goal"
+        summary.insert(0, f"{row['model']} on one device: local(1) {row['local1_ms']:.0f} ms vs in-process "
+                          f"{row['in_process_ms']:.0f} ms = {row['ratio']:.2f}x ({goal}); unfused "
+                          f"{row['unfused_ratio']:.2f}x")
     columns = [("model", "model"), ("batch", "batch"), ("tasks", "tasks/step"), ("step_ms", "step ms"),
+               ("fused_tasks", "fused: Dask tasks/step"), ("fused_step_ms", "fused: step ms"),
                ("kernel_ms_all", "all kernels ms"), ("critical_tasks", "critical-path tasks"),
                ("critical_kernel_ms", "critical-path kernels ms"), ("overhead_ms", "overhead ms"),
                ("overhead_per_hop_ms", "overhead per critical hop ms"),
                ("dask_hops_equivalent", "overhead / Dask hop"), ("phases", "tasks by phase")]
     md = write_result(out_dir, "overhead", rows, columns,
                       {"devices": 2, "strategy": "data parallel", "steps": steps,
-                       "dask_per_task_ms": per_task * 1e3, "dask_per_hop_ms": per_hop * 1e3}, summary)
+                       "dask_per_task_ms": per_task * 1e3, "dask_per_hop_ms": per_hop * 1e3,
+                       "single_device": single, "single_device_rounds": rounds}, summary)
+    one = [("model", "model"), ("batch", "batch"), ("in_process_ms", "in-process ms"), ("local1_ms", "local(1) ms"),
+           ("ratio", "local(1) / in-process"), ("goal", "goal"), ("local1_unfused_ms", "local(1) unfused ms"),
+           ("unfused_ratio", "unfused / in-process"), ("plan_tasks", "plan tasks"),
+           ("fused_tasks", "Dask tasks fused")]
+    with md.open("a") as f:
+        f.write(f"\n## One device (medians of {rounds} interleaved rounds, one BLAS thread)\n\n"
+                + markdown_table(one, single) + "\n")
     print(md.read_text())
     return rows

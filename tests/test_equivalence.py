@@ -95,7 +95,7 @@ def check_equivalence(graph, strategy, machine, dtype):
 
 @pytest.mark.parametrize("name", list(GRAPHS))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_strategies_match_single_device(machine4, name, dtype, data):

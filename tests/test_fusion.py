@@ -43,7 +43,7 @@ def dependencies(dsk):
     return {key: [a for a in args if isinstance(a, tuple) and a in dsk] for key, (_, *args) in dsk.items()}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(device_graphs())
 def test_fused_graph_gives_the_same_values_under_the_same_keys(case):
     dsk, device, outputs = case
@@ -62,7 +62,7 @@ def test_fused_graph_gives_the_same_values_under_the_same_keys(case):
             assert where[args[0]] == where[key]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(device_graphs())
 def test_groups_are_convex(case):
     """No path of tasks leaves a (device, stage) group and comes back: a group never waits on itself."""
@@ -97,7 +97,7 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
     assert len(dsk[runs[0]][0].steps) == len(plan.tasks)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_random_strategies_keep_every_travelling_and_output_key(data):
     g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
