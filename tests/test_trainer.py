@@ -149,12 +149,32 @@ def test_keys_are_named_by_layer_and_phase(machine4):
     from dask.utils import key_split
 
     graph = small_lenet()
-    trainer = Trainer(graph, mixed(graph), machine4)
+    trainer = Trainer(graph, mixed(graph), machine4, fused=False)
     x, y = batches(graph, 1)[0]
     future = trainer.submit(x, y)
     future.result()
     names = {key_split(k) for k in future.run.keys if isinstance(k, tuple)}
     assert {"conv1-fwd", "conv1-bwd", "conv2-fwd", "fc1-update", "loss-loss"} <= names
+
+
+def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
+    from dask.utils import key_split
+
+    graph = small_lenet()
+    data = batches(graph, 3)
+    runs = {}
+    for fused in (True, False):
+        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64", fused=fused)
+        futures = [trainer.submit(x, y) for x, y in data]
+        runs[fused] = ([f.result() for f in futures], trainer.parameters(), futures[-1].run.keys, trainer.stats)
+    (loss_f, params_f, keys_f, stats_f), (loss_u, params_u, keys_u, _) = runs[True], runs[False]
+    assert loss_f == loss_u  # the same kernels in the same order: bit for bit
+    for layer in params_u:
+        for name in params_u[layer]:
+            np.testing.assert_array_equal(params_f[layer][name], params_u[layer][name])
+    assert len(keys_f) < len(keys_u)
+    assert {"dev0-fused", "dev1-fused", "dev2-fused"} <= {key_split(k) for k in keys_f if isinstance(k, tuple)}
+    assert stats_f.measured_bytes == stats_f.planned_bytes
 
 
 def test_bad_input_is_rejected_before_any_work(machine4):
