@@ -121,8 +121,8 @@ class Executor:
         # uses, so the scheduler's "in memory" report cannot arrive before the futures exist.
         futures_out = {name: Future(key, self.client) for name, key in fresh.items()}
         nbytes = {}
-        for address, renames in by_worker.items():
-            nbytes.update(self.client.run(_rekey, renames, workers=[address])[address])
+        for sizes in self.client.run(_rekey, by_worker, workers=list(by_worker)).values():  # one round trip
+            nbytes.update(sizes)
         self.client.sync(self.client.scheduler.update_data,
                          who_has={new: [address] for address, renames in by_worker.items() for new in renames.values()},
                          nbytes=nbytes, client=self.client.id)
@@ -214,8 +214,8 @@ def loss_sum(value) -> float:
     return float(to_host(value[-1]).sum())
 
 
-def _rekey(renames, dask_worker=None):
-    data = {new: dask_worker.data[old] for old, new in renames.items()}
+def _rekey(by_worker, dask_worker=None):
+    data = {new: dask_worker.data[old] for old, new in by_worker[dask_worker.address].items()}
     return dask_worker.update_data(data=data)["nbytes"]
 
 

@@ -4,10 +4,11 @@ becomes one Dask task, so a step pays Dask's per-task cost once per run, not onc
 Each task gets a stage: the most device changes on any path of tasks leading to it.  Tasks on one
 device with the same stage form a group, and a group is convex: a path that leaves its device
 raises the stage, so no path leaves a group and comes back into it, and a group's task can run
-as soon as the group's outside inputs are there.  A group of several tasks runs as one
-`FusedRun` task; each of its values that something outside the group reads (a task on another
-device or stage, or the client) is taken out of the result by a small task under its original
-key on the same device.  Keys, bytes moved and the values the client sees are those of the
+as soon as the group's outside inputs are there.  A group runs as one `FusedRun` task; each of
+its values that something outside the group reads (a task on another device or stage, or the
+client) is taken out of the result by a small task under its original key on the same device.
+A group where that would not make fewer tasks (nearly all its values are read outside) stays
+as it is.  Keys, bytes moved and the values the client sees are those of the
 unfused graph; only the group's inner values never become Dask keys.
 """
 
@@ -73,9 +74,10 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
         read_outside.update(a for a in args if _is_key(a, dsk) and group_of[a] != group_of[key])
     fused, where = {}, {}
     for g, keys in groups.items():
-        if len(keys) == 1:
-            [key] = keys
-            fused[key], where[key] = dsk[key], g[0]
+        exports = tuple(k for k in keys if k in read_outside)
+        if len(exports) + 1 >= len(keys):  # fusing would not make fewer tasks: keep the group as it is
+            for key in keys:
+                fused[key], where[key] = dsk[key], g[0]
             continue
         inside = set(keys)
         inputs, index, steps = [], {}, []
@@ -93,7 +95,6 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
                 else:
                     refs.append(("lit", a))
             steps.append((key, fn, tuple(refs)))
-        exports = tuple(k for k in keys if k in read_outside)
         run_key = name(*g)
         fused[run_key], where[run_key] = (FusedRun(tuple(steps), exports), *inputs), g[0]
         for i, key in enumerate(exports):
