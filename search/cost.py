@@ -35,7 +35,7 @@ from search.regions import Needs, part_table
 from search.space import search_space
 from taskrt.config import ParallelConfig
 from taskrt.files import write_atomic
-from taskrt.machine import DEVICE_KINDS, resource_tag
+from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
 from taskrt.plan import chunk_bounds
 
@@ -373,7 +373,7 @@ class CostModel:
             for start in range(0, len(sigs), 8):
                 chunk = sigs[start : start + 8]
                 future = client.submit(timing, [items[s] for s in chunk], self.repeats, self.dtype,
-                                       pure=False, resources={resource_tag(device): 1})
+                                       pure=False, resources={self.machine.tag(device): 1})
                 out.update(zip(chunk, future.result()))
                 bar.update(len(chunk))
         self.measurements += len(sigs)

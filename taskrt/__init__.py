@@ -2,6 +2,7 @@
 
 from ops.rect import Rect  # the region algebra lives beside the region rules in ops
 from taskrt import models
+from taskrt.checkpoint import CheckpointError, Checkpoints
 from taskrt.config import ParallelConfig
 from taskrt.graph import Graph, GraphError, Layer, Tensor
 from taskrt.lowering import lower
@@ -12,5 +13,5 @@ from taskrt.trainer import Trainer
 
 __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
-    "Machine", "MachineError", "Trainer", "SingleDeviceTrainer", "lower", "models",
+    "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "lower", "models",
 ]

@@ -69,7 +69,8 @@ class Executor:
 
     def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
-        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices)
+        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices,
+                                                  self.machine.tag)
         names, wanted = [], []
         for name, value in outputs.items():
             keys = list(value.values()) if isinstance(value, dict) else list(value)
@@ -133,18 +134,20 @@ class Executor:
         return dict(counts)
 
 
-def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset()):
+def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
+               device_tag=resource_tag):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
     array once, by a task beside it ('<layer>-todevice'), and every output the client reads (a loss
     part's sum, logits, gradient sums) is brought back to host memory there ('<layer>-host'),
-    so nothing but the step's data crosses between host and device inside a step."""
+    so nothing but the step's data crosses between host and device inside a step.
+    `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag)."""
     dsk, restriction = {}, {}
 
     def add(key, value, device):
         dsk[key] = value
-        restriction[key] = {resource_tag(device): 1}
+        restriction[key] = {device_tag(device): 1}
         return key
 
     def resolve(dep, device):
