@@ -9,6 +9,7 @@
   convergence  loss curves of data parallel and layer-wise against one device
   seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
+  elastic      the cost of snapshots for elastic recovery, and of recovering from a killed worker
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
 """
@@ -20,7 +21,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
+BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "elastic"]
 ON_REQUEST = ["gholami", "gpu"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
 
 

@@ -29,20 +29,25 @@ def page_url(client) -> str:
 
 
 def page_data(trainer, measured: dict | None, step_times: list, predicted_s: float | None) -> dict:
-    """What the page shows, as plain JSON-ready data."""
+    """What the page shows, as plain JSON-ready data.  Devices are named by their number on the
+    whole machine, also after a recovery re-planned on some of them."""
     graph, strategy, machine = trainer.graph, trainer.strategy, trainer.machine
+    whole = trainer._live  # device i of the machine in use is device whole[i] of the whole machine
+
+    def pairs(counts):
+        return {f"{whole[s]}->{whole[d]}": int(b) for (s, d), b in sorted(counts.items())}
+
     layers = []
     for layer in graph:
         cfg = strategy[layer.name]
         layers.append({"name": layer.name, "kind": layer.kind, "degrees": cfg.degrees, "sync": cfg.sync,
                        "devices": list(cfg.devices)})
-    planned = trainer.plan.bytes_by_pair()
     return {
         "graph": graph.name, "strategy": strategy.name, "updated": time.time(),
-        "devices": [f"{d.id} ({d.kind})" for d in machine.devices], "machine": machine.description,
+        "devices": [f"{whole[d.id]} ({d.kind})" for d in machine.devices], "machine": machine.description,
         "layers": layers, "steps_done": trainer.steps_done,
-        "planned_bytes": {f"{s}->{d}": int(b) for (s, d), b in sorted(planned.items())},
-        "measured_bytes": None if measured is None else {f"{s}->{d}": int(b) for (s, d), b in sorted(measured.items())},
+        "planned_bytes": pairs(trainer.plan.bytes_by_pair()),
+        "measured_bytes": None if measured is None else pairs(measured),
         "measured_step": None if trainer.stats is None else trainer.stats.step,
         "step_times": [[int(step), float(s)] for step, s in step_times[-MAX_STEPS_SHOWN:]],
         "predicted_step_s": predicted_s,

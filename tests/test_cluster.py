@@ -67,7 +67,7 @@ def _write_throwaway_certificate(folder):
     return folder / "cert.pem", folder / "key.pem"
 
 
-def _wait_for(path, process, timeout=120):
+def _wait_for(path, process, timeout=300):
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert process.poll() is None, f"{process.args} exited with {process.returncode}"
@@ -75,7 +75,7 @@ def _wait_for(path, process, timeout=120):
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
     pytest.importorskip("cryptography")
     from distributed import Client, Security
@@ -102,7 +102,7 @@ def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
         security = Security(tls_ca_file=str(cert), tls_client_cert=str(cert), tls_client_key=str(key),
                             require_encryption=True)
         with Client(address, security=security, timeout="60s") as client:
-            client.wait_for_workers(2, timeout=120)
+            client.wait_for_workers(2, timeout=300)
             assert all(w.startswith("tls://") for w in client.scheduler_info()["workers"])
             machine = Machine.from_client(client, probe=False)
             graph = models.lenet5(batch=4, image_size=16, width=0.5)
