@@ -13,6 +13,7 @@ works wherever the scheduler runs.
 
 from __future__ import annotations
 
+import logging
 import time
 
 PATH = "/taskrt/strategy"
@@ -70,7 +71,12 @@ class Publisher:
         self.step_times.append((step, wall_s))
         now = time.monotonic()
         if force or now - self._last >= PUBLISH_EVERY_S:
-            self.publish(measure=force or now - self._measured_at >= MEASURE_EVERY_S)
+            try:
+                self.publish(measure=force or now - self._measured_at >= MEASURE_EVERY_S)
+            except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must
+                # not fail the step, which the trainer's own checks deal with)
+                logging.getLogger("taskrt").warning("dashboard page not updated: %s", error)
+                self._last = now
 
     def publish(self, measure: bool = True):
         trainer = self.trainer

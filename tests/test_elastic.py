@@ -54,6 +54,14 @@ def kill(machine, device):
     os.kill(pid, signal.SIGKILL)
 
 
+def wait_until_noticed(trainer, timeout=60):
+    """Until the scheduler has noticed a kill: some of the trainer's parameters are gone."""
+    deadline = time.monotonic() + timeout
+    while all(f.status == "finished" for f in trainer._state.values()):
+        assert time.monotonic() < deadline, "the scheduler did not notice the lost worker"
+        time.sleep(0.05)
+
+
 def wait_for_all(machine, timeout=60):
     deadline = time.monotonic() + timeout
     while len(machine.live_devices()) < machine.num_devices:
@@ -124,6 +132,7 @@ def test_kill_between_steps_replays_and_matches(machine3, uninterrupted):
     trainer = Trainer(graph, mixed(graph), machine3, snapshot_every=2, **HYPER)
     got = [trainer.step(x, y) for x, y in data[:3]]
     kill(machine3, 1)
+    wait_until_noticed(trainer)  # between steps: lost before the next step starts
     with pytest.warns(WorkerLostWarning, match=r"restored the snapshot of step 2 and replayed steps 3..3"):
         got += [trainer.step(x, y) for x, y in data[3:]]
     [record] = trainer.recoveries
