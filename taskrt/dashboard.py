@@ -1,4 +1,4 @@
-"""The taskrt page of the Dask dashboard: the strategy a Trainer runs, at /taskrt/strategy.
+"""The taskrt page of the Dask dashboard: the strategy a Trainer runs, at /taskrt.
 
     layers x devices grid: each layer's split (n, c, h, w degrees) and the devices of its parts
     bytes per device pair per step: planned (the plan) and measured (the workers' transfer logs)
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-PATH = "/taskrt/strategy"
+PATH = "/taskrt"  # one level, like the dashboard's own pages: Bokeh's static files resolve relative to it
 METADATA_KEY = "taskrt"
 PUBLISH_EVERY_S = 1.0  # at most one publication per second: a scheduler round trip each
 MEASURE_EVERY_S = 10.0  # reading the transfer logs asks every worker
