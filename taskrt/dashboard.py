@@ -71,20 +71,19 @@ class Publisher:
         self.step_times.append((step, wall_s))
         now = time.monotonic()
         if force or now - self._last >= PUBLISH_EVERY_S:
-            try:
-                self.publish(measure=force or now - self._measured_at >= MEASURE_EVERY_S)
-            except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must
-                # not fail the step, which the trainer's own checks deal with)
-                logging.getLogger("taskrt").warning("dashboard page not updated: %s", error)
-                self._last = now
+            self.publish(measure=force or now - self._measured_at >= MEASURE_EVERY_S)
 
     def publish(self, measure: bool = True):
         trainer = self.trainer
-        if measure and trainer.stats is not None:
-            self._measured, self._measured_at = trainer.stats.measured_bytes, time.monotonic()
-        data = page_data(trainer, self._measured, self.step_times, self.predicted_s)
-        trainer.machine.client.set_metadata([METADATA_KEY], data)
         self._last = time.monotonic()
+        try:
+            if measure and trainer.stats is not None:
+                self._measured, self._measured_at = trainer.stats.measured_bytes, time.monotonic()
+            data = page_data(trainer, self._measured, self.step_times, self.predicted_s)
+            trainer.machine.client.set_metadata([METADATA_KEY], data)
+        except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must not
+            # fail the step; the trainer's own checks deal with the loss)
+            logging.getLogger("taskrt").warning("dashboard page not updated: %r", error)
 
 
 # ---- the Bokeh page (runs in the scheduler) ---------------------------------------------------

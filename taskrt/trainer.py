@@ -249,8 +249,9 @@ class Trainer:
                 self._lost(missing, f"step {step} was running when device(s) {missing} lost their worker", step)
 
     def _missing_devices(self) -> list[int]:
+        """Devices in use without a worker, by their number on the whole machine."""
         live = self.machine.live_devices()
-        return [d.id for d in self.machine.devices if d.id not in live]
+        return [self._live[d.id] for d in self.machine.devices if d.id not in live]
 
     def _failed(self, failed, step):
         """Futures of a step failed: a lost device or lost values (DeviceLost), or the task's own error."""
@@ -293,7 +294,9 @@ class Trainer:
             missing = [d.id for d in self.machine.devices if d.id not in address]
             if not lost and not missing:
                 return address
-            lost_on = sorted({self.plan.shards[layer][shard].chunks[k][2] for layer, shard, k in lost})
+            # named by their number on the whole machine
+            missing = [self._live[d] for d in missing]
+            lost_on = sorted({self._live[self.plan.shards[layer][shard].chunks[k][2]] for layer, shard, k in lost})
             if not self.elastic:
                 where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
                                   for layer, shard, k in lost)

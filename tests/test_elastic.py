@@ -62,7 +62,7 @@ def wait_until_noticed(trainer, timeout=60):
         time.sleep(0.05)
 
 
-def wait_for_all(machine, timeout=60):
+def wait_for_all(machine, timeout=300):
     deadline = time.monotonic() + timeout
     while len(machine.live_devices()) < machine.num_devices:
         assert time.monotonic() < deadline, "workers did not come back"
@@ -125,6 +125,8 @@ def test_snapshot_interval_keeps_the_cost_under_five_percent():
 
 
 # ---- killed workers -------------------------------------------------------------------------
+# (each starts and kills worker processes: on a loaded 2-core machine one takes minutes)
+@pytest.mark.timeout(1200)
 def test_kill_between_steps_replays_and_matches(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
@@ -141,6 +143,7 @@ def test_kill_between_steps_replays_and_matches(machine3, uninterrupted):
     assert_same(trainer.parameters(), expected)
 
 
+@pytest.mark.timeout(1200)
 def test_kill_during_steps_in_flight(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
@@ -157,6 +160,7 @@ def test_kill_during_steps_in_flight(machine3, uninterrupted):
     assert all(record["replayed"] for record in trainer.recoveries)
 
 
+@pytest.mark.timeout(1200)
 def test_two_kills_and_the_worker_that_came_back_is_used_again(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
