@@ -11,6 +11,7 @@
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
+  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
-ON_REQUEST = ["gholami", "gpu"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
+ON_REQUEST = ["gholami", "gpu", "ist"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
 
 
 def main(argv=None):

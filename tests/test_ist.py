@@ -17,8 +17,8 @@ from taskrt.ist import (
     partition,
     plan_round,
     site_blocks,
-    units_of,
     unflatten,
+    units_of,
 )
 from taskrt.reference import SingleDeviceTrainer
 
@@ -96,7 +96,8 @@ def test_blocks_written_back_land_where_they_came_from():
                     assert w[r, c] == w0[r, c]
         if unit.norm:
             for s in range(sites):
-                np.testing.assert_array_equal(new["norm.weight"][m[i][s]], state["norm.weight"][m[i][s]] + (s + 1) * 1e3)
+                expected = state["norm.weight"][m[i][s]] + (s + 1) * 1e3
+                np.testing.assert_array_equal(new["norm.weight"][m[i][s]], expected)
 
 
 def test_one_site_is_plain_sgd(machine4):
