@@ -13,6 +13,7 @@
                thesis's Tables 5.1-5.15 and Appendix A
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
+  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import sys
 import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
-# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph takes minutes even with --quick
-ON_REQUEST = ["gholami", "gpu", "hypergraph"]
+# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph and ist take minutes even with --quick
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist"]
 
 
 def main(argv=None):

@@ -30,7 +30,7 @@ from taskrt.graph import Graph
 from taskrt.lowering import lower
 from taskrt.machine import MachineError, resource_tag
 from taskrt.memory import plan_memory
-from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
+from taskrt.params import init_buffers, init_parameters, pack, resolve_dtype, slice_params, unpack
 from taskrt.strategy import Strategy
 
 CHECKPOINT_FORMAT = "taskrt-checkpoint/1"
@@ -83,7 +83,8 @@ class StepFuture:
         """Wait for the whole step (loss and parameter updates) and return the loss."""
         if self._loss is None:
             values = self._trainer._gather(self.run.outputs["loss"], self.run.step)
-            self._trainer._wait(list(self.run.outputs["state"].values()), self.run.step)
+            self._trainer._wait([*self.run.outputs["state"].values(), *self.run.outputs["buffers"].values()],
+                                self.run.step)
             # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
             total = sum(v if isinstance(v, float) else v[-1].sum() for v in values)
             self._loss = float(total / self._trainer._batch)
@@ -127,6 +128,7 @@ class Trainer:
         self._memory = None
         params = init_parameters(graph, seed, self.dtype)
         self._place(params, {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()})
+        self._place_buffers(init_buffers(graph, self.dtype))
 
     # ---- plans and state --------------------------------------------------------------------
     def _plan(self, mode):
@@ -149,6 +151,37 @@ class Trainer:
                         future = self.machine.client.submit(to_device, future, resources={resource_tag(device): 1},
                                                             key=f"{layer}-state-{shard.index}-{k}-{uuid.uuid4().hex[:8]}")
                     self._state[(layer, shard.index, k)] = future
+
+    def _place_buffers(self, running: dict):
+        """Put each channel group's running statistics (batch norm) on its device."""
+        address = self.machine.addresses()
+        self._buffers = {}
+        for layer, buffers in self.plan.buffers.items():
+            for b in buffers:
+                tile = running[layer][:, b.channels[0] : b.channels[1]].copy()
+                [future] = self.machine.client.scatter([tile], workers=[address[b.device]], hash=False, direct=True)
+                if b.device in self.executor.gpu_devices:
+                    future = self.machine.client.submit(to_device, future, resources={resource_tag(b.device): 1},
+                                                        key=f"{layer}-running-{b.index}-{uuid.uuid4().hex[:8]}")
+                self._buffers[(layer, b.index)] = future
+
+    def _running(self) -> dict:
+        """Running statistics as full (2, C) numpy arrays, {layer: array}."""
+        client, keys, futures = self.machine.client, list(self._buffers), []
+        for layer, index in keys:
+            future, device = self._buffers[(layer, index)], self.plan.buffers[layer][index].device
+            if device in self.executor.gpu_devices:
+                future = client.submit(to_host, future, resources={resource_tag(device): 1}, pure=False)
+            futures.append(future)
+        out = {}
+        for (layer, index), tile in zip(keys, self._gather(futures, self.steps_done)):
+            lo, hi = self.plan.buffers[layer][index].channels
+            out.setdefault(layer, np.zeros((2, self.graph[layer].shape[1]), dtype=self.dtype))[:, lo:hi] = tile
+        return out
+
+    def buffers(self) -> dict:
+        """Running statistics of every batch norm: {layer: {"running_mean": ..., "running_var": ...}}."""
+        return {layer: {"running_mean": r[0], "running_var": r[1]} for layer, r in self._running().items()}
 
     def _assemble(self, flats: dict) -> dict:
         """Full parameter tensors of every layer from flat per-chunk arrays {(layer, shard, chunk): flat}."""
@@ -197,11 +230,16 @@ class Trainer:
         """Fail clearly, before any work, when a device or the parameters it held are gone;
         returns the devices' current addresses."""
         lost = [key for key, f in self._state.items() if f.status in ("lost", "error", "cancelled")]
+        lost_buffers = [key for key, f in self._buffers.items() if f.status in ("lost", "error", "cancelled")]
         address, missing = {}, ""
         try:
             address = self.machine.addresses()
         except MachineError as error:
             missing = f"{error}. "
+        if lost_buffers and not (lost or missing):
+            where = ", ".join(f"{layer!r} (device {self.plan.buffers[layer][g].device})" for layer, g in lost_buffers)
+            raise MachineError(f"cannot run step {step}: the running statistics of {where} were lost with their "
+                               "worker. Restore the last checkpoint with Trainer.load(path, machine).")
         if lost or missing:
             where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
                               for layer, shard, k in lost)
@@ -218,7 +256,7 @@ class Trainer:
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data, address)
         hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
-        run = self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
+        run = self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper, self._buffers)
         run.submitted = started
         return run
 
@@ -230,6 +268,7 @@ class Trainer:
         self.steps_done += 1
         run = self._run("train", arrays, self.steps_done)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
+        self._buffers = run.outputs["buffers"]
         future = StepFuture(self, run)
         self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
         return future
@@ -242,6 +281,8 @@ class Trainer:
         """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
+        if self._buffers is run.outputs["buffers"] and self._buffers:
+            self._buffers = self.executor.cut_lineage(self._buffers, f"{run.tag}.running")
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
@@ -305,8 +346,8 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write a checkpoint atomically (temporary file, then rename): graph, strategy,
-        hyper-parameters, step count, parameters and momentum."""
-        params, velocity = self.parameters(), self._velocity()
+        hyper-parameters, step count, parameters, momentum and running statistics."""
+        params, velocity, running = self.parameters(), self._velocity(), self._running()
         meta = {
             "format": CHECKPOINT_FORMAT, "graph": self.graph.to_dict(), "strategy": self.strategy.to_dict(),
             "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
@@ -317,6 +358,8 @@ class Trainer:
             for k, v in p.items():
                 arrays[f"param/{layer}/{k}"] = v
                 arrays[f"velocity/{layer}/{k}"] = velocity[layer][k]
+        for layer, r in running.items():
+            arrays[f"running/{layer}"] = r
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         write_atomic(path, buffer.getvalue())
@@ -346,5 +389,8 @@ class Trainer:
                 layer, name = rest.rsplit("/", 1)
                 (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
         trainer._place(params, velocity)
+        running = {key.partition("/")[2]: value for key, value in arrays.items() if key.startswith("running/")}
+        if running:
+            trainer._place_buffers({**init_buffers(graph, trainer.dtype), **running})
         trainer.steps_done = meta["steps_done"]
         return trainer
