@@ -9,9 +9,12 @@
   convergence  loss curves of data parallel and layer-wise against one device
   seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
+  hypergraph   seed 003: VGG-16 partitions (layer-wise, naive, Mt-KaHyPar) at N = 2..128 beside the
+               thesis's Tables 5.1-5.15 and Appendix A
   elastic      the cost of snapshots for elastic recovery, and of recovering from a killed worker
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
+  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "elastic"]
-ON_REQUEST = ["gholami", "gpu"]  # not in `all`: gholami is part of seeds; gpu needs a GPU
+BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
+# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist and elastic take minutes even with --quick
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic"]
 
 
 def main(argv=None):

@@ -40,6 +40,10 @@ class PartTable:
 
 def part_table(shape, configs) -> PartTable:
     """All parts of all configs, vectorized: the same blocks, order and devices as ParallelConfig.parts."""
+    uneven = next((c for c in configs if not c.is_even), None)
+    if uneven is not None:
+        raise ValueError(f"config {uneven} splits channels unevenly; the cost tables price even splits only "
+                         "(time such a strategy by simulating its plan: taskrt.simulate)")
     rank = len(shape)
     degrees = np.array([[getattr(c, dim) for dim in DIMS[:rank]] for c in configs], dtype=np.int64)
     sizes = np.prod(degrees, axis=1)

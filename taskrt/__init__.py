@@ -5,6 +5,7 @@ from taskrt import models
 from taskrt.checkpoint import CheckpointError, Checkpoints
 from taskrt.config import ParallelConfig
 from taskrt.graph import Graph, GraphError, Layer, Tensor
+from taskrt.ist import ISTTrainer, LocalSGDTrainer
 from taskrt.lowering import lower
 from taskrt.machine import Machine, MachineError
 from taskrt.reference import SingleDeviceTrainer
@@ -13,5 +14,6 @@ from taskrt.trainer import Trainer
 
 __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
-    "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "lower", "models",
+    "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "ISTTrainer",
+    "LocalSGDTrainer", "lower", "models",
 ]

@@ -36,13 +36,16 @@ def array_digest(value: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def write_checkpoint(path, meta: dict, params: dict, velocity: dict) -> None:
-    """Write `meta` and the state ({layer: {name: array}} twice) to `path` atomically."""
+def write_checkpoint(path, meta: dict, params: dict, velocity: dict, running: dict | None = None) -> None:
+    """Write `meta` and the state ({layer: {name: array}} twice, and the batch norms' running
+    statistics {layer: (2, C) array}) to `path` atomically."""
     arrays = {}
     for layer, p in params.items():
         for k, v in p.items():
             arrays[f"param/{layer}/{k}"] = np.asarray(v)
             arrays[f"velocity/{layer}/{k}"] = np.asarray(velocity[layer][k])
+    for layer, r in (running or {}).items():
+        arrays[f"running/{layer}/stats"] = np.asarray(r)
     meta = {**meta, "format": FORMAT, "digests": {name: array_digest(v) for name, v in arrays.items()}}
     buffer = io.BytesIO()
     np.savez(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
@@ -51,7 +54,8 @@ def write_checkpoint(path, meta: dict, params: dict, velocity: dict) -> None:
 
 def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
     """(meta, params, velocity) of a checkpoint, every array checked against its digest; with
-    `graph`, also checked to be a checkpoint of that graph."""
+    `graph`, also checked to be a checkpoint of that graph.  The batch norms' running statistics
+    are in meta["running"] ({layer: (2, C) array})."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as f:
@@ -90,12 +94,15 @@ def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
             raise CheckpointError(f"checkpoint {path} is corrupted: array {name!r} does not match its digest")
     if graph is not None:
         check_same_graph(meta["graph"], graph.to_dict(), path)
-    params, velocity = {}, {}
+    params, velocity, running = {}, {}, {}
     for key, value in arrays.items():
         kind, _, rest = key.partition("/")
         layer, name = rest.rsplit("/", 1)
-        (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
-    return meta, params, velocity
+        if kind == "running":
+            running[layer] = value
+        else:
+            (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
+    return {**meta, "running": running}, params, velocity
 
 
 def check_same_graph(saved: dict, expected: dict, path) -> None:
@@ -147,9 +154,9 @@ class Checkpoints:
         saved = self.saved()
         return saved[-1] if saved else None
 
-    def write(self, step: int, meta: dict, params: dict, velocity: dict) -> Path:
+    def write(self, step: int, meta: dict, params: dict, velocity: dict, running: dict | None = None) -> Path:
         path = self.path(step)
-        write_checkpoint(path, meta, params, velocity)
+        write_checkpoint(path, meta, params, velocity, running)
         for old in self.saved()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path

@@ -37,7 +37,10 @@ class Part:
 class ParallelConfig:
     """A degree per dimension (n, c, h, w) and the device of each part, parts numbered row-major
     over the grid of degrees.  Devices default to 0 .. P-1.  `sync` says how replicated weights
-    (a split over n, h or w) synchronize: one of SYNC_METHODS."""
+    (a split over n, h or w) synchronize: one of SYNC_METHODS.  `c_sizes` makes the channel split
+    uneven: the size of each of the `c` channel blocks, in order (default: as equal as possible);
+    a layer's filters are interchangeable, so an uneven split is how a partition that gives each
+    device its own number of filters is expressed."""
 
     n: int = 1
     c: int = 1
@@ -45,6 +48,7 @@ class ParallelConfig:
     w: int = 1
     devices: tuple[int, ...] = field(default=None)
     sync: str = "ps"
+    c_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for dim in DIMS:
@@ -60,6 +64,14 @@ class ParallelConfig:
         if self.sync not in SYNC_METHODS:
             raise ValueError(f"sync={self.sync!r} is not one of {', '.join(map(repr, SYNC_METHODS))}")
         object.__setattr__(self, "devices", devices)
+        if self.c_sizes is not None:
+            try:
+                sizes = tuple(self.c_sizes)
+            except TypeError:
+                raise ValueError(f"c_sizes must be a list of ints, got {self.c_sizes!r}") from None
+            if len(sizes) != self.c or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+                raise ValueError(f"c_sizes={list(sizes)} must be {self.c} positive ints, one per channel block")
+            object.__setattr__(self, "c_sizes", sizes)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -75,19 +87,44 @@ class ParallelConfig:
     def parts(self, shape) -> list[Part]:
         """The parts of a tensor of `shape` whose dimensions are the first len(shape) of (n, c, h, w)."""
         dims = DIMS[: len(shape)]
-        ranges = [blocks(size, getattr(self, dim)) for size, dim in zip(shape, dims)]
+        ranges = [self.ranges(size, dim) for size, dim in zip(shape, dims)]
         return [
             Part(i, Rect.from_ranges(combo), self.devices[i]) for i, combo in enumerate(product(*ranges))
         ]
 
+    def ranges(self, size: int, dim: str) -> tuple[tuple[int, int], ...]:
+        """[lo, hi) of each block of dimension `dim` (of `size`), in order."""
+        if dim == "c" and self.c_sizes is not None:
+            if sum(self.c_sizes) != size:
+                raise ValueError(f"c_sizes={list(self.c_sizes)} add up to {sum(self.c_sizes)}, not to the "
+                                 f"{size} channels")
+            edges = [0]
+            for v in self.c_sizes:
+                edges.append(edges[-1] + v)
+            return tuple(zip(edges[:-1], edges[1:]))
+        return blocks(size, getattr(self, dim))
+
+    @property
+    def is_even(self) -> bool:
+        """Every split as equal as possible (the only kind the search's cost tables price)."""
+        return self.c_sizes is None
+
     def to_dict(self) -> dict:
         out = {**{dim: getattr(self, dim) for dim in DIMS}, "devices": list(self.devices)}
-        return {**out, "sync": self.sync} if self.sync != "ps" else out
+        if self.sync != "ps":
+            out["sync"] = self.sync
+        if self.c_sizes is not None:
+            out["c_sizes"] = list(self.c_sizes)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> ParallelConfig:
-        return cls(**{k: data[k] for k in (*DIMS, "devices", "sync") if k in data})
+        return cls(**{k: data[k] for k in FIELDS if k in data})
 
     def __str__(self) -> str:
         degrees = ", ".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
-        return f"{{{degrees}}} on {list(self.devices)}" + (f" ({self.sync})" if self.sync != "ps" else "")
+        sizes = f" sizes {list(self.c_sizes)}" if self.c_sizes is not None else ""
+        return f"{{{degrees}}}{sizes} on {list(self.devices)}" + (f" ({self.sync})" if self.sync != "ps" else "")
+
+
+FIELDS = (*DIMS, "devices", "sync", "c_sizes")  # the JSON fields of a config

@@ -37,6 +37,7 @@ class Snapshot:
     params: dict
     velocity: dict
     seconds: float = 0.0  # what taking it cost
+    running: dict | None = None  # the batch norms' running statistics, {layer: (2, C) array}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import dask
 from ops.rect import Rect
 from taskrt.device import to_device, to_host
 from taskrt.machine import MachineError, resource_tag
-from taskrt.plan import DATA, HYPER, STATE, TASK, Plan
+from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 
 
 def step_key(key: tuple, step) -> tuple:
@@ -67,10 +67,12 @@ class Executor:
                 futures[name] = future
         return futures
 
-    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
-        """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
-        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices,
-                                                  self.machine.tag)
+    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None,
+               buffers: dict | None = None) -> StepRun:
+        """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
+        `buffers`: the batch norms' running statistics, {(layer, group): future}."""
+        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
+                                               self.machine.tag)
         names, wanted = [], []
         for name, value in outputs.items():
             keys = list(value.values()) if isinstance(value, dict) else list(value)
@@ -135,7 +137,7 @@ class Executor:
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               device_tag=resource_tag):
+               buffers: dict | None = None, device_tag=resource_tag):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -155,6 +157,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
             return step_key(dep.key, tag)
         if dep.kind == STATE:
             return state[dep.key]
+        if dep.kind == BUFFER:
+            return buffers[dep.key]
         if dep.kind == DATA:
             home = plan.device_of(dep)
             if home not in gpu_devices:
@@ -174,7 +178,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         adapted = []
         for key in keys:
             device = plan.by_key[key].device
-            if device in gpu_devices and name != "state":  # state stays on its device
+            if device in gpu_devices and name not in ("state", "buffers"):  # state stays on its device
                 to_client = loss_sum if name == "loss" else to_host
                 layer = key[0].rsplit("-", 1)[0]
                 adapted.append(add(step_key((f"{layer}-host", *key[1:]), tag),

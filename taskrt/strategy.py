@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from taskrt.config import DIMS, ParallelConfig
+from taskrt.config import DIMS, FIELDS, ParallelConfig
 from taskrt.files import write_atomic
 
 FORMAT = "taskrt-strategy/1"
@@ -96,10 +96,10 @@ class Strategy:
         for name, spec in data["layers"].items():
             if not isinstance(spec, dict):
                 raise StrategyError(f"{source}: layer {name!r}: config must be an object, got {spec!r}")
-            extra = set(spec) - {*DIMS, "devices", "sync"}
+            extra = set(spec) - set(FIELDS)
             if extra:
                 raise StrategyError(f"{source}: layer {name!r}: unknown fields {sorted(extra)}; "
-                                    f"a config has {', '.join(DIMS)}, devices and optionally sync")
+                                    f"a config has {', '.join(DIMS)}, devices and optionally sync and c_sizes")
             if "devices" not in spec:
                 raise StrategyError(f"{source}: layer {name!r}: missing field 'devices'")
             try:
@@ -140,7 +140,8 @@ class Strategy:
             kind = graph[name].kind if graph is not None else ""
             degrees = "{" + ", ".join(f"{d}={getattr(cfg, d)}" for d in DIMS) + "}"
             sync = f"  (sync: {cfg.sync})" if cfg.sync != "ps" else ""
-            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}{sync}")
+            sizes = f"  (channels {list(cfg.c_sizes)})" if cfg.c_sizes is not None else ""
+            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}{sync}{sizes}")
         return "\n".join(rows)
 
 
@@ -170,6 +171,14 @@ def check_config(layer, cfg: ParallelConfig, num_devices) -> None:
         size = layer.shape[layer.dims.index(dim)]
         if degree > size:
             raise StrategyError(f"{where}: degree {dim}={degree} is larger than the dimension, which has size {size}")
+    if cfg.c_sizes is not None:
+        if "c" not in layer.dims:
+            raise StrategyError(f"{where} has no channel dimension to split unevenly (c_sizes={list(cfg.c_sizes)}); "
+                                f"it splits over {', '.join(layer.dims)}")
+        channels = layer.shape[layer.dims.index("c")]
+        if sum(cfg.c_sizes) != channels:
+            raise StrategyError(f"{where}: c_sizes={list(cfg.c_sizes)} add up to {sum(cfg.c_sizes)}; the layer has "
+                                f"{channels} channels, so they must add up to {channels}")
     if len(cfg.devices) != cfg.total:
         raise StrategyError(
             f"{where}: {len(cfg.devices)} devices {list(cfg.devices)} given for {cfg.total} parts "

@@ -39,7 +39,7 @@ from taskrt.graph import Graph
 from taskrt.lowering import lower
 from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
-from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
+from taskrt.params import init_buffers, init_parameters, pack, resolve_dtype, slice_params, unpack
 from taskrt.strategy import Strategy
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
@@ -178,8 +178,10 @@ class Trainer:
         self._publisher = Publisher(self)  # the dashboard's taskrt page
         params = init_parameters(graph, seed, self.dtype)
         velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+        running = init_buffers(graph, self.dtype)
         self._place(params, velocity)
-        self.snapshot = Snapshot(0, params, velocity)
+        self._place_buffers(running)
+        self.snapshot = Snapshot(0, params, velocity, running=running)
 
     # ---- plans and state --------------------------------------------------------------------
     def _plan(self, mode):
@@ -202,6 +204,38 @@ class Trainer:
                         future = self.machine.client.submit(to_device, future, resources={self.machine.tag(device): 1},
                                                             key=f"{layer}-state-{shard.index}-{k}-{uuid.uuid4().hex[:8]}")
                     self._state[(layer, shard.index, k)] = future
+
+    def _place_buffers(self, running: dict):
+        """Put each channel group's running statistics (batch norm) on its device."""
+        address = self.machine.addresses()
+        self._buffers = {}
+        for layer, buffers in self.plan.buffers.items():
+            for b in buffers:
+                tile = running[layer][:, b.channels[0] : b.channels[1]].copy()
+                [future] = self.machine.client.scatter([tile], workers=[address[b.device]], hash=False, direct=True)
+                if b.device in self.executor.gpu_devices:
+                    future = self.machine.client.submit(to_device, future, resources={self.machine.tag(b.device): 1},
+                                                        key=f"{layer}-running-{b.index}-{uuid.uuid4().hex[:8]}")
+                self._buffers[(layer, b.index)] = future
+
+    def _running(self, buffers=None, plan=None) -> dict:
+        """Running statistics as full (2, C) numpy arrays, {layer: array} (default: the current ones)."""
+        buffers, plan = self._buffers if buffers is None else buffers, plan or self.plan
+        client, keys, futures = self.machine.client, list(buffers), []
+        for layer, index in keys:
+            future, device = buffers[(layer, index)], plan.buffers[layer][index].device
+            if device in self.executor.gpu_devices:
+                future = client.submit(to_host, future, resources={self.machine.tag(device): 1}, pure=False)
+            futures.append(future)
+        out = {}
+        for (layer, index), tile in zip(keys, self._gather(futures, self.steps_done)):
+            lo, hi = plan.buffers[layer][index].channels
+            out.setdefault(layer, np.zeros((2, self.graph[layer].shape[1]), dtype=self.dtype))[:, lo:hi] = tile
+        return out
+
+    def buffers(self) -> dict:
+        """Running statistics of every batch norm: {layer: {"running_mean": ..., "running_var": ...}}."""
+        return {layer: {"running_mean": r[0], "running_var": r[1]} for layer, r in self._running().items()}
 
     def _assemble(self, flats: dict, plan=None) -> dict:
         """Full parameter tensors of every layer from flat per-chunk arrays {(layer, shard, chunk): flat}."""
@@ -226,7 +260,8 @@ class Trainer:
     def _collect(self, run: StepRun) -> list:
         """Wait for a training step (its losses and new state) and return the loss values; raises
         DeviceLost when a device it runs on is lost (and the trainer recovers)."""
-        self._await(list(run.outputs["loss"]) + list(run.outputs["state"].values()), run.step)
+        self._await(list(run.outputs["loss"]) + list(run.outputs["state"].values())
+                    + list(run.outputs["buffers"].values()), run.step)
         return self._gather(run.outputs["loss"], run.step)
 
     def _await(self, futures, step):
@@ -290,20 +325,25 @@ class Trainer:
         when elastic, recover); returns the devices' current addresses."""
         for _ in range(MAX_RECOVERIES):
             lost = [key for key, f in self._state.items() if f.status in LOST_STATUSES]
+            lost_buffers = [key for key, f in self._buffers.items() if f.status in LOST_STATUSES]
             address = self.machine.live_devices()
             missing = [d.id for d in self.machine.devices if d.id not in address]
-            if not lost and not missing:
+            if not lost and not lost_buffers and not missing:
                 return address
             # named by their number on the whole machine
             missing = [self._live[d] for d in missing]
-            lost_on = sorted({self._live[self.plan.shards[layer][shard].chunks[k][2]] for layer, shard, k in lost})
+            held = [self.plan.shards[layer][shard].chunks[k][2] for layer, shard, k in lost]
+            held += [self.plan.buffers[layer][g].device for layer, g in lost_buffers]
+            lost_on = sorted({self._live[d] for d in held})
             if not self.elastic:
-                where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
-                                  for layer, shard, k in lost)
+                where = ", ".join([f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
+                                   for layer, shard, k in lost]
+                                  + [f"the running statistics of {layer!r} "
+                                     f"(device {self.plan.buffers[layer][g].device})" for layer, g in lost_buffers])
                 raise MachineError(
                     f"cannot run step {step}: "
                     + (f"device(s) {missing} have no worker: the worker was lost or is restarting. " if missing else "")
-                    + (f"The parameters of {where} were lost with their worker. " if lost else "")
+                    + (f"The parameters of {where} were lost with their worker. " if held else "")
                     + "Restore the last checkpoint with Trainer.load(path, machine)."
                 )
             self._recover(DeviceLost(missing or lost_on, f"before step {step}, device(s) {missing or lost_on} "
@@ -321,7 +361,7 @@ class Trainer:
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data, address)
         tag = tag or f"{step}-{self._token}"
-        run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper())
+        run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers)
         run.submitted = started
         return run
 
@@ -331,6 +371,7 @@ class Trainer:
         tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
         run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
+        self._buffers = run.outputs["buffers"]
         return run
 
     def submit(self, *data) -> StepFuture:
@@ -363,6 +404,8 @@ class Trainer:
         """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
+        if self._buffers is run.outputs["buffers"] and self._buffers:
+            self._buffers = self.executor.cut_lineage(self._buffers, f"{run.tag}.running")
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
@@ -451,18 +494,20 @@ class Trainer:
         checkpoint = self.checkpoints is not None and self.checkpoints.due(run.step)
         planned = self._pending[-1][0] if self._pending else self.snapshot.step
         if checkpoint or (self.elastic and run.step - planned >= self.snapshot_every):
-            self._pending.append((run.step, dict(run.outputs["state"]), run.plan, checkpoint))
+            self._pending.append((run.step, dict(run.outputs["state"]), run.plan, checkpoint,
+                                  dict(run.outputs["buffers"])))
 
-    def _take_snapshot(self, step, state, plan, checkpoint):
+    def _take_snapshot(self, step, state, plan, checkpoint, buffers):
         started = time.perf_counter()
         params, velocity = self._host_state(state, plan)
+        running = self._running(buffers, plan)
         seconds = time.perf_counter() - started
-        self.snapshot = Snapshot(step, params, velocity, seconds)
+        self.snapshot = Snapshot(step, params, velocity, seconds, running)
         self._log = [entry for entry in self._log if entry.step > step]
         if self._auto_snapshots and self._walls:
             self.snapshot_every = snapshot_interval(seconds, statistics.median(self._walls))
         if checkpoint:
-            self.checkpoints.write(step, self._meta(step), params, velocity)
+            self.checkpoints.write(step, self._meta(step), params, velocity, running)
 
     def _recover(self, lost: DeviceLost) -> dict:
         """Re-plan on the devices left, restore the snapshot, replay the logged steps; returns
@@ -480,6 +525,7 @@ class Trainer:
             try:
                 self._use(live)
                 self._place(self.snapshot.params, self.snapshot.velocity)
+                self._place_buffers({**init_buffers(self.graph, self.dtype), **(self.snapshot.running or {})})
                 runs = {entry.step: self._run_logged(entry, replay=len(self.recoveries) * MAX_RECOVERIES + attempt)
                         for entry in self._log}
                 break
@@ -542,7 +588,7 @@ class Trainer:
             latest = self.checkpoints.latest()
             if latest is None or int(latest.stem.split("-")[-1]) < self.snapshot.step:
                 self.checkpoints.write(self.snapshot.step, self._meta(self.snapshot.step), self.snapshot.params,
-                                       self.snapshot.velocity)
+                                       self.snapshot.velocity, self.snapshot.running)
             latest = self.checkpoints.latest()
             where = (f"The last checkpoint on disk is {latest} (step {int(latest.stem.split('-')[-1])}): "
                      "resume with Trainer.load(path, machine) on a new cluster.")
@@ -567,7 +613,7 @@ class Trainer:
         for future in list(self._in_flight):
             future.result()
         params, velocity = self._host_state()
-        write_checkpoint(path, self._meta(self.steps_done), params, velocity)
+        write_checkpoint(path, self._meta(self.steps_done), params, velocity, self._running())
 
     @classmethod
     def load(cls, path, machine, strategy: Strategy | None = None, graph: Graph | None = None, **options) -> Trainer:
@@ -587,6 +633,8 @@ class Trainer:
                     raise CheckpointError(f"{path}: parameter {layer}.{name} has shape "
                                           f"{None if found is None else found.shape}, the graph needs {tuple(shape)}")
         trainer._place(params, velocity)
+        running = {**init_buffers(graph, trainer.dtype), **meta["running"]}
+        trainer._place_buffers(running)
         trainer.steps_done = meta["steps_done"]
-        trainer.snapshot = Snapshot(trainer.steps_done, params, velocity)
+        trainer.snapshot = Snapshot(trainer.steps_done, params, velocity, running=running)
         return trainer

@@ -155,3 +155,36 @@ def test_periodic_checkpoints_keep_the_last_k_and_resume_exactly(machine4, tmp_p
     for layer in final:
         for name in final[layer]:
             np.testing.assert_allclose(final[layer][name], expected[layer][name], rtol=1e-12)
+
+
+def batch_norm_net(batch=4):
+    import taskrt as tr
+
+    g = tr.Graph("bn")
+    x = g.input("image", (batch, 2, 6, 6))
+    x = g.conv2d(x, 4, 3, padding=1, name="conv")
+    x = g.relu(g.batch_norm(x, name="bn"), name="relu")
+    x = g.flatten(x, name="flatten")
+    g.softmax_cross_entropy(g.linear(x, 10, name="fc"), name="loss")
+    return g
+
+
+def test_running_statistics_travel_with_checkpoints_and_snapshots(machine4, tmp_path):
+    graph = batch_norm_net()
+    strategy = Strategy({"conv": P(c=2, devices=(0, 1)), "bn": P(n=2, c=2, devices=(0, 1, 2, 3)),
+                         "relu": P(n=2, devices=(2, 3)), "flatten": P(n=2, devices=(2, 3)),
+                         "fc": P(devices=(1,)), "loss": P(devices=(1,))})
+    policy = Checkpoints(tmp_path, every=2, keep=2)
+    trainer = Trainer(graph, strategy, machine4, dtype="float64", checkpoints=policy, snapshot_every=2)
+    for x, y in batches(graph, 4):
+        trainer.step(x, y)
+    running = trainer.buffers()
+    assert not np.allclose(running["bn"]["running_mean"], 0)  # they moved
+    assert np.array_equal(trainer.snapshot.running["bn"][0], running["bn"]["running_mean"])  # snapshot of step 4
+    trainer.save(tmp_path / "c.npz")
+    for path in (tmp_path / "c.npz", policy.latest()):
+        resumed = Trainer.load(path, machine4, graph=graph)
+        for name in ("running_mean", "running_var"):
+            assert np.array_equal(resumed.buffers()["bn"][name], running["bn"][name])
+        x = batches(graph, 1, seed=5)[0][0]
+        assert np.allclose(resumed.predict(x), trainer.predict(x), rtol=1e-12, atol=1e-12)

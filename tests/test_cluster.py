@@ -76,6 +76,7 @@ def _wait_for(path, process, timeout=300):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # starts `dask scheduler` and two `dask worker` processes
 def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
     pytest.importorskip("cryptography")
     from distributed import Client, Security

@@ -127,6 +127,7 @@ def test_snapshot_interval_keeps_the_cost_under_five_percent():
 # ---- killed workers -------------------------------------------------------------------------
 # (each starts and kills worker processes: on a loaded 2-core machine one takes minutes)
 @pytest.mark.timeout(1200)
+@pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_kill_between_steps_replays_and_matches(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
@@ -144,6 +145,7 @@ def test_kill_between_steps_replays_and_matches(machine3, uninterrupted):
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_kill_during_steps_in_flight(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
@@ -161,6 +163,7 @@ def test_kill_during_steps_in_flight(machine3, uninterrupted):
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_two_kills_and_the_worker_that_came_back_is_used_again(machine3, uninterrupted):
     data, losses, expected = uninterrupted
     wait_for_all(machine3)
@@ -207,6 +210,7 @@ def test_searched_strategy_is_searched_again_on_the_survivors(machine3, tmp_path
     assert_same(trainer.parameters(), reference.parameters())
 
 
+@pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_losing_the_last_worker_is_a_clear_error_with_a_checkpoint_on_disk(tmp_path, monkeypatch):
     import taskrt.trainer
 

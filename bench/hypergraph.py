@@ -1,0 +1,299 @@
+"""Seed 003 (hypergraph-partitioned model parallelism) on VGG-16 at batch 32, beside the thesis.
+
+  Tables 5.1-5.12  work balance and forward communication volume of every method at N = 2..128:
+                   layer-wise, filter-wise horizontal and incremental, channel-wise incremental,
+                   coarse- and fine-grain hypergraphs partitioned by Mt-KaHyPar (epsilon 0.1); a
+                   lower bound on any coarse-grain partition's volume at that balance beside them
+  Table 5.14       one epoch of 64,000 images: data parallel 2 (N-1) p per step (formula and the
+                   runtime's all-reduce plan) against the hypergraph partition (2x its forward volume,
+                   and the runtime's plan)
+  Appendix A       final imbalance 0.03, 0.15 and 0.2
+  Table 5.15-like  time per epoch of 10,240 images by simulation on nodes like the thesis's:
+                   data parallel, layer-wise, hypergraph and the search's strategy, bytes beside
+
+Work is forward + backward FLOPs (the thesis profiled time and FLOPs; its units are its own), so
+its work columns compare as ratios.  Communication is in MiB (the thesis's "MB": its 24.5 is one
+28x28x256 map set at batch 32).  Writes results/hypergraph.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+import search
+from bench.report import machine_description, markdown_table
+from search import hypergraph as hg
+from search.cost import CostModel
+from taskrt import models
+from taskrt.config import ParallelConfig
+from taskrt.lowering import lower
+from taskrt.machine import Machine
+from taskrt.simulate import simulate
+from taskrt.strategy import Strategy
+
+MIB = 2 ** 20
+BATCH = 32
+# The thesis's forward communication volume in MB (MiB), batch 32, final imbalance 0.1 unless named
+THESIS_VOLUME = {
+    "layer-wise": {2: 24.5, 4: 85.7, 8: 131.6, 16: 273.5},
+    "horizontal": {2: 484, 4: 1144, 8: 2307, 16: 4556, 32: 9016, 64: 17916, 128: 35707},
+    "filter-wise incremental": {2: 42, 4: 117, 8: 372, 16: 667, 32: 1294, 64: 2212, 128: 4091},
+    "channel-wise incremental": {2: 42, 4: 118, 8: 373, 16: 663, 32: 1275, 64: 2371, 128: 4471},
+    "coarse hypergraph": {2: 27, 4: 61, 8: 298, 16: 661, 32: 1300, 64: 2388, 128: 4604},
+    "fine hypergraph": {2: 27.5, 4: 56.3, 8: 307.3, 16: 549.2, 32: 916.8, 64: 1340.1, 128: 1964.0},
+}
+# ... and their work max/avg (Tables 5.1, 5.3, 5.5, 5.11; Table 5.9 is not in the text)
+THESIS_MAX_AVG = {
+    "layer-wise": {2: 22757 / 21500, 4: 12827 / 10750, 8: 7253 / 5375, 16: 6624 / 2687},
+    "horizontal": {n: 1.0 for n in (2, 4, 8, 16, 32, 64, 128)},
+    "filter-wise incremental": {2: 21524 / 21510, 4: 10767 / 10755, 8: 5419 / 5377, 16: 2720 / 2688,
+                                32: 1362 / 1344, 64: 919 / 682, 128: 715 / 352},
+    "fine hypergraph": {2: 21761 / 21369, 4: 11262 / 10684, 8: 5516 / 5342, 16: 2807 / 2671, 32: 1552 / 1335,
+                        64: 690 / 667, 128: 546 / 333},
+}
+THESIS_IMBALANCE = {  # Appendix A: forward volume (MiB) at final imbalance 0.03, 0.15, 0.2
+    ("coarse hypergraph", 0.03): {2: 27.5, 4: 63.4, 8: 303.1, 16: 659.5, 32: 1302.1, 64: 2477.8, 128: 4634.2},
+    ("coarse hypergraph", 0.15): {2: 27.5, 4: 59.8, 8: 293.1, 16: 655.7, 32: 1288.9, 64: 2430.8, 128: 4582.7},
+    ("coarse hypergraph", 0.2): {2: 27.5, 4: 58.4, 8: 282.4, 16: 629.9, 32: 1284.0, 64: 2479.5, 128: 4510.6},
+    ("fine hypergraph", 0.03): {2: 26.6, 4: 61.2, 8: 288.9, 16: 540.0, 32: 812.9, 64: 1344.0, 128: 2114.1},
+    ("fine hypergraph", 0.15): {2: 15.3, 4: 61.0, 8: 260.0, 16: 426.2, 32: 891.2, 64: 1382.8, 128: 1971.1},
+    ("fine hypergraph", 0.2): {2: 24.5, 4: 72.8, 8: 303.2, 16: 532.6, 32: 851.4, 64: 1410.2, 128: 2123.8},
+}
+THESIS_TABLE_5_14 = {  # (N, batch) -> (data parallel GB, hypergraph GB); GB is GiB there
+    (2, 16): (4123, 107), (2, 32): (2061, 107), (2, 64): (1030, 107), (4, 16): (12370, 239), (4, 32): (6185, 239),
+    (4, 64): (3092, 239), (8, 16): (28863, 1167), (8, 32): (14431, 1167), (8, 64): (7215, 1167),
+}
+THESIS_TABLE_5_15 = {  # seconds per epoch: (N, method) -> {batch: s}
+    (2, "layer-wise"): {16: 5431, 32: 4718, 64: 3831}, (2, "coarse hypergraph"): {16: 5630, 32: 4754, 64: 4012},
+    (2, "sync data parallel"): {16: 10140, 32: 6906, 64: 4979},
+    (4, "layer-wise"): {16: 3263, 32: 2801, 64: 2478}, (4, "coarse hypergraph"): {16: 3306, 32: 2662, 64: 2050},
+    (4, "sync data parallel"): {16: 5898, 32: 3855, 64: 2628},
+}
+EPOCH_5_14, EPOCH_5_15 = 64_000, 10_240
+# The thesis's nodes: two 28-core Skylake Xeons (112 threads), Omni-Path 100 between nodes
+OPA_BANDWIDTH, OPA_LATENCY = 100e9 / 8, 1e-6
+
+
+def lower_bound(model: hg.CoarseModel, k: int, epsilon: float) -> int:
+    """No coarse-grain partition with every part's work within (1 + epsilon) of the average moves
+    less: a reader layer of work W spans at least ceil(W / ((1 + epsilon) avg)) parts, and each map
+    it reads reaches all of them, its producer's part at most excepted."""
+    cap = (1 + epsilon) * model.total_work / k
+    bound = 0
+    for net in model.nets:
+        span = max(math.ceil(model.layers[r].size * model.layers[r].work / cap - 1e-9) for r in net.readers)
+        bound += net.cost * model.layers[net.producer].size * (span - 1)
+    return bound
+
+
+def _row(part: hg.Partition, method: str, n: int, **extra) -> dict:
+    m = part.metrics()
+    return {"N": n, "method": method, "max_gflop": round(m.max_work / 1e9), "min_gflop": round(m.min_work / 1e9),
+            "avg_gflop": round(m.avg_work / 1e9), "max_min": round(m.max_min, 2), "max_avg": round(m.max_avg, 3),
+            "volume_mib": round(m.volume / MIB, 1), "max_comm_mib": round(m.max_comm / MIB, 1),
+            "avg_comm_mib": round(m.avg_comm / MIB, 1), "max_avg_comm": round(m.max_avg_comm, 1),
+            "seconds": round(part.seconds, 3), "thesis_volume_mib": THESIS_VOLUME.get(method, {}).get(n, ""),
+            "thesis_max_avg": round(THESIS_MAX_AVG.get(method, {}).get(n, 0), 2) or "", **extra}
+
+
+def balance_tables(coarse, fine, ns, epsilon=0.1, seed=0) -> list[dict]:
+    rows = []
+    for n in ns:
+        print(f"  N={n}", flush=True)
+        if n <= 16:
+            rows.append(_row(hg.layer_wise(coarse, n), "layer-wise", n))
+        rows.append(_row(hg.horizontal(coarse, n), "horizontal", n))
+        rows.append(_row(hg.incremental(coarse, n), "filter-wise incremental", n))
+        rows.append(_row(hg.incremental(fine, n), "channel-wise incremental", n))
+        bound = round(lower_bound(coarse, n, epsilon) / MIB, 1)
+        rows.append(_row(hg.partition(coarse, n, epsilon=epsilon, seed=seed), "coarse hypergraph", n,
+                         bound_mib=bound))
+        rows.append(_row(hg.partition(fine, n, epsilon=epsilon, seed=seed), "fine hypergraph", n))
+    return rows
+
+
+def imbalance_rows(coarse, fine, ns, seed=0) -> list[dict]:
+    rows = []
+    for epsilon in (0.03, 0.15, 0.2):
+        for n in ns:
+            for method, model in (("coarse hypergraph", coarse), ("fine hypergraph", fine)):
+                m = hg.partition(model, n, epsilon=epsilon, seed=seed).metrics()
+                rows.append({"epsilon": epsilon, "N": n, "method": method, "max_avg": round(m.max_avg, 3),
+                             "volume_mib": round(m.volume / MIB, 1),
+                             "thesis_volume_mib": THESIS_IMBALANCE[(method, epsilon)].get(n, ""),
+                             "bound_mib": round(lower_bound(coarse, n, epsilon) / MIB, 1)
+                             if method == "coarse hypergraph" else ""})
+    return rows
+
+
+def data_parallel(graph, n: int) -> Strategy:
+    return Strategy({layer.name: ParallelConfig(n=n, sync="allreduce") for layer in graph if not layer.is_input},
+                    f"data parallel x{n}").validated(graph, Machine.simulated(1, n))
+
+
+def epoch_rows(ns, batches) -> list[dict]:
+    """Table 5.14: the data-parallel volume from its formula and from the runtime's all-reduce plan;
+    the hypergraph's as twice its forward volume and from its plan."""
+    rows = []
+    for n in ns:
+        graph = models.vgg16(batch=BATCH)
+        p = graph.num_params() * 4
+        coarse = hg.coarse_grain(graph)
+        part = hg.partition(coarse, n)
+        forward = coarse.volume(part.counts)
+        plan_bytes = lower(graph, hg.to_strategy(graph, part)).bytes_moved
+        dp_plan = lower(graph, data_parallel(graph, n)).bytes_moved
+        for batch in batches:
+            steps = EPOCH_5_14 // batch
+            dp, hp = 2 * (n - 1) * p * steps, 2 * forward * batch // BATCH * steps  # per epoch, bytes
+            thesis_dp, thesis_hp = THESIS_TABLE_5_14.get((n, batch), ("", ""))
+            # activation traffic scales with the batch, steps inversely: per epoch it does not depend on it
+            rows.append({"N": n, "batch": batch, "dp_gib": round(dp / 2 ** 30, 1), "thesis_dp_gib": thesis_dp,
+                         "dp_plan_gib": round(dp_plan * steps / 2 ** 30, 1), "hp_gib": round(hp / 2 ** 30, 1),
+                         "thesis_hp_gib": thesis_hp,
+                         "hp_plan_gib": round(plan_bytes * batch / BATCH * steps / 2 ** 30, 1),
+                         "reduction": f"{1 - hp / dp:.1%}",
+                         "thesis_reduction": f"{1 - thesis_hp / thesis_dp:.0%}" if thesis_dp else ""})
+    return rows
+
+
+def skylake_machine(n: int) -> Machine:
+    return Machine.simulated(n, 1, inter_bandwidth=OPA_BANDWIDTH, latency=OPA_LATENCY, device_kind="SKL-8180x2")
+
+
+def runtime_rows(ns, batches) -> list[dict]:
+    """Table 5.15-like: seconds per epoch of 10,240 images by simulation (synchronous steps, no
+    pipelining across steps: the thesis's threaded model parallelism overlaps them)."""
+    rows = []
+    for n in ns:
+        machine = skylake_machine(n)
+        for batch in batches:
+            graph = models.vgg16(batch=batch)
+            cm = CostModel(machine)
+            coarse = hg.coarse_grain(graph)
+            t0 = time.perf_counter()
+            searched = search.optimize(graph, machine, cm)
+            search_s = time.perf_counter() - t0
+            strategies = {"sync data parallel": data_parallel(graph, n),
+                          "layer-wise": hg.to_strategy(graph, hg.layer_wise(coarse, n), machine),
+                          "coarse hypergraph": hg.to_strategy(graph, hg.partition(coarse, n), machine),
+                          "searched": searched}
+            for method, strategy in strategies.items():
+                plan = lower(graph, strategy.validated(graph, machine))
+                step = simulate(plan, cm.timer(plan), machine, cm.runtime(plan)).step_s
+                thesis = THESIS_TABLE_5_15.get((n, method), {}).get(batch, "")
+                rows.append({"N": n, "batch": batch, "method": method,
+                             "epoch_s": round(float(step) * EPOCH_5_15 / batch, 1), "thesis_epoch_s": thesis,
+                             "step_ms": round(float(step) * 1e3, 1), "mib_per_step": round(plan.bytes_moved / MIB, 1),
+                             **({"search_s": round(search_s, 2)} if method == "searched" else {})})
+    return rows
+
+
+def run(out_dir="results", quick=False):
+    ns = (2, 8) if quick else (2, 4, 8, 16, 32, 64, 128)
+    graph = models.vgg16(batch=BATCH)
+    coarse = hg.coarse_grain(graph)
+    fine = hg.fine_grain(graph, max_atoms=16 if quick else 32)
+    print("tables 5.1-5.12", flush=True)
+    tables = balance_tables(coarse, fine, ns)
+    print("appendix A", flush=True)
+    imbalance = imbalance_rows(coarse, fine, (2, 8) if quick else (2, 8, 32, 128))
+    print("table 5.14", flush=True)
+    epoch = epoch_rows((2,) if quick else (2, 4, 8), (32,) if quick else (16, 32, 64))
+    print("table 5.15 by simulation", flush=True)
+    runtime = runtime_rows((2,) if quick else (2, 4), (32,) if quick else (16, 32, 64))
+    record = {"name": "hypergraph", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
+              "quick": quick, "tables": tables, "imbalance": imbalance, "epoch": epoch, "runtime": runtime}
+    write(out_dir, record)
+
+
+def write(out_dir, record):
+    """results/hypergraph.json, .md and .png from the record's rows (the summary is derived here)."""
+    tables, imbalance, epoch, runtime = (record[k] for k in ("tables", "imbalance", "epoch", "runtime"))
+    timing = [r for r in tables if r["method"] == "coarse hypergraph"]
+    lines = _summary(tables, imbalance, epoch, runtime, timing)
+    record = {**record, "summary": lines}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hypergraph.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    md = ["# hypergraph: seed 003 (VGG-16, batch 32) on the runtime", ""]
+    md += [f"- {line}" for line in lines] + [""]
+    md += ["## Tables 5.1-5.12: work (GFLOP, forward + backward) and forward communication (MiB)", "",
+           _table(("N", "method", "max_gflop", "min_gflop", "avg_gflop", "max_min", "max_avg", "thesis_max_avg",
+                   "volume_mib", "thesis_volume_mib", "bound_mib", "max_comm_mib", "avg_comm_mib", "max_avg_comm",
+                   "seconds"), tables), ""]
+    md += ["## Appendix A: final imbalance", "", _table(tuple(imbalance[0]), imbalance), ""]
+    md += ["## Table 5.14: one epoch of 64,000 images (GiB)", "", _table(tuple(epoch[0]), epoch), ""]
+    md += ["## Table 5.15-like: seconds per epoch of 10,240 images, by simulation", "",
+           _table(("N", "batch", "method", "epoch_s", "thesis_epoch_s", "step_ms", "mib_per_step", "search_s"),
+                  runtime), ""]
+    (out / "hypergraph.md").write_text("\n".join(md) + "\n")
+    _plot(tables, out / "hypergraph.png")
+    print((out / "hypergraph.md").read_text())
+
+
+def _table(keys, rows) -> str:
+    def cell(v):
+        return f"{v:,.1f}" if isinstance(v, float) and abs(v) >= 100 else v
+    return markdown_table([(k, k) for k in keys], [{k: cell(v) for k, v in r.items()} for r in rows])
+
+
+def _summary(tables, imbalance, epoch, runtime, timing) -> list[str]:
+    lines = []
+    exact = all(math.floor(r["dp_gib"]) == r["thesis_dp_gib"] for r in epoch if r["thesis_dp_gib"] != "")
+    same = all(r["dp_plan_gib"] == r["dp_gib"] for r in epoch)
+    lines.append(f"Table 5.14 data parallel, 2 (N-1) p per step: {'equal to' if exact else 'NOT equal to'} the "
+                 "thesis's GB (GiB, which it truncates to whole numbers) in every row; the runtime's all-reduce "
+                 f"plan moves {'the same' if same else 'DIFFERENT'} bytes per step (dp_plan_gib)")
+    for method in ("coarse hypergraph", "fine hypergraph"):
+        rows = [r for r in tables if r["method"] == method and r["thesis_volume_mib"] != ""]
+        above = [f"N={r['N']}: {r['volume_mib']} vs {r['thesis_volume_mib']}" for r in rows
+                 if r["volume_mib"] > r["thesis_volume_mib"]]
+        where = f"; above it at {', '.join(above)}" if above else ""
+        lines.append(f"{method} (epsilon 0.1): volume at most the thesis's at {len(rows) - len(above)} of "
+                     f"{len(rows)} N{where}")
+    worst = max(timing, key=lambda r: r["N"])
+    lines.append(f"Mt-KaHyPar on the coarse-grain model: {worst['seconds']} s at N={worst['N']} "
+                 f"(goal: under 1 s); slowest over all N: {max(r['seconds'] for r in timing)} s")
+    bound_ok = all(r["volume_mib"] >= r.get("bound_mib", 0) - 0.05
+                   for r in tables if r["method"] == "coarse hypergraph")
+    below = [f"N={r['N']}: {r['thesis_volume_mib']} < {r['bound_mib']}" for r in tables
+             if r["method"] == "coarse hypergraph" and r["thesis_volume_mib"] != ""
+             and r["thesis_volume_mib"] < r["bound_mib"]]
+    lines.append(f"every coarse-grain hypergraph volume is at or above the lower bound for its balance: {bound_ok}; "
+                 "the thesis's coarse-grain volume lies below that bound (FLOP weights, balance 0.1) at "
+                 + (", ".join(below) if below else "no N"))
+    mean = np.mean([float(r["reduction"].rstrip("%")) for r in epoch])
+    lines.append(f"Table 5.14 reduction by the hypergraph: {mean:.1f}% on average (thesis 93%)")
+    return lines
+
+
+def _plot(tables, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in tables):
+        rows = [r for r in tables if r["method"] == method]
+        ax[0].plot([r["N"] for r in rows], [r["volume_mib"] for r in rows], marker="o", label=method)
+        ax[1].plot([r["N"] for r in rows], [r["max_avg"] for r in rows], marker="o", label=method)
+        thesis = THESIS_VOLUME.get(method, {})
+        if thesis:
+            ax[0].plot(list(thesis), list(thesis.values()), ls=":", color=ax[0].lines[-1].get_color())
+    for a, label in ((ax[0], "forward volume (MiB); dotted: the thesis"), (ax[1], "work max/avg")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("N")
+        a.set_ylabel(label)
+    ax[0].set_yscale("log")
+    ax[1].legend(fontsize=7)
+    fig.suptitle("VGG-16, batch 32: partitions of seed 003")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,635 @@
+"""Hypergraph models of a network (seed 003): filters as vertices, feature maps as nets.
+
+    model = coarse_grain(graph)                    # a vertex per filter, a net per feature map
+    parts = partition(model, k=8)                  # Mt-KaHyPar, connectivity - 1, epsilon 0.1
+    parts.metrics()                                # work balance and communication volume
+    strategy = to_strategy(graph, parts, machine)  # uneven channel splits the runtime runs
+
+The coarse-grain model has a vertex per filter of every conv2d and linear layer (and per channel
+of an input), weighted by that filter's forward and backward FLOPs, including the channel-local
+layers after it (pooling, ReLU, flatten), which follow their producer's split.  A net per
+feature map has its producer and every filter that reads it as pins, and costs the map's bytes
+at the graph's batch size.  Filters of a layer are interchangeable, so a coarse-grain partition
+is, for the runtime, how many filters of each layer each device holds: `counts[layer][part]`.
+The connectivity-1 volume then has a closed form per layer (`CoarseModel.volume`), which the
+tests check against the explicit hypergraph.
+
+The fine-grain model (Sec. 3.3) has a vertex per filter channel and a reduction vertex per
+filter; reduction nets join a filter's channels to its reduction vertex.  Splitting a reduction
+over input channels is not something the runtime's configs express, so fine-grain partitions
+are analysed, not run.
+
+Full-size models are large (VGG-16's coarse-grain model has 24.6 million pins, nearly all in the
+dense fully-connected layers), so the partitioner sees `atoms`: groups of consecutive filters
+of one layer (at most `max_atoms` per layer), which it keeps together.  Metrics are always those
+of the per-filter model under the partition the atoms induce.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+
+from ops.rect import Rect
+from taskrt.config import ParallelConfig, blocks
+from taskrt.strategy import Strategy
+
+FILTER_KINDS = ("conv2d", "linear")
+CHANNEL_LOCAL_KINDS = ("pool2d", "relu", "flatten")  # channel j of the output needs channel j only
+
+
+class HypergraphError(ValueError):
+    """A graph the hypergraph models cannot describe, or a partition that does not fit it."""
+
+
+# ---- the explicit hypergraph and the PaToH text format ----------------------------------------
+@dataclass(frozen=True)
+class Hypergraph:
+    """Vertices with weights and nets with costs, pins in CSR form (net i: pins[start[i]:start[i+1]]).
+
+    The first pin of a net is its home: the producer that sends the map (a map net), or, when
+    `gathers[i]`, the reduction vertex every other part sends a partial sum to."""
+
+    weights: np.ndarray  # (vertices,) int64
+    costs: np.ndarray  # (nets,) int64
+    start: np.ndarray  # (nets + 1,) int64
+    pins: np.ndarray  # (pins,) int64
+    gathers: np.ndarray = None  # (nets,) bool
+
+    def __post_init__(self):
+        if self.gathers is None:
+            object.__setattr__(self, "gathers", np.zeros(len(self.costs), dtype=bool))
+
+    @property
+    def num_vertices(self) -> int:
+        return len(self.weights)
+
+    @property
+    def num_nets(self) -> int:
+        return len(self.costs)
+
+    def nets(self) -> list[list[int]]:
+        return [self.pins[a:b].tolist() for a, b in zip(self.start[:-1], self.start[1:])]
+
+    def connectivity(self, parts: np.ndarray) -> np.ndarray:
+        """lambda(n) of every net under a vertex -> part assignment."""
+        net = np.repeat(np.arange(self.num_nets), np.diff(self.start))
+        pairs = np.unique(net * (int(parts.max()) + 1) + parts[self.pins])
+        return np.bincount(pairs // (int(parts.max()) + 1), minlength=self.num_nets)
+
+    def sent(self, parts: np.ndarray, k: int) -> np.ndarray:
+        """Bytes each part sends: a map net's home sends cost * (lambda - 1); for a reduction net,
+        every part other than the home's sends one partial sum (cost)."""
+        lam = self.connectivity(parts)
+        out = np.zeros(k, dtype=np.int64)
+        home = parts[self.pins[self.start[:-1]]]
+        maps = ~self.gathers
+        np.add.at(out, home[maps], (self.costs * (lam - 1))[maps])
+        if self.gathers.any():
+            net = np.repeat(np.arange(self.num_nets), np.diff(self.start))
+            keys = np.unique(net * k + parts[self.pins])
+            net_of, part_of = keys // k, keys % k
+            other = self.gathers[net_of] & (part_of != home[net_of])
+            np.add.at(out, part_of[other], self.costs[net_of[other]])
+        return out
+
+
+def to_patoh(h: Hypergraph, base: int = 0) -> str:
+    """PaToH's input format (the thesis's Fig. 3.5): a header `base vertices nets pins 3`, a line
+    per net (its cost, then its pins), then the vertex weights."""
+    lines = [f"{base} {h.num_vertices} {h.num_nets} {len(h.pins)} 3"]
+    for cost, net in zip(h.costs.tolist(), h.nets()):
+        lines.append(" ".join(map(str, [cost, *(p + base for p in net)])))
+    lines.append(" ".join(map(str, h.weights.tolist())))
+    return "\n".join(lines) + "\n"
+
+
+def from_patoh(text: str) -> Hypergraph:
+    """Read PaToH's format; the weight flag says what is given (0 none, 1 vertex weights, 2 net
+    costs, 3 both); missing weights and costs are 1.  Comment lines start with %."""
+    rows = [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("%")]
+    if not rows or len(rows[0]) < 4:
+        raise HypergraphError("PaToH file: the first line must be `base vertices nets pins [weights]`")
+    head = [int(v) for v in rows[0]]
+    base, nv, nn, npins = head[:4]
+    flag = head[4] if len(head) > 4 else 0
+    if base not in (0, 1) or flag not in (0, 1, 2, 3):
+        raise HypergraphError(f"PaToH file: base {base} must be 0 or 1 and the weight flag {flag} one of 0-3")
+    if len(rows) < 1 + nn:
+        raise HypergraphError(f"PaToH file: {nn} nets announced, {len(rows) - 1} lines follow")
+    costs, start, pins = [], [0], []
+    for row in rows[1:1 + nn]:
+        values = [int(v) for v in row]
+        if flag in (2, 3):
+            costs.append(values[0])
+            values = values[1:]
+        else:
+            costs.append(1)
+        pins += [v - base for v in values]
+        start.append(len(pins))
+    if len(pins) != npins:
+        raise HypergraphError(f"PaToH file: {npins} pins announced, {len(pins)} found")
+    if any(not 0 <= p < nv for p in pins):
+        raise HypergraphError(f"PaToH file: a pin lies outside vertices {base}..{nv - 1 + base}")
+    weights = [int(v) for row in rows[1 + nn:] for v in row] if flag in (1, 3) else [1] * nv
+    if len(weights) != nv:
+        raise HypergraphError(f"PaToH file: {nv} vertex weights expected, {len(weights)} found")
+    return Hypergraph(np.array(weights, dtype=np.int64), np.array(costs, dtype=np.int64),
+                      np.array(start, dtype=np.int64), np.array(pins, dtype=np.int64))
+
+
+# ---- the coarse-grain model --------------------------------------------------------------------
+@dataclass(frozen=True)
+class VertexLayer:
+    """The vertices of one conv2d, linear or input layer: one per output channel (filter)."""
+
+    name: str
+    size: int  # filters
+    work: float  # forward + backward FLOPs of one filter, its channel-local followers included
+    followers: tuple[tuple[str, int], ...] = ()  # (layer, elements per channel): they take its split
+    follower_work: float = 0.0  # the part of `work` the followers do
+
+
+@dataclass(frozen=True)
+class MapNets:
+    """One net per channel of `tensor`: its producer is a vertex of layer `producer`, every vertex
+    of the `readers` layers reads it."""
+
+    producer: int
+    tensor: str
+    cost: int  # bytes of one channel of `tensor` at the batch
+    readers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CoarseModel:
+    graph: str
+    batch: int
+    layers: tuple[VertexLayer, ...]
+    nets: tuple[MapNets, ...]
+    itemsize: int = 4
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.array([v.size for v in self.layers], dtype=np.int64)
+
+    @property
+    def work(self) -> np.ndarray:
+        return np.array([v.work for v in self.layers])
+
+    @property
+    def total_work(self) -> float:
+        return float(self.sizes @ self.work)
+
+    def index(self, name: str) -> int:
+        return next(i for i, v in enumerate(self.layers) if v.name == name)
+
+    # -- metrics in closed form, from how many filters of each layer each part holds --
+    def check_counts(self, counts) -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.ndim != 2 or counts.shape[0] != len(self.layers):
+            raise HypergraphError(f"counts must be (layers={len(self.layers)}, parts), got shape {counts.shape}")
+        bad = np.flatnonzero(counts.sum(axis=1) != self.sizes)
+        if len(bad) or (counts < 0).any():
+            i = int(bad[0]) if len(bad) else int(np.argwhere(counts < 0)[0, 0])
+            raise HypergraphError(f"layer {self.layers[i].name!r}: counts {counts[i].tolist()} must be non-negative "
+                                  f"and add up to its {self.layers[i].size} filters")
+        return counts
+
+    def sent(self, counts) -> np.ndarray:
+        """Bytes each part sends in a forward pass: the producer of a map sends it to every other
+        part holding a reader, i.e. cost * (lambda - 1) for each net."""
+        counts = self.check_counts(counts)
+        out = np.zeros(counts.shape[1], dtype=np.int64)
+        for net in self.nets:
+            readers = (counts[list(net.readers)] > 0).any(axis=0)  # parts holding any reader
+            others = readers.sum() - readers  # readers on parts other than the producer's
+            out += net.cost * counts[net.producer] * others
+        return out
+
+    def volume(self, counts) -> int:
+        """The connectivity-1 cutsize: bytes moved by a forward pass."""
+        return int(self.sent(counts).sum())
+
+    def part_work(self, counts) -> np.ndarray:
+        counts = self.check_counts(counts)
+        return self.work @ counts
+
+    # -- the explicit hypergraph --
+    def atoms(self, max_atoms: int | None = None) -> list[tuple[tuple[int, int], ...]]:
+        """Per layer, the [lo, hi) filter ranges the partitioner keeps together."""
+        return [blocks(v.size, v.size if max_atoms is None else min(v.size, max_atoms)) for v in self.layers]
+
+    def hypergraph(self, max_atoms: int | None = None, unit_work: float = 1.0, unit_bytes: int = 1) -> Hypergraph:
+        """The explicit hypergraph, a vertex per atom (per filter with max_atoms=None), weights in
+        units of `unit_work` FLOPs and costs in units of `unit_bytes` (rounded, at least 1)."""
+        atoms = self.atoms(max_atoms)
+        first = np.cumsum([0] + [len(a) for a in atoms])
+        weights = np.concatenate([[v.work * (hi - lo) for lo, hi in a] for v, a in zip(self.layers, atoms)])
+        costs, nets = [], []
+        for net in self.nets:
+            readers = np.concatenate([np.arange(first[r], first[r + 1]) for r in net.readers])
+            for i, (lo, hi) in enumerate(atoms[net.producer]):
+                costs.append(net.cost * (hi - lo))
+                nets.append(np.concatenate([[first[net.producer] + i], readers]))
+        start = np.cumsum([0] + [len(n) for n in nets])
+        return Hypergraph(_units(weights, unit_work), _units(np.array(costs, dtype=np.float64), unit_bytes),
+                          start.astype(np.int64), np.concatenate(nets).astype(np.int64) if nets else np.zeros(0, int))
+
+    def counts_of(self, vertex_parts, k: int, max_atoms: int | None = None) -> np.ndarray:
+        """Filters per (layer, part) from the part of every vertex of `hypergraph(max_atoms)`."""
+        counts = np.zeros((len(self.layers), k), dtype=np.int64)
+        at = 0
+        for i, layer_atoms in enumerate(self.atoms(max_atoms)):
+            for lo, hi in layer_atoms:
+                counts[i, vertex_parts[at]] += hi - lo
+                at += 1
+        return counts
+
+
+def _units(values, unit) -> np.ndarray:
+    return np.maximum(1, np.rint(np.asarray(values, dtype=np.float64) / unit)).astype(np.int64)
+
+
+def coarse_grain(graph, work="flops", itemsize: int = 4) -> CoarseModel:
+    """The coarse-grain hypergraph model of `graph` at its batch size.
+
+    `work`: "flops" (forward + backward FLOPs of each filter) or a callable (layer) -> seconds
+    of the whole layer's forward and backward, e.g. from a `search.CostModel`."""
+    owner: dict[str, tuple[int, int]] = {}  # layer -> (vertex layer, elements per channel)
+    layers: list[dict] = []
+    readers: dict[tuple[int, str], list[int]] = {}
+    loss_kinds = ("softmax_cross_entropy",)
+    for layer in graph:
+        kind = layer.kind
+        if kind == "input":
+            if len(layer.shape) < 2:  # labels: read by the loss only
+                continue
+            owner[layer.name] = (len(layers), prod(layer.shape[2:]))
+            layers.append({"name": layer.name, "size": layer.shape[1], "work": 0.0, "followers": [],
+                           "follower_work": 0.0})
+        elif kind in FILTER_KINDS:
+            source = layer.inputs[0]
+            if source not in owner:
+                raise HypergraphError(f"layer {layer.name!r} ({kind}) reads {source!r}, which the hypergraph "
+                                      "models cannot follow to the filters that produce it")
+            index = len(layers)
+            owner[layer.name] = (index, prod(layer.shape[2:]))
+            layers.append({"name": layer.name, "size": layer.shape[1], "work": _work(layer, work),
+                           "followers": [], "follower_work": 0.0})
+            readers.setdefault((owner[source][0], source), []).append(index)
+        elif kind in CHANNEL_LOCAL_KINDS:
+            source = layer.inputs[0]
+            if source not in owner:
+                raise HypergraphError(f"layer {layer.name!r} ({kind}) reads {source!r}, which the hypergraph "
+                                      "models cannot follow to the filters that produce it")
+            index, per_channel = owner[source]
+            vertex = layers[index]
+            if kind != "flatten":  # a flattened channel keeps its elements, now along c
+                per_channel = prod(layer.shape[2:])
+            owner[layer.name] = (index, per_channel)
+            vertex["followers"].append((layer.name, layer.shape[1] // vertex["size"]))
+            vertex["work"] += _work(layer, work)
+            vertex["follower_work"] += _work(layer, work)
+        elif kind in loss_kinds:
+            continue
+        else:
+            raise HypergraphError(f"layer {layer.name!r} ({kind}): the hypergraph models describe chains of "
+                                  f"{', '.join(FILTER_KINDS + CHANNEL_LOCAL_KINDS)} layers; {kind} layers "
+                                  "(branches that merge) are not modelled")
+    batch = graph.inputs[0].shape[0]
+    vertex_layers, nets = [], []
+    for v in layers:  # work was summed over whole layers: per filter
+        vertex_layers.append(VertexLayer(v["name"], v["size"], v["work"] / v["size"], tuple(v["followers"]),
+                                         v["follower_work"] / v["size"]))
+    for (producer, tensor), reading in readers.items():
+        per_channel = owner[tensor][1]
+        nets.append(MapNets(producer, tensor, batch * per_channel * itemsize, tuple(reading)))
+    return CoarseModel(graph.name, batch, tuple(vertex_layers), tuple(nets), itemsize)
+
+
+def _work(layer, work) -> float:
+    if callable(work):
+        return float(work(layer))
+    if work != "flops":
+        raise HypergraphError(f"work={work!r}: give 'flops' or a callable (layer) -> seconds")
+    out = Rect.full(layer.shape)
+    return float(layer.op.flops(out) + layer.op.backward_flops(out))
+
+
+# ---- the fine-grain model ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class FineModel:
+    """Sec. 3.3: per filter layer, a vertex per (filter atom, input-channel atom) doing that part of
+    the convolution, and a reduction vertex per filter atom that sums the partial results and runs
+    the channel-local followers.  Map nets: the producer's reduction vertex (or input vertex) and
+    every channel vertex reading that map; reduction nets: a filter atom's channel vertices and its
+    reduction vertex, costing the partial sums' bytes."""
+
+    coarse: CoarseModel
+    hypergraph: Hypergraph
+    layer_of: np.ndarray  # (vertices,): vertex layer each vertex belongs to
+    filters_of: np.ndarray  # (vertices,): filters (reduction vertices, inputs) or filter-channels it stands for
+    order: np.ndarray  # vertices in network order: a filter's channel vertices, then its reduction vertex
+
+
+def fine_grain(graph, work="flops", itemsize: int = 4, max_atoms: int | None = 32,
+               unit_work: float = 1.0, unit_bytes: int = 1) -> FineModel:
+    """The fine-grain model with at most `max_atoms` filter atoms and channel atoms per layer."""
+    coarse = coarse_grain(graph, work, itemsize)
+    atoms = coarse.atoms(max_atoms)
+    weights, layer_of, filters_of, order = [], [], [], []
+    home: dict[int, list[int]] = {}  # vertex layer -> vertex id of each atom's reduction (or input) vertex
+    channel: dict[int, dict[tuple[int, int], int]] = {}  # filter layer -> (filter atom, channel atom) -> vertex
+    incoming = {r: net for net in coarse.nets for r in net.readers}
+    costs, nets, gathers = [], [], []
+
+    def add(w, layer, filters):
+        weights.append(w)
+        layer_of.append(layer)
+        filters_of.append(filters)
+        order.append(len(weights) - 1)
+        return len(weights) - 1
+
+    for i, v in enumerate(coarse.layers):
+        if i not in incoming:  # an input: one vertex per channel atom
+            home[i] = [add(0.0, i, hi - lo) for lo, hi in atoms[i]]
+            continue
+        source = incoming[i]
+        in_atoms = atoms[source.producer]
+        in_channels = coarse.layers[source.producer].size
+        partial = coarse.batch * prod(graph[v.name].shape[2:]) * itemsize  # one filter's output, before followers
+        own = v.work - v.follower_work  # per filter, shared by its input channels
+        home[i], channel[i] = [], {}
+        for a, (lo, hi) in enumerate(atoms[i]):
+            for b, (clo, chi) in enumerate(in_atoms):
+                channel[i][(a, b)] = add(own * (hi - lo) * (chi - clo) / in_channels, i, (hi - lo) * (chi - clo))
+            # the reduction vertex: summing the channel atoms' partial results, then the followers
+            adds = partial / itemsize * (len(in_atoms) - 1)
+            home[i].append(add((v.follower_work + adds) * (hi - lo), i, hi - lo))
+            costs.append(partial * (hi - lo))
+            nets.append([home[i][-1], *(channel[i][(a, b)] for b in range(len(in_atoms)))])
+            gathers.append(True)
+    for net in coarse.nets:
+        for b, (lo, hi) in enumerate(atoms[net.producer]):
+            pins = [home[net.producer][b]]
+            for r in net.readers:
+                pins += [channel[r][(a, b)] for a in range(len(atoms[r]))]
+            costs.append(net.cost * (hi - lo))
+            nets.append(pins)
+            gathers.append(False)
+    start = np.cumsum([0] + [len(n) for n in nets]).astype(np.int64)
+    h = Hypergraph(_units(weights, unit_work), _units(np.array(costs, dtype=np.float64), unit_bytes), start,
+                   np.concatenate([np.asarray(n, dtype=np.int64) for n in nets]), np.array(gathers))
+    return FineModel(coarse, h, np.array(layer_of), np.array(filters_of), np.array(order))
+
+
+# ---- partitions and their metrics --------------------------------------------------------------
+@dataclass(frozen=True)
+class Metrics:
+    """Table 5.1-5.12's columns: work in FLOPs, communication in bytes (forward pass)."""
+
+    max_work: float
+    min_work: float
+    avg_work: float
+    volume: int
+    max_comm: int
+    avg_comm: float
+
+    @property
+    def max_min(self) -> float:
+        return self.max_work / self.min_work if self.min_work else float("inf")
+
+    @property
+    def max_avg(self) -> float:
+        return self.max_work / self.avg_work
+
+    @property
+    def max_avg_comm(self) -> float:
+        return self.max_comm / self.avg_comm if self.avg_comm else 0.0
+
+
+def _metrics(work: np.ndarray, sent: np.ndarray) -> Metrics:
+    return Metrics(float(work.max()), float(work.min()), float(work.mean()), int(sent.sum()), int(sent.max()),
+                   float(sent.mean()))
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A k-way partition of a model: for the coarse-grain model, filters of each layer per part;
+    for the fine-grain model, the part of each vertex."""
+
+    model: CoarseModel | FineModel
+    k: int
+    method: str
+    counts: np.ndarray | None = None  # (layers, k), coarse-grain
+    vertex_parts: np.ndarray | None = None  # (vertices,), fine-grain
+    seconds: float = 0.0  # time to partition, building the partitioner's input included
+    info: dict = field(default_factory=dict)
+
+    @property
+    def runnable(self) -> bool:
+        return self.counts is not None
+
+    def metrics(self) -> Metrics:
+        if self.counts is not None:
+            return _metrics(self.model.part_work(self.counts), self.model.sent(self.counts))
+        h = self.model.hypergraph
+        work = np.bincount(self.vertex_parts, weights=h.weights.astype(np.float64), minlength=self.k)
+        return _metrics(work, h.sent(self.vertex_parts, self.k))
+
+
+# ---- Mt-KaHyPar ---------------------------------------------------------------------------------
+PRESETS = ("default", "quality", "highest_quality", "large_k", "deterministic", "deterministic_quality")
+_MTKAHYPAR: dict = {}
+
+
+def _mtkahypar(threads: int):
+    try:
+        import mtkahypar
+    except ImportError:
+        raise HypergraphError("partitioning needs Mt-KaHyPar: pip install mtkahypar (or pip install "
+                              "'taskrt[hypergraph]'); the naive partitions (layer_wise, horizontal, "
+                              "incremental) work without it") from None
+    if threads not in _MTKAHYPAR:  # initializing starts its thread pool: once per process
+        _MTKAHYPAR.clear()
+        _MTKAHYPAR[threads] = mtkahypar.initialize(threads, False)
+    return mtkahypar, _MTKAHYPAR[threads]
+
+
+def partition(model, k: int, epsilon: float = 0.1, seed: int = 0, preset: str = "default",
+              max_atoms: int | None = 64, threads: int | None = None) -> Partition:
+    """Partition `model` (a CoarseModel or FineModel) into `k` parts with Mt-KaHyPar, minimizing
+    the connectivity-1 communication volume with every part's work at most (1 + epsilon) times
+    the average.  The coarse-grain model is given to it as atoms of at most `max_atoms` per layer
+    (None: a vertex per filter).  `seed` makes it deterministic for a given thread count."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise HypergraphError(f"k={k!r}: the number of parts must be a positive int")
+    if not 0 <= epsilon:
+        raise HypergraphError(f"epsilon={epsilon!r}: the allowed imbalance must be >= 0 (e.g. 0.1)")
+    if preset not in PRESETS:
+        raise HypergraphError(f"preset={preset!r} is not one of {', '.join(PRESETS)}")
+    import os
+
+    t0 = time.perf_counter()
+    coarse = isinstance(model, CoarseModel)
+    # weights and costs as int32-safe units: Mt-KaHyPar sums them in 32 bits
+    total_work = model.total_work if coarse else float(model.hypergraph.weights.sum())
+    h = model.hypergraph(max_atoms, unit_work=max(1.0, total_work / 2 ** 24),
+                         unit_bytes=_byte_unit(model)) if coarse else _scaled(model.hypergraph)
+    if k == 1:
+        parts = np.zeros(h.num_vertices, dtype=np.int64)
+    else:
+        mtk, init = _mtkahypar(threads or min(os.cpu_count() or 1, 8))
+        mtk.set_seed(seed)
+        context = init.context_from_preset(getattr(mtk.PresetType, preset.upper()))
+        context.set_partitioning_parameters(k, epsilon, mtk.Objective.KM1)
+        context.logging = False
+        hg = init.create_hypergraph(context, h.num_vertices, h.num_nets, h.nets(), h.weights.tolist(),
+                                    h.costs.tolist())
+        parts = np.asarray(hg.partition(context).get_partition(), dtype=np.int64)
+    seconds = time.perf_counter() - t0
+    info = {"preset": preset, "epsilon": epsilon, "seed": seed, "vertices": h.num_vertices, "nets": h.num_nets,
+            "pins": len(h.pins)}
+    if coarse:
+        return Partition(model, k, "hypergraph", counts=model.counts_of(parts, k, max_atoms), seconds=seconds,
+                         info={**info, "max_atoms": max_atoms})
+    return Partition(model, k, "hypergraph", vertex_parts=parts, seconds=seconds, info=info)
+
+
+def _byte_unit(model: CoarseModel) -> int:
+    total = sum(net.cost * model.layers[net.producer].size for net in model.nets)
+    return max(1, int(total // 2 ** 24))
+
+
+def _scaled(h: Hypergraph) -> Hypergraph:
+    w_unit = max(1.0, float(h.weights.sum()) / 2 ** 24)
+    c_unit = max(1.0, float(h.costs.sum()) / 2 ** 24)
+    return Hypergraph(_units(h.weights, w_unit), _units(h.costs, c_unit), h.start, h.pins, h.gathers)
+
+
+# ---- the thesis's naive partitions -------------------------------------------------------------
+def layer_wise(model: CoarseModel, k: int) -> Partition:
+    """Whole layers per part, split points set recursively (Sec. 5.1.1): split the layer sequence
+    where the two sides' work per part is most even, then each side again.  Inputs go with the
+    first layer.  At most one part per filter layer."""
+    t0 = time.perf_counter()
+    filters = [i for i, v in enumerate(model.layers) if v.work > 0]
+    if k > len(filters):
+        raise HypergraphError(f"layer-wise partitioning into k={k} parts needs at least {k} layers with work; "
+                              f"{model.graph!r} has {len(filters)}")
+    layer_work = model.sizes * model.work
+    part_of = np.zeros(len(model.layers), dtype=np.int64)
+
+    def split(seq, first_part, parts):
+        if parts == 1:
+            part_of[seq] = first_part
+            return
+        left_parts = parts // 2
+        right_parts = parts - left_parts
+        w = layer_work[seq]
+        best = min(range(left_parts, len(seq) - right_parts + 1),
+                   key=lambda cut: max(w[:cut].sum() / left_parts, w[cut:].sum() / right_parts))
+        split(seq[:best], first_part, left_parts)
+        split(seq[best:], first_part + left_parts, right_parts)
+
+    split(np.array(filters), 0, k)
+    for i, v in enumerate(model.layers):
+        if v.work == 0:  # inputs: with the part of their first reader
+            part_of[i] = part_of[min(r for net in model.nets if net.producer == i for r in net.readers)]
+    counts = np.zeros((len(model.layers), k), dtype=np.int64)
+    counts[np.arange(len(model.layers)), part_of] = model.sizes
+    return Partition(model, k, "layer-wise", counts=counts, seconds=time.perf_counter() - t0)
+
+
+def horizontal(model: CoarseModel, k: int) -> Partition:
+    """Every layer's filters split evenly over the k parts (Sec. 5.1.2); a layer with fewer filters
+    than parts continues where the previous one stopped, so work stays balanced."""
+    t0 = time.perf_counter()
+    counts = np.zeros((len(model.layers), k), dtype=np.int64)
+    offset = 0
+    for i, v in enumerate(model.layers):
+        q, r = divmod(v.size, k)
+        counts[i] = q
+        counts[i, (offset + np.arange(r)) % k] += 1
+        offset = (offset + r) % k
+    return Partition(model, k, "horizontal", counts=counts, seconds=time.perf_counter() - t0)
+
+
+def incremental(model, k: int) -> Partition:
+    """Filters (coarse-grain) or filter channels (fine-grain) in network order go to the current
+    part until its work exceeds the average, then to the next (Sec. 5.1.3 and 5.1.4)."""
+    t0 = time.perf_counter()
+    if isinstance(model, CoarseModel):
+        average = model.total_work / k
+        counts = np.zeros((len(model.layers), k), dtype=np.int64)
+        part, load = 0, 0.0
+        for i, v in enumerate(model.layers):
+            left = v.size
+            while left:
+                if v.work == 0 or part == k - 1:
+                    take = left
+                else:  # filters until the part's work exceeds the average (the one that crosses included)
+                    take = min(left, max(1, int(np.floor((average - load) / v.work)) + 1))
+                counts[i, part] += take
+                load += take * v.work
+                left -= take
+                if load > average and part < k - 1:
+                    part, load = part + 1, 0.0
+        return Partition(model, k, "filter-wise incremental", counts=counts, seconds=time.perf_counter() - t0)
+    h = model.hypergraph
+    average = float(h.weights.sum()) / k
+    parts = np.zeros(h.num_vertices, dtype=np.int64)
+    part, load = 0, 0.0
+    for v in model.order:
+        parts[v] = part
+        load += float(h.weights[v])
+        if load > average and part < k - 1:
+            part, load = part + 1, 0.0
+    return Partition(model, k, "channel-wise incremental", vertex_parts=parts, seconds=time.perf_counter() - t0)
+
+
+# ---- onto the runtime --------------------------------------------------------------------------
+def to_strategy(graph, part: Partition, machine=None, name: str = "") -> Strategy:
+    """The runtime's strategy for a coarse-grain partition: part p is device p; each layer's
+    channels are split unevenly over the devices holding its filters (in device order), and its
+    channel-local followers take the same split.  The loss runs on the device holding most of the
+    logits."""
+    if not part.runnable:
+        raise HypergraphError(f"a {part.method} partition of the fine-grain model splits reductions over input "
+                              "channels, which the runtime's configs do not express; run a coarse-grain partition")
+    model: CoarseModel = part.model
+    if machine is not None and part.k > machine.num_devices:
+        raise HypergraphError(f"a {part.k}-way partition needs {part.k} devices; the machine has "
+                              f"{machine.num_devices}")
+    configs = {}
+    for i, v in enumerate(model.layers):
+        row = part.counts[i]
+        devices = tuple(int(p) for p in np.flatnonzero(row))
+        sizes = tuple(int(row[p]) for p in devices)
+        for layer, per_filter in ((v.name, 1), *v.followers):
+            if len(devices) == 1:
+                configs[layer] = ParallelConfig(devices=devices)
+            else:
+                configs[layer] = ParallelConfig(c=len(devices), devices=devices,
+                                                c_sizes=tuple(s * per_filter for s in sizes))
+    for layer in graph:
+        if layer.name in configs or (layer.is_input and len(layer.shape) < 2):
+            continue
+        if layer.kind != "softmax_cross_entropy":
+            raise HypergraphError(f"layer {layer.name!r} ({layer.kind}) has no place in the partition")
+        logits = layer.inputs[0]
+        owner = next(i for i, v in enumerate(model.layers)
+                     if v.name == logits or any(f == logits for f, _ in v.followers))
+        configs[layer.name] = ParallelConfig(devices=(int(np.argmax(part.counts[owner])),))
+    strategy = Strategy(configs, name or f"{part.method} k={part.k}",
+                        meta={"partition": {"method": part.method, "k": part.k, **part.info}})
+    return strategy.validated(graph, machine)
+
+
+def forward_bytes(plan) -> int:
+    """Bytes a plan moves between devices for the forward pass (what the model's volume counts)."""
+    return sum(t.nbytes for t in plan.transfers() if plan.by_key[t.reader].phase in ("fwd", "loss"))
