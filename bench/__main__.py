@@ -11,8 +11,10 @@
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
   hypergraph   seed 003: VGG-16 partitions (layer-wise, naive, Mt-KaHyPar) at N = 2..128 beside the
                thesis's Tables 5.1-5.15 and Appendix A
+  elastic      the cost of snapshots for elastic recovery, and of recovering from a killed worker
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
+  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
 spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
@@ -30,8 +32,8 @@ import sys
 import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
-# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph takes minutes even with --quick
-ON_REQUEST = ["gholami", "gpu", "hypergraph"]
+# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist and elastic take minutes even with --quick
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic"]
 
 
 def main(argv=None):

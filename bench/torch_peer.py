@@ -27,10 +27,18 @@ def _torch():
     return torch
 
 
-def forward_layer(layer, xs, params):
-    """One graph layer as torch functional calls on tensors `xs` (the layer's inputs, in order)."""
+def forward_layer(layer, xs, params, running=None, mode="gradients"):
+    """One graph layer as torch functional calls on tensors `xs` (the layer's inputs, in order).
+    Batch norm: `running` is its (mean, variance) tensors, updated in place when `mode` is "train"
+    and used instead of the batch's statistics when it is "predict"."""
     F = _torch().nn.functional
     op, kind = layer.op, layer.kind
+    if kind == "batch_norm":
+        w, b = params["weight"], params["bias"]
+        if mode == "gradients":
+            return F.batch_norm(xs[0], None, None, w, b, training=True, eps=op.eps)
+        return F.batch_norm(xs[0], running[0], running[1], w, b, training=mode == "train", momentum=op.momentum,
+                            eps=op.eps)
     if kind == "conv2d":
         y = F.conv2d(xs[0], params["weight"], params.get("bias"), op.stride, op.padding)
         return F.relu(y, inplace=True) if op.activation == "relu" else y
@@ -71,6 +79,9 @@ class TorchPeer:
                          .requires_grad_() for k in layer.param_shapes}
             for layer in graph if layer.param_shapes
         }
+        self.running = {layer.name: (torch.zeros(layer.shape[1], dtype=self.dtype, device=self.device),
+                                     torch.ones(layer.shape[1], dtype=self.dtype, device=self.device))
+                        for layer in graph if layer.op.buffer_shapes()}
         self.optimizer = torch.optim.SGD([t for p in self.params.values() for t in p.values()], lr=lr,
                                          momentum=momentum, weight_decay=weight_decay)
 
@@ -86,13 +97,13 @@ class TorchPeer:
         bound = bind_inputs(self.graph, data, self.np_dtype, with_labels=with_labels)
         return {name: torch.from_numpy(a).to(self.device) for name, a in bound.items()}
 
-    def activations(self, inputs: dict, stop_at=None) -> dict:
+    def activations(self, inputs: dict, stop_at=None, mode="gradients") -> dict:
         acts = dict(inputs)
         for layer in self.graph:
             if layer.is_input:
                 continue
             acts[layer.name] = forward_layer(layer, [acts[src] for src in layer.inputs],
-                                             self.params.get(layer.name, {}))
+                                             self.params.get(layer.name, {}), self.running.get(layer.name), mode)
             if layer.name == stop_at:
                 break
         return acts
@@ -116,7 +127,7 @@ class TorchPeer:
     def step(self, *data) -> float:
         """One SGD step; returns the loss before the update (waits for the step, as `Trainer.step`)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(self.activations(self.inputs(*data)))
+        loss = self._loss(self.activations(self.inputs(*data), mode="train"))
         loss.backward()
         self.optimizer.step()
         return float(loss.item())
@@ -128,7 +139,8 @@ class TorchPeer:
         out = []
         with torch.no_grad():
             for chunk, used in batches_for_predict(self.graph, np.asarray(x)):
-                acts = self.activations(self.inputs(chunk, with_labels=False), stop_at=target)
+                acts = self.activations(self.inputs(chunk, with_labels=False), stop_at=target,
+                                        mode="predict")
                 out.append(acts[target][:used].cpu().numpy())
         return np.concatenate(out)
 

@@ -6,6 +6,7 @@ linear layers on cupy arrays run through torch (cuDNN, cuBLAS) when it is import
 """
 
 from ops.base import Op, array_module, dims_of
+from ops.batchnorm import BatchNorm
 from ops.concat import Concat
 from ops.conv import Conv2d
 from ops.elementwise import Add, Relu
@@ -19,9 +20,11 @@ from ops.precision import get_precision, set_precision
 from ops.rect import Rect
 from ops.sgd import sgd_update
 
-OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy)}
+OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy,
+                              BatchNorm)}
 
 __all__ = [
     "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "sgd_update", "set_precision", "get_precision",
     "Input", "Conv2d", "Pool2d", "Linear", "Relu", "Add", "Concat", "Flatten", "SoftmaxCrossEntropy",
+    "BatchNorm",
 ]

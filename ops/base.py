@@ -45,6 +45,10 @@ class Op:
     kind = "op"
     #: does the op's backward need its forward output (e.g. fused relu, max pool)?
     saves_output = False
+    #: do its statistics reduce over the parts of a channel (batch norm)?  The lowering then
+    #: plans the reduction as tasks; `statistics_hops` dependent tasks it adds per direction.
+    reduces_statistics = False
+    statistics_hops = 0
 
     # ---- shapes -------------------------------------------------------------------------
     @property
@@ -57,6 +61,10 @@ class Op:
         return dims_of(self.out_shape)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """State that is not trained by gradients (batch norm's running statistics)."""
         return {}
 
     # ---- region rules -------------------------------------------------------------------

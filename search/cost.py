@@ -35,7 +35,7 @@ from search.regions import Needs, part_table
 from search.space import search_space
 from taskrt.config import ParallelConfig
 from taskrt.files import write_atomic
-from taskrt.machine import DEVICE_KINDS, resource_tag
+from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
 from taskrt.plan import chunk_bounds
 
@@ -222,7 +222,8 @@ class CostModel:
             backward = layer.name in needed or layer.kind == "softmax_cross_entropy"
             need_dx = tuple(src in needed for src in layer.inputs)
             shapes = [table.shape] + [needs[(layer.name, j)].table.shape for j in range(len(layer.inputs))]
-            hops = 2 if layer.name in needed else 1
+            # each direction's dependent tasks: the part's, and batch norm's statistics reduction before it
+            hops = (2 if layer.name in needed else 1) * (1 + layer.op.statistics_hops)
             if self.estimated:  # a formula per part: no need to find the distinct ones
                 fwd, bwd = roofline_parts(layer.op, shapes, self.kinds, self.kind_index, table.device, self.itemsize)
                 plans[layer.name] = (None, fwd + bwd * backward, table.starts, hops)
@@ -311,6 +312,11 @@ class CostModel:
                 return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
             if task.phase in ("update", "reduce"):
                 return self._sync_times[sync[task.key]]
+            if task.phase in ("fstats", "bstats", "running"):  # batch norm: a sum of small per-channel arrays
+                bandwidth = self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
+                return task.nbytes * len(task.deps) / bandwidth
+            # fstat, bstat: batch norm's per-part statistics; the part's measured forward and backward
+            # (measure_parts runs the op's whole-tile kernels) already include computing them
             return 0.0  # send, wfetch, grad: a reference to an array that exists already
 
         return task_time
@@ -373,7 +379,7 @@ class CostModel:
             for start in range(0, len(sigs), 8):
                 chunk = sigs[start : start + 8]
                 future = client.submit(timing, [items[s] for s in chunk], self.repeats, self.dtype,
-                                       pure=False, resources={resource_tag(device): 1})
+                                       pure=False, resources={self.machine.tag(device): 1})
                 out.update(zip(chunk, future.result()))
                 bar.update(len(chunk))
         self.measurements += len(sigs)

@@ -2,8 +2,10 @@
 
 from ops.rect import Rect  # the region algebra lives beside the region rules in ops
 from taskrt import models
+from taskrt.checkpoint import CheckpointError, Checkpoints
 from taskrt.config import ParallelConfig
 from taskrt.graph import Graph, GraphError, Layer, Tensor
+from taskrt.ist import ISTTrainer, LocalSGDTrainer
 from taskrt.lowering import lower
 from taskrt.machine import Machine, MachineError
 from taskrt.reference import SingleDeviceTrainer
@@ -12,5 +14,6 @@ from taskrt.trainer import Trainer
 
 __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
-    "Machine", "MachineError", "Trainer", "SingleDeviceTrainer", "lower", "models",
+    "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "ISTTrainer",
+    "LocalSGDTrainer", "lower", "models",
 ]

@@ -73,8 +73,20 @@ def lenet_mixed_strategy(graph):
     return Strategy(configs, name="lenet5-mixed")
 
 
+def predicted_step_s(trainer) -> float:
+    """The training plan's step time as the simulator predicts it from the cost model's
+    measurements on this machine (cached on disk, so later runs measure nothing)."""
+    from search import CostModel
+    from taskrt.simulate import simulate
+
+    cost_model = CostModel(trainer.machine, progress=False)
+    plan = trainer.plan
+    return simulate(plan, cost_model.timer(plan), trainer.machine, cost_model.runtime(plan)).step_s
+
+
 def cmd_run(args):
     from taskrt import models
+    from taskrt.dashboard import page_url
     from taskrt.machine import Machine
     from taskrt.trainer import Trainer
 
@@ -86,8 +98,13 @@ def cmd_run(args):
         print(trainer.strategy.table(graph))
         plan = trainer.plan
         print(f"\none step: {len(plan.tasks)} tasks ({_phases(plan)}), "
-              f"{plan.bytes_moved:,} bytes moved between devices\n")
+              f"{plan.bytes_moved:,} bytes moved between devices")
+        predicted = predicted_step_s(trainer)
+        trainer.publish(predicted)
+        print(f"predicted step time {predicted * 1e3:.1f} ms (the plan simulated with measured costs)")
+        print(f"strategy, bytes and step times as it trains: {page_url(machine.client)}\n")
         accuracy, seconds = train_digits(trainer, args.epochs, args.batch, args.lr, args.seed)
+        trainer.publish()
         stats = trainer.stats
         measured = stats.measured_bytes
         print(f"\nlast step: {stats.summary()}")

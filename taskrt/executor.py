@@ -20,7 +20,7 @@ from ops.rect import Rect
 from taskrt.device import to_device, to_host
 from taskrt.fusion import fuse
 from taskrt.machine import MachineError, resource_tag
-from taskrt.plan import DATA, HYPER, STATE, TASK, Plan
+from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 
 
 def step_key(key: tuple, step) -> tuple:
@@ -75,9 +75,12 @@ class Executor:
                 futures[name] = future
         return futures
 
-    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None) -> StepRun:
-        """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key."""
-        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, self.fused)
+    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None,
+               buffers: dict | None = None) -> StepRun:
+        """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
+        `buffers`: the batch norms' running statistics, {(layer, group): future}."""
+        dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
+                                               self.machine.tag, self.fused)
         names, wanted = [], []
         for name, value in outputs.items():
             keys = list(value.values()) if isinstance(value, dict) else list(value)
@@ -153,7 +156,7 @@ def _named_graph(dsk: dict, tag: str):
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               fused: bool = True):
+               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -161,6 +164,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     part's sum, logits, gradient sums) is brought back to host memory there ('<layer>-host'),
     so nothing but the step's data crosses between host and device inside a step.
 
+    `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
     dsk, device_of = {}, {}
@@ -175,6 +179,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
             return step_key(dep.key, tag)
         if dep.kind == STATE:
             return state[dep.key]
+        if dep.kind == BUFFER:
+            return buffers[dep.key]
         if dep.kind == DATA:
             home = plan.device_of(dep)
             if home not in gpu_devices:
@@ -194,7 +200,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         adapted = []
         for key in keys:
             device = plan.by_key[key].device
-            if device in gpu_devices and name != "state":  # state stays on its device
+            if device in gpu_devices and name not in ("state", "buffers"):  # state stays on its device
                 to_client = loss_sum if name == "loss" else to_host
                 layer = key[0].rsplit("-", 1)[0]
                 adapted.append(add(step_key((f"{layer}-host", *key[1:]), tag),
@@ -205,7 +211,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     if fused:
         wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
         dsk, device_of = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage))
-    restriction = {key: {resource_tag(device): 1} for key, device in device_of.items()}
+    restriction = {key: {device_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def write_atomic(path, text: str | bytes) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`."""
+    """Write to a temporary file in the same folder, fsync it, rename it over `path`, then fsync
+    the folder so the rename itself survives a power loss."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(text, bytes) else "w"
@@ -22,3 +23,17 @@ def write_atomic(path, text: str | bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a folder that cannot be opened (e.g. on Windows): the rename is all we have
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

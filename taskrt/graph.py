@@ -17,11 +17,25 @@ from numbers import Integral
 
 import networkx as nx
 
-from ops import OPS, Add, Concat, Conv2d, Flatten, Input, Linear, Op, Pool2d, Relu, ShapeError, SoftmaxCrossEntropy
+from ops import (
+    OPS,
+    Add,
+    BatchNorm,
+    Concat,
+    Conv2d,
+    Flatten,
+    Input,
+    Linear,
+    Op,
+    Pool2d,
+    Relu,
+    ShapeError,
+    SoftmaxCrossEntropy,
+)
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.]+$")
 PREFIX = {"conv2d": "conv", "pool2d": "pool", "linear": "fc", "relu": "relu", "flatten": "flatten",
-          "concat": "concat", "add": "add", "softmax_cross_entropy": "loss", "input": "input"}
+          "concat": "concat", "add": "add", "batch_norm": "bn", "softmax_cross_entropy": "loss", "input": "input"}
 
 
 class GraphError(ValueError):
@@ -123,6 +137,16 @@ class Graph:
     def linear(self, x, out_features: int, activation=None, bias=True, name=None) -> Tensor:
         return self._add("linear", name, [x],
                          lambda layer: Linear((x.shape,), int(out_features), activation, _flag(bias, "bias", layer)))
+
+    def batch_norm(self, x, eps: float = 1e-5, momentum: float = 0.1, name=None) -> Tensor:
+        """Batch normalization of each channel of an (n, c) or (n, c, h, w) tensor, with a learned
+        scale ("weight") and shift ("bias") and running statistics for inference (PyTorch's)."""
+        def make(layer):
+            for what, value in (("eps", eps), ("momentum", momentum)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise GraphError(f"layer {layer!r}: {what} must be a number, got {value!r}")
+            return BatchNorm((x.shape,), float(eps), float(momentum))
+        return self._add("batch_norm", name, [x], make)
 
     def relu(self, x, name=None) -> Tensor:
         return self._add("relu", name, [x], lambda _: Relu((x.shape,)))

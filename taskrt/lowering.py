@@ -10,6 +10,14 @@ a parameter server on the shard's first device ("ps"), or by reduce-scatter and 
 among the replicas ("allreduce": each replica sums and updates one chunk of the flat shard and
 gathers the others' chunks before its forward; every device sends and receives 2 (R-1)/R of
 the shard, the bandwidth of a ring all-reduce, in two dependent hops instead of 2 (R-1)).
+
+Batch normalization reduces each channel's statistics over every part holding that channel (a
+channel group: the parts of one `c` block).  Forward: each part computes its partial statistics
+("fstat"), the group's first device combines them ("fstats") and every part normalizes with
+the result ("fwd"); training also updates the group's running statistics there ("running").
+Backward is the same shape over the gradient sums ("bstat", "bstats", "bwd"), and the summed
+sums are the parameter gradient the shard's update reads.  Every one of these values that
+crosses devices is a transfer of the plan like any other.
 """
 
 from __future__ import annotations
@@ -18,20 +26,27 @@ from math import prod
 
 from ops.rect import Rect
 from taskrt.params import shard_sizes
-from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Shard, Task
+from taskrt.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task
 from taskrt.tasks import (
     Alias,
     Backward,
+    CombineStats,
     Element,
     Forward,
     GatherChunks,
+    GradSums,
     Inputs,
     Loss,
+    Normalize,
+    NormBackward,
     Params,
+    PartialStats,
     Piece,
     ReduceGrads,
     Slice,
+    SumArrays,
     Update,
+    UpdateRunning,
 )
 
 MODES = ("train", "gradients", "predict")
@@ -67,6 +82,9 @@ class _Lowering:
         self.readers: dict[Dep, int] = {}  # the one device that reads each travelling key
         self.aliases: dict[tuple[Dep, int], Dep] = {}
         self.alias_count: dict[str, int] = {}
+        self.buffers: dict[str, list[Buffer]] = {}
+        self.groups: dict[str, list[list]] = {}  # batch norm: parts by channel block
+        self.grad_sums: dict[tuple[str, int], Dep] = {}  # (layer, group) -> its summed gradient sums
 
     # ---- helpers ----------------------------------------------------------------------------
     def itemsize_of(self, layer_name) -> int:
@@ -86,6 +104,8 @@ class _Lowering:
         if dep.kind == DATA:
             layer, index = dep.key
             return self.parts[layer][index].rect.volume * self.itemsize_of(layer)
+        if dep.kind == BUFFER:
+            return self.buffers[dep.key[0]][dep.key[1]].nbytes
         return self.tasks[dep.key].nbytes
 
     def route(self, dep: Dep, home: int, device: int, layer: str) -> Dep:
@@ -198,6 +218,8 @@ class _Lowering:
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, layer):
+        if layer.op.reduces_statistics:
+            return self.forward_statistics(layer)
         for part in self.parts[layer.name]:
             deps = _Deps()
             inputs = self.inputs(deps, layer, part)
@@ -210,6 +232,82 @@ class _Lowering:
                 key, phase = (f"{layer.name}-fwd", part.index), "fwd"
                 nbytes, flops = part.rect.volume * self.itemsize, layer.op.flops(part.rect)
             self.add(Task(key, phase, layer.name, part.device, spec, tuple(deps.deps), nbytes, flops))
+
+    # ---- batch normalization ----------------------------------------------------------------
+    def plan_groups(self, layer):
+        groups: dict[tuple[int, int], list] = {}
+        for part in self.parts[layer.name]:
+            groups.setdefault((part.rect.lo[1], part.rect.hi[1]), []).append(part)
+        self.groups[layer.name] = list(groups.values())
+        self.buffers[layer.name] = [Buffer(layer.name, g, channels, parts[0].device, 2 * (channels[1] - channels[0])
+                                           * self.itemsize) for g, (channels, parts) in enumerate(groups.items())]
+
+    def forward_statistics(self, layer):
+        name, op = layer.name, layer.op
+        stats_of = {}
+        for g, group in enumerate(self.groups[name]):
+            home, channels = group[0].device, group[0].rect.hi[1] - group[0].rect.lo[1]
+            if self.mode == "predict":
+                stats = Dep(BUFFER, (name, g))
+            else:
+                combine = _Deps()
+                for part in group:
+                    deps = _Deps()
+                    inputs = self.inputs(deps, layer, part)
+                    partial = self.add(Task((f"{name}-fstat", part.index), "fstat", name, part.device,
+                                            PartialStats(op, inputs), tuple(deps.deps), 3 * channels * self.itemsize,
+                                            3 * part.rect.volume))
+                    combine.add(self.route(partial, part.device, home, name))
+                stats = self.add(Task((f"{name}-fstats", g), "fstats", name, home, CombineStats(op),
+                                      tuple(combine.deps), 3 * channels * self.itemsize, 8 * channels * len(group)))
+                if self.mode == "train":
+                    self.add(Task((f"{name}-running", g), "running", name, home, UpdateRunning(op),
+                                  (Dep(BUFFER, (name, g)), stats), 2 * channels * self.itemsize, 6 * channels))
+            for part in group:
+                stats_of[part.index] = (stats, home)
+        for part in self.parts[name]:
+            deps = _Deps()
+            inputs = self.inputs(deps, layer, part)
+            params = self.params(deps, layer, part)
+            stats, home = stats_of[part.index]
+            spec = Normalize(op, part.rect, inputs, params, deps.add(self.route(stats, home, part.device, name)),
+                             self.mode == "predict")
+            self.add(Task((f"{name}-fwd", part.index), "fwd", name, part.device, spec, tuple(deps.deps),
+                          part.rect.volume * self.itemsize, op.flops(part.rect) - 3 * part.rect.volume))
+
+    def backward_statistics(self, layer):
+        name, op = layer.name, layer.op
+        sources = list(self.gradient_sources(name))
+        sums_of = {}
+        for g, group in enumerate(self.groups[name]):
+            home, channels = group[0].device, group[0].rect.hi[1] - group[0].rect.lo[1]
+            combine = _Deps()
+            for part in group:
+                fwd = self.tasks[(f"{name}-fwd", part.index)]
+                deps = _Deps(fwd.deps)
+                dy = self._dy(deps, part, sources)
+                partial = self.add(Task((f"{name}-bstat", part.index), "bstat", name, part.device,
+                                        GradSums(op, fwd.spec.inputs, fwd.spec.stats, dy, part.rect),
+                                        tuple(deps.deps), 2 * channels * self.itemsize, 5 * part.rect.volume))
+                combine.add(self.route(partial, part.device, home, name))
+            sums = self.add(Task((f"{name}-bstats", g), "bstats", name, home, SumArrays(), tuple(combine.deps),
+                                 2 * channels * self.itemsize, 2 * channels * len(group)))
+            self.grad_sums[(name, g)] = sums
+            for part in group:
+                sums_of[part.index] = (sums, home)
+        need_dx = tuple(src in self.needed for src in layer.inputs)
+        if not any(need_dx):
+            return
+        for part in self.parts[name]:
+            fwd = self.tasks[(f"{name}-fwd", part.index)]
+            deps = _Deps(fwd.deps)
+            dy = self._dy(deps, part, sources)
+            sums, home = sums_of[part.index]
+            spec = fwd.spec
+            self.add(Task((f"{name}-bwd", part.index), "bwd", name, part.device,
+                          NormBackward(op, part.rect, spec.inputs, spec.params, spec.stats, dy,
+                                       deps.add(self.route(sums, home, part.device, name)), spec.params.layout),
+                          tuple(deps.deps), None, op.backward_flops(part.rect) - 5 * part.rect.volume))
 
     # ---- backward ---------------------------------------------------------------------------
     def gradient_sources(self, layer_name):
@@ -225,6 +323,8 @@ class _Lowering:
                     yield part, Dep(TASK, (f"{consumer_name}-{phase}", part.index)), j, read
 
     def backward(self, layer):
+        if layer.op.reduces_statistics:
+            return self.backward_statistics(layer)
         sources = list(self.gradient_sources(layer.name))
         for part in self.parts[layer.name]:
             fwd = self.tasks[(f"{layer.name}-fwd", part.index)]
@@ -260,7 +360,12 @@ class _Lowering:
                 deps = _Deps([Dep(STATE, (layer.name, shard.index, k))] if self.mode == "train" else [])
                 span = None if len(chunks) == 1 else (lo, hi)
                 grads = []
-                for part in replicas:
+                if layer.op.reduces_statistics:  # the group's summed gradient, already on its readers
+                    group = next(g for g, parts in enumerate(self.groups[layer.name]) if parts[0] in replicas)
+                    sums = self.route(self.grad_sums[(layer.name, group)], self.groups[layer.name][group][0].device,
+                                      home, layer.name)
+                    grads.append((deps.add(sums), None, span))
+                for part in [] if layer.op.reduces_statistics else replicas:
                     bwd = Dep(TASK, (f"{layer.name}-bwd", part.index))
                     if part.device == home:  # its own gradient: the chunk is cut in place
                         grads.append((deps.add(bwd), n_inputs, span))
@@ -289,6 +394,8 @@ class _Lowering:
         for layer in layers:
             if layer.param_shapes:
                 self.plan_shards(layer)
+            if layer.op.reduces_statistics:
+                self.plan_groups(layer)
         for layer in layers:
             if layer.is_input or (self.mode == "predict" and layer.kind == "softmax_cross_entropy"):
                 continue
@@ -306,7 +413,8 @@ class _Lowering:
                        for name, parts in data.items() for p in parts}
         shards = self.shards if self.mode != "predict" else {
             name: s for name, s in self.shards.items() if any(t.layer == name for t in tasks)}
-        return Plan(self.mode, tasks, shards, data, data_nbytes, outputs)
+        buffers = {name: b for name, b in self.buffers.items() if any(t.layer == name for t in tasks)}
+        return Plan(self.mode, tasks, shards, data, data_nbytes, outputs, buffers)
 
     def outputs(self, target):
         if self.mode == "predict":
@@ -315,7 +423,11 @@ class _Lowering:
         phase = "update" if self.mode == "train" else "reduce"
         state = {(name, s.index, k): (f"{name}-{phase}", s.index, k) for name, shards in self.shards.items()
                  for s in shards for k in range(len(s.chunks))}
-        return {"loss": losses, "state" if self.mode == "train" else "grads": state}
+        out = {"loss": losses, "state" if self.mode == "train" else "grads": state}
+        if self.mode == "train":
+            out["buffers"] = {(name, b.index): (f"{name}-running", b.index)
+                              for name, buffers in self.buffers.items() for b in buffers}
+        return out
 
 
 def _prune(tasks: dict[tuple, Task], outputs) -> list[Task]:

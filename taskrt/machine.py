@@ -68,6 +68,7 @@ class Machine:
         self.description = description
         self._owns_client = False
         self.closed = False
+        self.tags: list[str] | None = None  # each device's resource tag, when not dev<i> (see subset)
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -81,6 +82,8 @@ class Machine:
         GPUs)."""
         import dask
         from distributed import Client, Nanny, Scheduler, SpecCluster
+
+        import taskrt.dashboard  # noqa: F401  (registers the dashboard's taskrt page before the scheduler starts)
 
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
@@ -181,7 +184,25 @@ class Machine:
         return cls(devices, bandwidth, lat, description=f"simulated {nodes}x{devices_per_node} {device_kind}",
                    nic_bandwidth=float(inter_bandwidth) if nodes > 1 else None)
 
+    def subset(self, ids) -> Machine:
+        """The devices `ids` of this machine as a machine of their own, renumbered 0..k-1 in the
+        order given, on the same cluster (each keeps its resource tag).  Closing it stops nothing."""
+        ids = list(ids)
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < self.num_devices for i in ids):
+            raise ValueError(f"subset needs distinct device ids in 0..{self.num_devices - 1}, got {ids}")
+        devices = [Device(k, self.devices[i].node, self.devices[i].kind, self.devices[i].memory)
+                   for k, i in enumerate(ids)]
+        grid = np.ix_(ids, ids)
+        view = Machine(devices, self.bandwidth[grid], self.latency[grid], client=self.client,
+                       description=f"devices {ids} of {self.description}", nic_bandwidth=self.nic_bandwidth)
+        view.tags = [self.tag(i) for i in ids]
+        return view
+
     # ---- reading ----------------------------------------------------------------------------
+    def tag(self, device: int) -> str:
+        """The Dask resource tag that pins tasks to `device`."""
+        return resource_tag(device) if self.tags is None else self.tags[device]
+
     @property
     def num_devices(self) -> int:
         return len(self.devices)
@@ -192,15 +213,20 @@ class Machine:
 
     def addresses(self) -> dict[int, str]:
         """Current worker address of each device (it changes when a worker restarts)."""
-        workers = worker_info(self.client)
-        out = {}
-        for address, info in workers.items():
-            for tag in info.get("resources", {}):
-                if tag.startswith("dev") and tag[3:].isdigit():
-                    out[int(tag[3:])] = address
+        out = self.live_devices()
         missing = [d.id for d in self.devices if d.id not in out]
         if missing:
             raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
+        return out
+
+    def live_devices(self) -> dict[int, str]:
+        """{device: worker address} of the devices that have a worker now."""
+        device_of = {self.tag(d.id): d.id for d in self.devices}
+        out = {}
+        for address, info in worker_info(self.client).items():
+            for tag in info.get("resources", {}):
+                if tag in device_of:
+                    out[device_of[tag]] = address
         return out
 
     def calibrate(self) -> dict:
@@ -216,7 +242,7 @@ class Machine:
         submit = []
         for r in range(3):
             dsk = {(f"taskrt-submit-{tag}-{r}", i): (_noop,) for i in range(200)}
-            with dask.annotate(resources={resource_tag(0): 1}):
+            with dask.annotate(resources={self.tag(0): 1}):
                 start = time.perf_counter()
                 futures = client.get(dsk, list(dsk), sync=False)
                 submit.append((time.perf_counter() - start) / len(dsk))
@@ -257,7 +283,7 @@ class Machine:
         def total():
             return sum(client.run(_process_cpu).values()) + _process_cpu()
 
-        with dask.annotate(resources={resource_tag(0): 1}):
+        with dask.annotate(resources={self.tag(0): 1}):
             dsk = {(f"taskrt-cpu-{tag}", i): (_noop,) for i in range(tasks)}
             before = total()
             client.gather(client.get(dsk, list(dsk), sync=False))
@@ -307,7 +333,7 @@ class Machine:
 
         client, tag = self.client, uuid.uuid4().hex[:8]
         per_task, per_hop = [], []
-        with dask.annotate(resources={resource_tag(0): 1}):
+        with dask.annotate(resources={self.tag(0): 1}):
             for r in range(repeats):
                 dsk = {(f"taskrt-noop-{tag}-{r}", i): (_noop,) for i in range(independent)}
                 start = time.perf_counter()

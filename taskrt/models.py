@@ -8,8 +8,9 @@ multiplies every conv channel count and hidden fc width (not the class count), r
 least 1.  The graph has one float input "image" (batch, channels, size, size) and, from the
 loss, one int64 input "labels".
 
-There is no batch norm op, so networks that have it (Inception-v3, ResNet-50) are built
-without it and every conv carries a bias instead.  There is no dropout either (it changes
+Inception-v3 and ResNet-50 have torchvision's batch norms: each conv has no bias and is followed
+by a batch norm (layer "<conv>.bn") and, where the network has one, a ReLU ("<conv>.relu"), so
+their parameter counts are torchvision's.  There is no dropout (it changes
 nothing in the layer structure) and no adaptive pooling: the first fc layer's input size
 follows from the image size, so parameter counts match the published ones at the published
 image size only.
@@ -58,6 +59,12 @@ class _Net:
     def conv(self, x, channels, kernel, stride=1, padding=0, relu=True, bias=True, name=None) -> Tensor:
         return self.g.conv2d(x, self.scaled(channels), kernel, stride, padding,
                              activation="relu" if relu else None, bias=bias, name=name)
+
+    def conv_bn(self, x, channels, kernel, stride=1, padding=0, relu=True, name=None) -> Tensor:
+        """A bias-free conv, its batch norm ("<name>.bn") and, with `relu`, a ReLU ("<name>.relu")."""
+        y = self.g.conv2d(x, self.scaled(channels), kernel, stride, padding, bias=False, name=name)
+        y = self.g.batch_norm(y, eps=1e-3 if self.g.name == "inception_v3" else 1e-5, name=f"{name}.bn")
+        return self.g.relu(y, name=f"{name}.relu") if relu else y
 
     def pool(self, x, kernel, stride=None, padding=0, mode="max", name=None) -> Tensor:
         return self.g.pool2d(x, kernel, stride, padding, mode=mode, name=name)
@@ -182,93 +189,91 @@ def splitbrain_vgg(batch=32, image_size=32, num_classes=10, width=1.0) -> Graph:
 # ---- Inception-v3 -----------------------------------------------------------------------------
 # Branch and layer names follow torchvision's Inception3, lower-cased.
 def _inception_a(net, x, pool_features, name):
-    b1 = net.conv(x, 64, 1, name=f"{name}.branch1x1")
-    b5 = net.conv(x, 48, 1, name=f"{name}.branch5x5_1")
-    b5 = net.conv(b5, 64, 5, padding=2, name=f"{name}.branch5x5_2")
-    b3 = net.conv(x, 64, 1, name=f"{name}.branch3x3dbl_1")
-    b3 = net.conv(b3, 96, 3, padding=1, name=f"{name}.branch3x3dbl_2")
-    b3 = net.conv(b3, 96, 3, padding=1, name=f"{name}.branch3x3dbl_3")
+    b1 = net.conv_bn(x, 64, 1, name=f"{name}.branch1x1")
+    b5 = net.conv_bn(x, 48, 1, name=f"{name}.branch5x5_1")
+    b5 = net.conv_bn(b5, 64, 5, padding=2, name=f"{name}.branch5x5_2")
+    b3 = net.conv_bn(x, 64, 1, name=f"{name}.branch3x3dbl_1")
+    b3 = net.conv_bn(b3, 96, 3, padding=1, name=f"{name}.branch3x3dbl_2")
+    b3 = net.conv_bn(b3, 96, 3, padding=1, name=f"{name}.branch3x3dbl_3")
     bp = net.pool(x, 3, 1, padding=1, mode="avg", name=f"{name}.pool")
-    bp = net.conv(bp, pool_features, 1, name=f"{name}.branch_pool")
+    bp = net.conv_bn(bp, pool_features, 1, name=f"{name}.branch_pool")
     return net.g.concat([b1, b5, b3, bp], name=f"{name}.concat")
 
 
 def _inception_b(net, x, name):
-    b3 = net.conv(x, 384, 3, stride=2, name=f"{name}.branch3x3")
-    bd = net.conv(x, 64, 1, name=f"{name}.branch3x3dbl_1")
-    bd = net.conv(bd, 96, 3, padding=1, name=f"{name}.branch3x3dbl_2")
-    bd = net.conv(bd, 96, 3, stride=2, name=f"{name}.branch3x3dbl_3")
+    b3 = net.conv_bn(x, 384, 3, stride=2, name=f"{name}.branch3x3")
+    bd = net.conv_bn(x, 64, 1, name=f"{name}.branch3x3dbl_1")
+    bd = net.conv_bn(bd, 96, 3, padding=1, name=f"{name}.branch3x3dbl_2")
+    bd = net.conv_bn(bd, 96, 3, stride=2, name=f"{name}.branch3x3dbl_3")
     bp = net.pool(x, 3, 2, name=f"{name}.pool")
     return net.g.concat([b3, bd, bp], name=f"{name}.concat")
 
 
 def _inception_c(net, x, c7, name):
     # 7x7 convolutions factorized into 1x7 and 7x1
-    b1 = net.conv(x, 192, 1, name=f"{name}.branch1x1")
-    b7 = net.conv(x, c7, 1, name=f"{name}.branch7x7_1")
-    b7 = net.conv(b7, c7, (1, 7), padding=(0, 3), name=f"{name}.branch7x7_2")
-    b7 = net.conv(b7, 192, (7, 1), padding=(3, 0), name=f"{name}.branch7x7_3")
-    bd = net.conv(x, c7, 1, name=f"{name}.branch7x7dbl_1")
-    bd = net.conv(bd, c7, (7, 1), padding=(3, 0), name=f"{name}.branch7x7dbl_2")
-    bd = net.conv(bd, c7, (1, 7), padding=(0, 3), name=f"{name}.branch7x7dbl_3")
-    bd = net.conv(bd, c7, (7, 1), padding=(3, 0), name=f"{name}.branch7x7dbl_4")
-    bd = net.conv(bd, 192, (1, 7), padding=(0, 3), name=f"{name}.branch7x7dbl_5")
+    b1 = net.conv_bn(x, 192, 1, name=f"{name}.branch1x1")
+    b7 = net.conv_bn(x, c7, 1, name=f"{name}.branch7x7_1")
+    b7 = net.conv_bn(b7, c7, (1, 7), padding=(0, 3), name=f"{name}.branch7x7_2")
+    b7 = net.conv_bn(b7, 192, (7, 1), padding=(3, 0), name=f"{name}.branch7x7_3")
+    bd = net.conv_bn(x, c7, 1, name=f"{name}.branch7x7dbl_1")
+    bd = net.conv_bn(bd, c7, (7, 1), padding=(3, 0), name=f"{name}.branch7x7dbl_2")
+    bd = net.conv_bn(bd, c7, (1, 7), padding=(0, 3), name=f"{name}.branch7x7dbl_3")
+    bd = net.conv_bn(bd, c7, (7, 1), padding=(3, 0), name=f"{name}.branch7x7dbl_4")
+    bd = net.conv_bn(bd, 192, (1, 7), padding=(0, 3), name=f"{name}.branch7x7dbl_5")
     bp = net.pool(x, 3, 1, padding=1, mode="avg", name=f"{name}.pool")
-    bp = net.conv(bp, 192, 1, name=f"{name}.branch_pool")
+    bp = net.conv_bn(bp, 192, 1, name=f"{name}.branch_pool")
     return net.g.concat([b1, b7, bd, bp], name=f"{name}.concat")
 
 
 def _inception_d(net, x, name):
-    b3 = net.conv(x, 192, 1, name=f"{name}.branch3x3_1")
-    b3 = net.conv(b3, 320, 3, stride=2, name=f"{name}.branch3x3_2")
-    b7 = net.conv(x, 192, 1, name=f"{name}.branch7x7x3_1")
-    b7 = net.conv(b7, 192, (1, 7), padding=(0, 3), name=f"{name}.branch7x7x3_2")
-    b7 = net.conv(b7, 192, (7, 1), padding=(3, 0), name=f"{name}.branch7x7x3_3")
-    b7 = net.conv(b7, 192, 3, stride=2, name=f"{name}.branch7x7x3_4")
+    b3 = net.conv_bn(x, 192, 1, name=f"{name}.branch3x3_1")
+    b3 = net.conv_bn(b3, 320, 3, stride=2, name=f"{name}.branch3x3_2")
+    b7 = net.conv_bn(x, 192, 1, name=f"{name}.branch7x7x3_1")
+    b7 = net.conv_bn(b7, 192, (1, 7), padding=(0, 3), name=f"{name}.branch7x7x3_2")
+    b7 = net.conv_bn(b7, 192, (7, 1), padding=(3, 0), name=f"{name}.branch7x7x3_3")
+    b7 = net.conv_bn(b7, 192, 3, stride=2, name=f"{name}.branch7x7x3_4")
     bp = net.pool(x, 3, 2, name=f"{name}.pool")
     return net.g.concat([b3, b7, bp], name=f"{name}.concat")
 
 
 def _split_1x3_3x1(net, x, channels, name):
     """The widening split of InceptionE: parallel 1x3 and 3x1 convs, concatenated."""
-    a = net.conv(x, channels, (1, 3), padding=(0, 1), name=f"{name}a")
-    b = net.conv(x, channels, (3, 1), padding=(1, 0), name=f"{name}b")
+    a = net.conv_bn(x, channels, (1, 3), padding=(0, 1), name=f"{name}a")
+    b = net.conv_bn(x, channels, (3, 1), padding=(1, 0), name=f"{name}b")
     return net.g.concat([a, b], name=name)
 
 
 def _inception_e(net, x, name):
-    b1 = net.conv(x, 320, 1, name=f"{name}.branch1x1")
-    b3 = net.conv(x, 384, 1, name=f"{name}.branch3x3_1")
+    b1 = net.conv_bn(x, 320, 1, name=f"{name}.branch1x1")
+    b3 = net.conv_bn(x, 384, 1, name=f"{name}.branch3x3_1")
     b3 = _split_1x3_3x1(net, b3, 384, f"{name}.branch3x3_2")
-    bd = net.conv(x, 448, 1, name=f"{name}.branch3x3dbl_1")
-    bd = net.conv(bd, 384, 3, padding=1, name=f"{name}.branch3x3dbl_2")
+    bd = net.conv_bn(x, 448, 1, name=f"{name}.branch3x3dbl_1")
+    bd = net.conv_bn(bd, 384, 3, padding=1, name=f"{name}.branch3x3dbl_2")
     bd = _split_1x3_3x1(net, bd, 384, f"{name}.branch3x3dbl_3")
     bp = net.pool(x, 3, 1, padding=1, mode="avg", name=f"{name}.pool")
-    bp = net.conv(bp, 192, 1, name=f"{name}.branch_pool")
+    bp = net.conv_bn(bp, 192, 1, name=f"{name}.branch_pool")
     return net.g.concat([b1, b3, bd, bp], name=f"{name}.concat")
 
 
 def inception_v3(batch=32, image_size=299, num_classes=1000, width=1.0) -> Graph:
     """Inception-v3 (Szegedy et al. 2016) as torchvision's `inception_v3`, without the auxiliary
-    classifier, dropout or batch norm: every conv has a bias and a fused ReLU instead.
+    classifier and dropout: every conv is bias-free with a batch norm (eps 1e-3) and a ReLU.
 
     Stem (five convs, two max pools), Mixed_5b-5d (InceptionA), 6a (B), 6b-6e (C, 1x7/7x1
     factorized, 128/160/160/192 channels in the 7x7 branches), 7a (D), 7b-7c (E), global
     average pool, fc: 94 convs and 1 fc.  At 299x299 the last block gives 8x8x2048.
 
-    torchvision's count is 23,834,568 parameters (without aux logits), where each conv has
-    no bias and a batch norm (2 parameters per channel); here each has a bias (1 per channel),
-    so this graph has 23,834,568 minus the total conv output channels (at 299, 1000 classes).
+    23,834,568 parameters at 299 and 1000 classes, torchvision's count without aux logits.
     The smallest image that fits is 75x75 (as in torchvision).
     """
     _check_args("inception_v3", batch, image_size, num_classes, width)
     net = _Net("inception_v3", batch, image_size, 3, width)
-    x = net.conv(net.image, 32, 3, stride=2, name="conv2d_1a_3x3")
-    x = net.conv(x, 32, 3, name="conv2d_2a_3x3")
-    x = net.conv(x, 64, 3, padding=1, name="conv2d_2b_3x3")
+    x = net.conv_bn(net.image, 32, 3, stride=2, name="conv2d_1a_3x3")
+    x = net.conv_bn(x, 32, 3, name="conv2d_2a_3x3")
+    x = net.conv_bn(x, 64, 3, padding=1, name="conv2d_2b_3x3")
     x = net.pool(x, 3, 2, name="maxpool1")
-    x = net.conv(x, 80, 1, name="conv2d_3b_1x1")
-    x = net.conv(x, 192, 3, name="conv2d_4a_3x3")
+    x = net.conv_bn(x, 80, 1, name="conv2d_3b_1x1")
+    x = net.conv_bn(x, 192, 3, name="conv2d_4a_3x3")
     x = net.pool(x, 3, 2, name="maxpool2")
     x = _inception_a(net, x, 32, "mixed_5b")
     x = _inception_a(net, x, 64, "mixed_5c")
@@ -289,31 +294,29 @@ RESNET50_STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))  # (width,
 def _bottleneck(net, x, channels, stride, project, name):
     """1x1 reduce, 3x3 (carrying the stride: v1.5), 1x1 expand x4; relu(branch + shortcut)."""
     out = channels * 4
-    y = net.conv(x, channels, 1, name=f"{name}.conv1")
-    y = net.conv(y, channels, 3, stride=stride, padding=1, name=f"{name}.conv2")
-    y = net.conv(y, out, 1, relu=False, name=f"{name}.conv3")  # the relu comes after the add
+    y = net.conv_bn(x, channels, 1, name=f"{name}.conv1")
+    y = net.conv_bn(y, channels, 3, stride=stride, padding=1, name=f"{name}.conv2")
+    y = net.conv_bn(y, out, 1, relu=False, name=f"{name}.conv3")  # the relu comes after the add
     if project:  # first block of a stage: channels (and maybe size) change
-        x = net.conv(x, out, 1, stride=stride, relu=False, name=f"{name}.downsample")
+        x = net.conv_bn(x, out, 1, stride=stride, relu=False, name=f"{name}.downsample")
     y = net.g.add(y, x, name=f"{name}.add")
     return net.g.relu(y, name=f"{name}.relu")
 
 
 def resnet50(batch=32, image_size=224, num_classes=1000, width=1.0) -> Graph:
     """ResNet-50 v1.5 as torchvision's `resnet50` (stride on the 3x3 conv of the bottleneck),
-    without batch norm: every conv has a bias instead.
+    every conv bias-free with a batch norm.
 
     Stem (conv 64 7x7/2, max pool 3/2), stages of 3, 4, 6, 3 bottlenecks with a 1x1 projection
     shortcut on the first block of each, global average pool, fc: 53 convs and 1 fc.  At
     224x224 the last stage gives 7x7x2048.
 
-    torchvision's count is 25,557,032 parameters, where each conv has no bias and a batch norm
-    (2 parameters per channel); here each has a bias (1 per channel), so this graph has
-    25,557,032 minus the total conv output channels (at 224, 1000 classes).  Every window is
+    25,557,032 parameters at 224 and 1000 classes, torchvision's count.  Every window is
     padded enough to fit, so any image size works (each stride-2 layer halves it, rounding up).
     """
     _check_args("resnet50", batch, image_size, num_classes, width)
     net = _Net("resnet50", batch, image_size, 3, width)
-    x = net.conv(net.image, 64, 7, stride=2, padding=3, name="conv1")
+    x = net.conv_bn(net.image, 64, 7, stride=2, padding=3, name="conv1")
     x = net.pool(x, 3, 2, padding=1, name="maxpool")
     for stage, (channels, blocks, stride) in enumerate(RESNET50_STAGES, start=1):
         for block in range(blocks):

@@ -36,6 +36,9 @@ def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str
         shapes = layer.param_shapes
         if not shapes:
             continue
+        if layer.op.buffer_shapes():  # batch norm: the identity scale and shift to start with
+            params[layer.name] = {k: np.full(s, 1.0 if k == "weight" else 0.0, dtype=dtype) for k, s in shapes.items()}
+            continue
         rng = np.random.default_rng([seed, zlib.crc32(layer.name.encode())])
         w_shape = shapes["weight"]
         fan_in = prod(w_shape[1:])
@@ -43,6 +46,13 @@ def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str
         if "bias" in shapes:
             params[layer.name]["bias"] = np.zeros(shapes["bias"], dtype=dtype)
     return params
+
+
+def init_buffers(graph, dtype="float32") -> dict[str, np.ndarray]:
+    """Running statistics of every batch norm as one (2, C) array: mean 0 and variance 1."""
+    dtype = resolve_dtype(dtype)
+    return {layer.name: np.stack([np.zeros(layer.shape[1], dtype), np.ones(layer.shape[1], dtype)])
+            for layer in graph if layer.op.buffer_shapes()}
 
 
 def shard_sizes(rects: dict[str, Rect]) -> list[tuple[str, tuple[int, ...]]]:

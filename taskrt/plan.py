@@ -17,13 +17,14 @@ from typing import Any
 from ops.rect import Rect
 from taskrt.config import Part, blocks
 
-TASK, STATE, DATA, HYPER = "task", "state", "data", "hyper"
+TASK, STATE, DATA, HYPER, BUFFER = "task", "state", "data", "hyper", "buffer"
 
 
 @dataclass(frozen=True)
 class Dep:
-    kind: str  # TASK, STATE, DATA or HYPER
-    key: tuple  # task key; (layer, shard, chunk) for STATE; (layer, part) for DATA; () for HYPER
+    kind: str  # TASK, STATE, DATA, HYPER or BUFFER
+    key: tuple  # task key; (layer, shard, chunk) for STATE; (layer, part) for DATA; () for HYPER;
+    # (layer, channel group) for BUFFER
 
 
 HYPER_DEP = Dep(HYPER, ())
@@ -32,7 +33,8 @@ HYPER_DEP = Dep(HYPER, ())
 @dataclass(frozen=True)
 class Task:
     key: tuple  # (f"{layer}-{phase}", *index)
-    phase: str  # fwd, bwd, loss, slice, gslice, send, grad, wfetch, update, reduce
+    phase: str  # fwd, bwd, loss, slice, gslice, send, grad, wfetch, update, reduce; batch norm:
+    # fstat, fstats, running (forward statistics), bstat, bstats (gradient sums)
     layer: str
     device: int
     spec: Any  # callable(*dependency values)
@@ -71,6 +73,18 @@ class Shard:
         return tuple((lo, hi, d) for (lo, hi), d in zip(chunk_bounds(self.size, len(self.devices)), self.devices))
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """Running statistics of one channel group of a batch norm, a (2, channels) array (mean,
+    variance) kept on the device that combines the group's batch statistics."""
+
+    layer: str
+    index: int
+    channels: tuple[int, int]  # [lo, hi)
+    device: int
+    nbytes: int
+
+
 def chunk_bounds(size: int, replicas: int) -> tuple[tuple[int, int], ...]:
     """[lo, hi) of each replica's chunk of a flat shard of `size` elements under "allreduce":
     as equal as possible, the first ones larger; no empty chunks (at most `size` of them)."""
@@ -94,6 +108,7 @@ class Plan:
     data: dict[str, list[Part]]  # input layer -> its parts (where the trainer puts each tile)
     data_nbytes: dict[tuple, int]
     outputs: dict[str, Any] = field(default_factory=dict)
+    buffers: dict[str, list[Buffer]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.by_key = {t.key: t for t in self.tasks}
@@ -108,6 +123,9 @@ class Plan:
         if dep.kind == DATA:
             layer, part = dep.key
             return self.data[layer][part].device
+        if dep.kind == BUFFER:
+            layer, group = dep.key
+            return self.buffers[layer][group].device
         return None
 
     def nbytes_of(self, dep: Dep) -> int | None:
@@ -115,6 +133,9 @@ class Plan:
             return self.by_key[dep.key].nbytes
         if dep.kind == DATA:
             return self.data_nbytes[dep.key]
+        if dep.kind == BUFFER:
+            layer, group = dep.key
+            return self.buffers[layer][group].nbytes
         return None
 
     def transfers(self) -> list[Transfer]:

@@ -10,7 +10,7 @@ import numpy as np
 from ops import sgd_update
 from ops.rect import Rect
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
-from taskrt.params import init_parameters, resolve_dtype
+from taskrt.params import init_buffers, init_parameters, resolve_dtype
 
 
 class SingleDeviceTrainer:
@@ -20,16 +20,25 @@ class SingleDeviceTrainer:
         self.dtype = resolve_dtype(dtype)
         self.params = init_parameters(graph, seed, self.dtype)
         self.velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in self.params.items()}
+        self.running = init_buffers(graph, self.dtype)  # batch norm: (2, C) running mean and variance
         self.steps_done = 0
 
     # ---- the network ------------------------------------------------------------------------
-    def _forward(self, data, stop_at=None):
+    def _forward(self, data, stop_at=None, mode="gradients"):
+        """`mode`: "train" also updates the running statistics, "predict" normalizes with them."""
         acts = dict(data)
         for layer in self.graph:
             if layer.is_input:
                 continue
             xs = [acts[src] for src in layer.inputs]
-            acts[layer.name] = layer.op.forward(xs, self.params.get(layer.name, {}), Rect.full(layer.shape))
+            params = self.params.get(layer.name, {})
+            if layer.name in self.running and mode == "predict":
+                acts[layer.name] = layer.op.infer(xs[0], self.running[layer.name], params)
+            else:
+                acts[layer.name] = layer.op.forward(xs, params, Rect.full(layer.shape))
+            if layer.name in self.running and mode == "train":
+                stats = layer.op.partial_stats(xs[0])
+                self.running[layer.name] = layer.op.update_running(self.running[layer.name], stats)
             if layer.name == stop_at:
                 break
         return acts
@@ -68,7 +77,7 @@ class SingleDeviceTrainer:
         return self._loss(self._forward(bind_inputs(self.graph, data, self.dtype)))
 
     def step(self, *data) -> float:
-        acts = self._forward(bind_inputs(self.graph, data, self.dtype))
+        acts = self._forward(bind_inputs(self.graph, data, self.dtype), mode="train")
         grads = self._backward(acts)
         for name, layer_grads in grads.items():
             for key, g in layer_grads.items():
@@ -84,9 +93,14 @@ class SingleDeviceTrainer:
         x = np.asarray(x)
         out = []
         for chunk, used in batches_for_predict(self.graph, x):
-            acts = self._forward(bind_inputs(self.graph, (chunk,), self.dtype, with_labels=False), stop_at=target)
+            acts = self._forward(bind_inputs(self.graph, (chunk,), self.dtype, with_labels=False), stop_at=target,
+                                 mode="predict")
             out.append(acts[target][:used])
         return np.concatenate(out)
 
     def parameters(self):
         return {name: {k: v.copy() for k, v in p.items()} for name, p in self.params.items()}
+
+    def buffers(self):
+        """Running statistics of every batch norm: {layer: {"running_mean", "running_var"}}."""
+        return {name: {"running_mean": r[0].copy(), "running_var": r[1].copy()} for name, r in self.running.items()}

@@ -212,3 +212,103 @@ class GatherChunks(Spec):
     def __call__(self, *values):
         arrays = [values[dep] if element is None else values[dep][element] for dep, element in self.chunks]
         return array_module(arrays[0]).concatenate(arrays)
+
+
+# ---- batch normalization: statistics reduced over the parts of a channel group ---------------
+@dataclass(frozen=True)
+class PartialStats(Spec):
+    """(count, mean, M2) per channel of one part's input tile: a (3, C) array."""
+
+    op: Op
+    inputs: Inputs
+
+    def __call__(self, *values):
+        return self.op.partial_stats(self.inputs.read(values)[0])
+
+
+@dataclass(frozen=True)
+class CombineStats(Spec):
+    """The statistics of a channel group from its parts' partial statistics (every dependency)."""
+
+    op: Op
+
+    def __call__(self, *partials):
+        return self.op.combine_stats(list(partials))
+
+
+@dataclass(frozen=True)
+class UpdateRunning(Spec):
+    """New running statistics of a channel group: dependencies (running (2, C), batch statistics)."""
+
+    op: Op
+
+    def __call__(self, running, stats):
+        return self.op.update_running(running, stats)
+
+
+@dataclass(frozen=True)
+class Normalize(Spec):
+    """Forward of a batch-norm part with its group's statistics (dependency `stats`): the batch's
+    (count, mean, M2) while training, the running (mean, variance) when `infer`."""
+
+    op: Op
+    out: Rect
+    inputs: Inputs
+    params: Params
+    stats: int
+    infer: bool = False
+
+    def __call__(self, *values):
+        x, params = self.inputs.read(values)[0], self.params.read(values)
+        if self.infer:
+            return self.op.infer(x, values[self.stats], params)
+        return self.op.normalize(x, values[self.stats], params)
+
+
+@dataclass(frozen=True)
+class GradSums(Spec):
+    """One part's sums of dy and dy * xhat per channel, packed flat like its parameter shard
+    (bias, then weight): summed over the group they are the parameter gradient."""
+
+    op: Op
+    inputs: Inputs
+    stats: int
+    dy: tuple[Piece, ...]
+    out: Rect
+
+    def __call__(self, *values):
+        x = self.inputs.read(values)[0]
+        dy = accumulate(values, self.out, self.dy)
+        return pack(self.op.grad_sums(dy, x, values[self.stats]), array_module(dy))
+
+
+@dataclass(frozen=True)
+class SumArrays(Spec):
+    """The sum of its dependencies (arrays of one shape)."""
+
+    def __call__(self, *values):
+        total = values[0].copy()
+        for value in values[1:]:
+            total += value
+        return total
+
+
+@dataclass(frozen=True)
+class NormBackward(Spec):
+    """Input gradient of a batch-norm part from its group's statistics and gradient sums:
+    (dx, None); the parameter gradient is the group's sums, synchronized from there."""
+
+    op: Op
+    out: Rect
+    inputs: Inputs
+    params: Params
+    stats: int
+    dy: tuple[Piece, ...]
+    sums: int
+    layout: tuple
+
+    def __call__(self, *values):
+        x, params = self.inputs.read(values)[0], self.params.read(values)
+        dy = accumulate(values, self.out, self.dy)
+        sums = unpack(values[self.sums], self.layout)
+        return self.op.input_grad(dy, x, values[self.stats], sums, params), None

@@ -7,38 +7,52 @@
 
 Parameters live on their devices between steps: each shard's master copy and velocity on its
 server device, as the futures the last step's update returned.
+
+Lost workers: the trainer keeps a snapshot of parameters and momentum on the client (every
+`snapshot_every` steps; by default as often as keeps its cost under 5% of the step time) and the
+inputs of the steps since.  When a device's worker dies or its values are lost, the next `step`,
+`submit` or `result()` re-plans on the devices left (re-searched when the strategy came from
+`search.optimize`, otherwise re-mapped, each layer keeping its split where it can), restores the
+snapshot, replays the steps since it and goes on, with one warning naming what was lost.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import statistics
 import time
 import uuid
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from ops.precision import PRECISIONS, set_precision
 from ops.rect import Rect
+from taskrt.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
 from taskrt.device import to_device, to_host
+from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
 from taskrt.executor import Executor, StepRun
-from taskrt.files import write_atomic
 from taskrt.graph import Graph
 from taskrt.lowering import lower
-from taskrt.machine import MachineError, resource_tag
+from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
-from taskrt.params import init_parameters, pack, resolve_dtype, slice_params, unpack
+from taskrt.params import init_buffers, init_parameters, pack, resolve_dtype, slice_params, unpack
 from taskrt.strategy import Strategy
 
-CHECKPOINT_FORMAT = "taskrt-checkpoint/1"
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
+POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
+RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
+MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
+LOST_STATUSES = ("error", "cancelled", "lost")
+
+__all__ = ["Trainer", "StepFuture", "StepStats", "Checkpoints", "CheckpointError", "CHECKPOINT_FORMAT"]
 
 
-class CheckpointError(ValueError):
-    pass
+class WorkerLostWarning(RuntimeWarning):
+    """A worker was lost and the trainer recovered (see Trainer.recoveries)."""
 
 
 @dataclass
@@ -80,15 +94,27 @@ class StepFuture:
         self._trainer, self.run, self._loss = trainer, run, None
 
     def result(self) -> float:
-        """Wait for the whole step (loss and parameter updates) and return the loss."""
+        """Wait for the whole step (loss and parameter updates) and return the loss.  Earlier
+        steps finish first; a lost worker is recovered from (the step replayed) on the way."""
         if self._loss is None:
-            values = self._trainer._gather(self.run.outputs["loss"], self.run.step)
-            self._trainer._wait(list(self.run.outputs["state"].values()), self.run.step)
+            trainer = self._trainer
+            for earlier in list(trainer._in_flight):
+                if earlier is self:
+                    break
+                earlier.result()
+            for _ in range(MAX_RECOVERIES):
+                try:
+                    values = trainer._collect(self.run)
+                    break
+                except DeviceLost as lost:
+                    trainer._recover(lost)  # gives this future the run that replays its step
+            else:
+                raise MachineError(f"step {self.run.step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
             # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
             total = sum(v if isinstance(v, float) else v[-1].sum() for v in values)
-            self._loss = float(total / self._trainer._batch)
-            self._trainer._finished(self.run)
-            self._trainer._cut_lineage(self.run)
+            self._loss = float(total / trainer._batch)
+            trainer._finished(self.run)
+            trainer._cut_lineage(self.run)
         return self._loss
 
     def done(self) -> bool:
@@ -101,16 +127,29 @@ class StepFuture:
 
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
-                 seed=0, precision="fp32", fused=True):
+                 seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
+                 fused=True):
         """`precision`: float32 on GPU workers, strict "fp32" (the default) or "tf32" (tensor cores,
         about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it.
+
+        `snapshot_every`: steps between the snapshots a lost worker is recovered from ("auto": as
+        often as keeps a snapshot's cost under 5% of the step time; None: no recovery, a lost
+        worker ends the run with an error).  `checkpoints`: periodic checkpoints on disk,
+        e.g. Checkpoints("ckpts", every=100, keep=3).
         `fused`: run each device's tasks between two waits for another device as one Dask task
         (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+        if snapshot_every not in ("auto", None) and (isinstance(snapshot_every, bool) or not isinstance(
+                snapshot_every, int) or snapshot_every < 1):
+            raise ValueError(f"snapshot_every must be 'auto', None or a positive int (steps), got {snapshot_every!r}")
+        if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+            raise ValueError(f"checkpoints must be a taskrt.Checkpoints(directory, every, keep), got {checkpoints!r}")
         self.graph = graph
+        self.cluster_machine = machine  # every device; `machine` is the part of it in use
         self.machine = machine
         self.precision = precision
+        self._given_strategy = strategy
         self.strategy = strategy.validated(graph, machine)
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
@@ -127,8 +166,25 @@ class Trainer:
         self._aux_runs = 0
         self.stats: StepStats | None = None
         self._memory = None
+        # recovery: the snapshot, the steps since, snapshots under way, what happened
+        self.elastic = snapshot_every is not None
+        self.snapshot_every = 1 if snapshot_every in ("auto", None) else snapshot_every
+        self._auto_snapshots = snapshot_every == "auto"
+        self.checkpoints = checkpoints
+        self._live = list(range(machine.num_devices))  # devices of the whole machine in use
+        self._log: list[LoggedStep] = []
+        self._pending: list[tuple] = []  # (step, state futures, plan, write a checkpoint)
+        self._walls: deque = deque(maxlen=20)
+        self.recoveries: list[dict] = []
+        from taskrt.dashboard import Publisher
+
+        self._publisher = Publisher(self)  # the dashboard's taskrt page
         params = init_parameters(graph, seed, self.dtype)
-        self._place(params, {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()})
+        velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+        running = init_buffers(graph, self.dtype)
+        self._place(params, velocity)
+        self._place_buffers(running)
+        self.snapshot = Snapshot(0, params, velocity, running=running)
 
     # ---- plans and state --------------------------------------------------------------------
     def _plan(self, mode):
@@ -148,14 +204,46 @@ class Trainer:
                     [future] = self.machine.client.scatter([(w[lo:hi].copy(), v[lo:hi].copy())],
                                                            workers=[address[device]], hash=False, direct=True)
                     if device in self.executor.gpu_devices:  # created once on the GPU, updated there
-                        future = self.machine.client.submit(to_device, future, resources={resource_tag(device): 1},
+                        future = self.machine.client.submit(to_device, future, resources={self.machine.tag(device): 1},
                                                             key=f"{layer}-state-{shard.index}-{k}-{uuid.uuid4().hex[:8]}")
                     self._state[(layer, shard.index, k)] = future
 
-    def _assemble(self, flats: dict) -> dict:
+    def _place_buffers(self, running: dict):
+        """Put each channel group's running statistics (batch norm) on its device."""
+        address = self.machine.addresses()
+        self._buffers = {}
+        for layer, buffers in self.plan.buffers.items():
+            for b in buffers:
+                tile = running[layer][:, b.channels[0] : b.channels[1]].copy()
+                [future] = self.machine.client.scatter([tile], workers=[address[b.device]], hash=False, direct=True)
+                if b.device in self.executor.gpu_devices:
+                    future = self.machine.client.submit(to_device, future, resources={self.machine.tag(b.device): 1},
+                                                        key=f"{layer}-running-{b.index}-{uuid.uuid4().hex[:8]}")
+                self._buffers[(layer, b.index)] = future
+
+    def _running(self, buffers=None, plan=None) -> dict:
+        """Running statistics as full (2, C) numpy arrays, {layer: array} (default: the current ones)."""
+        buffers, plan = self._buffers if buffers is None else buffers, plan or self.plan
+        client, keys, futures = self.machine.client, list(buffers), []
+        for layer, index in keys:
+            future, device = buffers[(layer, index)], plan.buffers[layer][index].device
+            if device in self.executor.gpu_devices:
+                future = client.submit(to_host, future, resources={self.machine.tag(device): 1}, pure=False)
+            futures.append(future)
+        out = {}
+        for (layer, index), tile in zip(keys, self._gather(futures, self.steps_done)):
+            lo, hi = plan.buffers[layer][index].channels
+            out.setdefault(layer, np.zeros((2, self.graph[layer].shape[1]), dtype=self.dtype))[:, lo:hi] = tile
+        return out
+
+    def buffers(self) -> dict:
+        """Running statistics of every batch norm: {layer: {"running_mean": ..., "running_var": ...}}."""
+        return {layer: {"running_mean": r[0], "running_var": r[1]} for layer, r in self._running().items()}
+
+    def _assemble(self, flats: dict, plan=None) -> dict:
         """Full parameter tensors of every layer from flat per-chunk arrays {(layer, shard, chunk): flat}."""
         out = {}
-        for layer, shards in self.plan.shards.items():
+        for layer, shards in (plan or self.plan).shards.items():
             shapes = self.graph[layer].param_shapes
             full = {k: np.zeros(s, dtype=self.dtype) for k, s in shapes.items()}
             for shard in shards:
@@ -172,14 +260,54 @@ class Trainer:
             self._check_devices(step, error)
             raise
 
-    def _wait(self, futures, step):
+    def _collect(self, run: StepRun) -> list:
+        """Wait for a training step (its losses and new state) and return the loss values; raises
+        DeviceLost when a device it runs on is lost (and the trainer recovers)."""
+        self._await(list(run.outputs["loss"]) + list(run.outputs["state"].values())
+                    + list(run.outputs["buffers"].values()), run.step)
+        return self._gather(run.outputs["loss"], run.step)
+
+    def _await(self, futures, step):
+        """Wait for `futures`, checking every POLL_S that the devices are still there."""
         from distributed import wait
 
-        with self.machine.client.as_current():
-            wait(futures)
-        failed = [f for f in futures if f.status != "finished"]
-        if failed:
-            self._gather(failed, step)  # raises the task's error, or names the lost device
+        while True:
+            try:
+                with self.machine.client.as_current():
+                    wait(futures, timeout=POLL_S)
+            except Exception:  # noqa: BLE001  (a timeout, or failed futures: looked at below)
+                pass
+            failed = [f for f in futures if f.status in LOST_STATUSES]
+            if failed:
+                self._failed(failed, step)
+            if all(f.status == "finished" for f in futures):
+                return
+            missing = self._missing_devices()
+            if missing:
+                self._lost(missing, f"step {step} was running when device(s) {missing} lost their worker", step)
+
+    def _missing_devices(self) -> list[int]:
+        """Devices in use without a worker, by their number on the whole machine."""
+        live = self.machine.live_devices()
+        return [self._live[d.id] for d in self.machine.devices if d.id not in live]
+
+    def _failed(self, failed, step):
+        """Futures of a step failed: a lost device or lost values (DeviceLost), or the task's own error."""
+        from distributed import KilledWorker
+
+        missing = self._missing_devices()
+        errors = [f.exception() for f in failed if f.status == "error"]
+        if missing or len(errors) < len(failed) or any(isinstance(e, KilledWorker) for e in errors):
+            self._lost(missing, f"step {step} lost values its tasks need" + (
+                f" with the worker(s) of device(s) {missing}" if missing else " (a worker died and was restarted)"),
+                step)
+        self._gather(failed, step)  # raises the task's error
+
+    def _lost(self, devices, reason, step):
+        if not self.elastic:
+            raise MachineError(f"step {step} failed: {reason}; parameters on it are gone. Restore the last "
+                               "checkpoint with Trainer.load(path, machine).")
+        raise DeviceLost(devices, reason)
 
     def _check_devices(self, step, error):
         try:
@@ -196,32 +324,57 @@ class Trainer:
         return f"{self.steps_done}.{what}{self._aux_runs}"
 
     def _check_state(self, step) -> dict:
-        """Fail clearly, before any work, when a device or the parameters it held are gone;
-        returns the devices' current addresses."""
-        lost = [key for key, f in self._state.items() if f.status in ("lost", "error", "cancelled")]
-        address, missing = {}, ""
-        try:
-            address = self.machine.addresses()
-        except MachineError as error:
-            missing = f"{error}. "
-        if lost or missing:
-            where = ", ".join(f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
-                              for layer, shard, k in lost)
-            raise MachineError(
-                f"cannot run step {step}: {missing}"
-                + (f"The parameters of {where} were lost with their worker. " if lost else "")
-                + "Restore the last checkpoint with Trainer.load(path, machine)."
-            )
-        return address
+        """Fail clearly, before any work, when a device or the parameters it held are gone (or,
+        when elastic, recover); returns the devices' current addresses."""
+        for _ in range(MAX_RECOVERIES):
+            lost = [key for key, f in self._state.items() if f.status in LOST_STATUSES]
+            lost_buffers = [key for key, f in self._buffers.items() if f.status in LOST_STATUSES]
+            address = self.machine.live_devices()
+            missing = [d.id for d in self.machine.devices if d.id not in address]
+            if not lost and not lost_buffers and not missing:
+                return address
+            # named by their number on the whole machine
+            missing = [self._live[d] for d in missing]
+            held = [self.plan.shards[layer][shard].chunks[k][2] for layer, shard, k in lost]
+            held += [self.plan.buffers[layer][g].device for layer, g in lost_buffers]
+            lost_on = sorted({self._live[d] for d in held})
+            if not self.elastic:
+                where = ", ".join([f"{layer!r} (device {self.plan.shards[layer][shard].chunks[k][2]})"
+                                   for layer, shard, k in lost]
+                                  + [f"the running statistics of {layer!r} "
+                                     f"(device {self.plan.buffers[layer][g].device})" for layer, g in lost_buffers])
+                raise MachineError(
+                    f"cannot run step {step}: "
+                    + (f"device(s) {missing} have no worker: the worker was lost or is restarting. " if missing else "")
+                    + (f"The parameters of {where} were lost with their worker. " if held else "")
+                    + "Restore the last checkpoint with Trainer.load(path, machine)."
+                )
+            self._recover(DeviceLost(missing or lost_on, f"before step {step}, device(s) {missing or lost_on} "
+                                     + ("had no worker" if missing else "lost the parameters they held")))
+        raise MachineError(f"step {step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
 
-    def _run(self, mode, data, step):
+    def _hyper(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+    def _run(self, mode, data, step, hyper=None, tag=None, check=True):
+        """Submit a plan; `check`: first make sure the devices and state are there (recovering
+        when elastic); without, a missing device raises MachineError."""
         started = time.perf_counter()  # the step's time includes sending its data
-        address = self._check_state(step)
+        address = self._check_state(step) if check else self.machine.addresses()
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data, address)
-        hyper = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
-        run = self.executor.submit(plan, step, f"{step}-{self._token}", self._state, futures, hyper)
+        tag = tag or f"{step}-{self._token}"
+        run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers)
         run.submitted = started
+        return run
+
+    def _run_logged(self, entry: LoggedStep, replay: int = 0) -> StepRun:
+        """Submit a logged training step; its new state becomes the current state.  (The caller
+        checked the devices: a check here could recover, and the recovery replays the log.)"""
+        tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
+        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False)
+        self._state = run.outputs["state"]  # the next step reads these, wherever they are
+        self._buffers = run.outputs["buffers"]
         return run
 
     def submit(self, *data) -> StepFuture:
@@ -229,11 +382,21 @@ class Trainer:
         arrays = bind_inputs(self.graph, data, self.dtype)
         if self._in_flight and len(self._in_flight) >= MAX_IN_FLIGHT:
             self._in_flight.pop(0).result()  # bounds the history Dask keeps (see _cut_lineage)
+        self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
         self.steps_done += 1
-        run = self._run("train", arrays, self.steps_done)
-        self._state = run.outputs["state"]  # the next step reads these, wherever they are
+        entry = LoggedStep(self.steps_done, arrays, self._hyper())
+        if self.elastic:
+            self._log.append(entry)
+        try:
+            run = self._run_logged(entry)
+        except Exception:
+            # a device lost while the step was being sent: recover, which replays it from the log
+            if not self.elastic or not self._missing_devices():
+                raise
+            run = self._recover(DeviceLost(self._missing_devices(), f"step {entry.step} was being sent"))[entry.step]
         future = StepFuture(self, run)
         self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
+        self._plan_snapshot(run)
         return future
 
     def step(self, *data) -> float:
@@ -244,6 +407,8 @@ class Trainer:
         """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
+        if self._buffers is run.outputs["buffers"] and self._buffers:
+            self._buffers = self.executor.cut_lineage(self._buffers, f"{run.tag}.running")
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
@@ -255,8 +420,19 @@ class Trainer:
         self.stats = StepStats(
             run.step, run.finished - started, len(run.plan.tasks), run.plan.phase_counts(),
             run.plan.bytes_by_pair(), self.memory(),
-            _measure=lambda keys=run.keys: self.executor.measured_bytes(keys),
+            _measure=lambda keys=run.keys, executor=self.executor: executor.measured_bytes(keys),
         )
+        self._walls.append(self.stats.wall_s)
+        self._publisher.step_finished(run.step, self.stats.wall_s)
+        while self._pending and self._pending[0][0] <= run.step:
+            self._take_snapshot(*self._pending.pop(0))
+
+    def publish(self, predicted_step_s: float | None = None) -> None:
+        """Show this trainer on the dashboard's taskrt page now (it is also updated as steps
+        finish, at most once a second), with `predicted_step_s` as the predicted step time."""
+        if predicted_step_s is not None:
+            self._publisher.predicted_s = float(predicted_step_s)
+        self._publisher.publish()
 
     def memory(self) -> dict:
         """Bytes per device of a training step, by kind (taskrt.memory): {device: DeviceMemory}."""
@@ -271,22 +447,32 @@ class Trainer:
         grads = self._gather(list(run.outputs["grads"].values()), run.step)
         return self._assemble(dict(zip(run.outputs["grads"], grads)))
 
-    def _states(self) -> list:
-        """The current (weights, velocity) of every state chunk, as numpy, in the order of `_state`."""
+    def _states(self, state=None, plan=None) -> list:
+        """The (weights, velocity) of every state chunk, as numpy, in the order of `state`
+        (default: the current state)."""
+        state, plan = state or self._state, plan or self.plan
         client, futures = self.machine.client, []
-        for (layer, shard, k), future in self._state.items():
-            device = self.plan.shards[layer][shard].chunks[k][2]
+        for (layer, shard, k), future in state.items():
+            device = plan.shards[layer][shard].chunks[k][2]
             if device in self.executor.gpu_devices:  # brought to host memory on its worker
-                future = client.submit(to_host, future, resources={resource_tag(device): 1}, pure=False)
+                future = client.submit(to_host, future, resources={self.machine.tag(device): 1}, pure=False)
             futures.append(future)
         return self._gather(futures, self.steps_done)
 
+    def _host_state(self, state=None, plan=None) -> tuple[dict, dict]:
+        """(parameters, velocity) as full numpy tensors, fetched in one gather."""
+        state = state or self._state
+        values = self._states(state, plan)
+        return (self._assemble({key: v[0] for key, v in zip(state, values)}, plan),
+                self._assemble({key: v[1] for key, v in zip(state, values)}, plan))
+
     def parameters(self) -> dict:
         """Current parameters as full numpy tensors: {layer: {"weight": ..., "bias": ...}}."""
-        return self._assemble({key: state[0] for key, state in zip(self._state, self._states())})
+        self._check_state(self.steps_done)
+        return self._host_state()[0]
 
     def _velocity(self) -> dict:
-        return self._assemble({key: state[1] for key, state in zip(self._state, self._states())})
+        return self._host_state()[1]
 
     def predict(self, x) -> np.ndarray:
         """Logits for any number of samples, in batches of the graph's batch size."""
@@ -304,49 +490,154 @@ class Trainer:
             out.append(logits[:used])
         return np.concatenate(out)
 
-    # ---- checkpoints ------------------------------------------------------------------------
-    def save(self, path) -> None:
-        """Write a checkpoint atomically (temporary file, then rename): graph, strategy,
-        hyper-parameters, step count, parameters and momentum."""
-        params, velocity = self.parameters(), self._velocity()
-        meta = {
-            "format": CHECKPOINT_FORMAT, "graph": self.graph.to_dict(), "strategy": self.strategy.to_dict(),
-            "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
-            "dtype": self.dtype.name, "seed": self.seed, "steps_done": self.steps_done, "precision": self.precision,
+    # ---- snapshots and recovery -------------------------------------------------------------
+    def _plan_snapshot(self, run: StepRun):
+        """Mark step `run.step`'s state for a snapshot (taken when the step finishes) when one is
+        due, or a periodic checkpoint."""
+        checkpoint = self.checkpoints is not None and self.checkpoints.due(run.step)
+        planned = self._pending[-1][0] if self._pending else self.snapshot.step
+        if checkpoint or (self.elastic and run.step - planned >= self.snapshot_every):
+            self._pending.append((run.step, dict(run.outputs["state"]), run.plan, checkpoint,
+                                  dict(run.outputs["buffers"])))
+
+    def _take_snapshot(self, step, state, plan, checkpoint, buffers):
+        started = time.perf_counter()
+        params, velocity = self._host_state(state, plan)
+        running = self._running(buffers, plan)
+        seconds = time.perf_counter() - started
+        self.snapshot = Snapshot(step, params, velocity, seconds, running)
+        self._log = [entry for entry in self._log if entry.step > step]
+        if self._auto_snapshots and self._walls:
+            self.snapshot_every = snapshot_interval(seconds, statistics.median(self._walls))
+        if checkpoint:
+            self.checkpoints.write(step, self._meta(step), params, velocity, running)
+
+    def _recover(self, lost: DeviceLost) -> dict:
+        """Re-plan on the devices left, restore the snapshot, replay the logged steps; returns
+        {step: run} of the replayed steps (in-flight StepFutures get theirs)."""
+        started = time.perf_counter()
+        client = self.cluster_machine.client
+        stale = [f for future in self._in_flight for f in future.run.futures()] + list(self._state.values())
+        client.cancel(stale)
+        self._pending = []
+        before = list(self._live)
+        for attempt in range(1, MAX_RECOVERIES + 1):
+            live = self._wait_for_live()
+            if not live:
+                self._all_lost(lost)
+            try:
+                self._use(live)
+                self._place(self.snapshot.params, self.snapshot.velocity)
+                self._place_buffers({**init_buffers(self.graph, self.dtype), **(self.snapshot.running or {})})
+                runs = {entry.step: self._run_logged(entry, replay=len(self.recoveries) * MAX_RECOVERIES + attempt)
+                        for entry in self._log}
+                break
+            except Exception:
+                if sorted(self.cluster_machine.live_devices()) == live:
+                    raise  # not a lost device: a real error
+        else:
+            raise MachineError(f"workers kept being lost ({MAX_RECOVERIES} times in a row) while recovering")
+        for future in self._in_flight:
+            if not future.finished and future.run.step in runs:
+                future.run = runs[future.run.step]
+        gone = sorted(set(before) - set(live))
+        record = {
+            "at_step": self.steps_done, "reason": lost.reason, "lost_devices": gone,
+            "devices": live, "strategy": self.strategy.name, "snapshot_step": self.snapshot.step,
+            "replayed": sorted(runs), "seconds": time.perf_counter() - started,
         }
-        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-        for layer, p in params.items():
-            for k, v in p.items():
-                arrays[f"param/{layer}/{k}"] = v
-                arrays[f"velocity/{layer}/{k}"] = velocity[layer][k]
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomic(path, buffer.getvalue())
+        self.recoveries.append(record)
+        self._publisher.publish(measure=False)
+        replayed = f"steps {record['replayed'][0]}..{record['replayed'][-1]}" if runs else "no steps"
+        warnings.warn(
+            f"{lost.reason}; " + (f"lost device(s) {gone} of {self.cluster_machine!r}; " if gone else "")
+            + f"re-planned on device(s) {live} ({self.strategy.name or 'strategy'}), restored the snapshot of "
+            f"step {self.snapshot.step} and replayed {replayed}", WorkerLostWarning, stacklevel=3)
+        return runs
+
+    def _wait_for_live(self) -> list[int]:
+        """The devices of the whole machine with a worker now; when none, waits RESTART_GRACE_S
+        for a nanny to bring one back."""
+        deadline = time.monotonic() + RESTART_GRACE_S
+        while True:
+            live = sorted(self.cluster_machine.live_devices())
+            if live or time.monotonic() > deadline:
+                return live
+            time.sleep(0.2)
+
+    def _use(self, live: list[int]):
+        """Train on the devices `live` of the whole machine, under a strategy for them."""
+        whole = self.cluster_machine
+        view = whole if len(live) == whole.num_devices else whole.subset(live)
+        if view is whole:
+            strategy = self._given_strategy
+        elif "search" in self._given_strategy.meta:
+            import search  # the strategy came from the search: search again for the smaller machine
+
+            strategy = search.optimize(self.graph, view,
+                                       check_by_simulation="chosen_by_simulation" in self._given_strategy.meta)
+        else:
+            strategy = remap(self._given_strategy.validated(self.graph, whole), live)
+        view.client.run(set_precision, self.precision)  # restarted workers start with the default
+        self.machine, self._live = view, live
+        self.executor = Executor(view, self.executor.fused)
+        self.strategy = strategy.validated(self.graph, view)
+        self._plans, self._memory = {}, None
+        self.plan = self._plan("train")
+
+    def _all_lost(self, lost: DeviceLost):
+        where = ""
+        if self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            if latest is None or int(latest.stem.split("-")[-1]) < self.snapshot.step:
+                self.checkpoints.write(self.snapshot.step, self._meta(self.snapshot.step), self.snapshot.params,
+                                       self.snapshot.velocity, self.snapshot.running)
+            latest = self.checkpoints.latest()
+            where = (f"The last checkpoint on disk is {latest} (step {int(latest.stem.split('-')[-1])}): "
+                     "resume with Trainer.load(path, machine) on a new cluster.")
+        else:
+            where = (f"No checkpoint directory was given (Trainer(checkpoints=Checkpoints(...))); the snapshot of "
+                     f"step {self.snapshot.step} is still in trainer.snapshot.")
+        raise MachineError(f"{lost.reason}, and no worker is left (none came back within {RESTART_GRACE_S:.0f} s): "
+                           f"training cannot go on. {where}")
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _meta(self, steps_done: int) -> dict:
+        return {
+            "graph": self.graph.to_dict(), "strategy": self._given_strategy.validated(
+                self.graph, self.cluster_machine).to_dict(),
+            "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+            "dtype": self.dtype.name, "seed": self.seed, "steps_done": steps_done, "precision": self.precision,
+        }
+
+    def save(self, path) -> None:
+        """Write a checkpoint atomically (temporary file, fsync, rename): graph, strategy,
+        hyper-parameters, step count, parameters and momentum, and a digest of every array."""
+        for future in list(self._in_flight):
+            future.result()
+        params, velocity = self._host_state()
+        write_checkpoint(path, self._meta(self.steps_done), params, velocity, self._running())
 
     @classmethod
-    def load(cls, path, machine, strategy: Strategy | None = None) -> Trainer:
-        """Resume from a checkpoint on `machine`, with its saved strategy or another one."""
-        try:
-            with np.load(Path(path), allow_pickle=False) as f:
-                arrays = {k: f[k] for k in f.files}
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-        if "meta" not in arrays:
-            raise CheckpointError(f"{path} is not a taskrt checkpoint (no metadata)")
-        meta = json.loads(arrays["meta"].tobytes().decode())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+    def load(cls, path, machine, strategy: Strategy | None = None, graph: Graph | None = None, **options) -> Trainer:
+        """Resume from a checkpoint on `machine`, with its saved strategy or another one.  With
+        `graph`, the checkpoint must be for that graph (CheckpointError names the difference).
+        `options`: the Trainer's snapshot_every and checkpoints."""
+        meta, params, velocity = read_checkpoint(path, graph)
         graph = Graph.from_dict(meta["graph"])
         strategy = strategy or Strategy.from_dict(meta["strategy"], source=str(path))
         trainer = cls(graph, strategy, machine, lr=meta["lr"], momentum=meta["momentum"],
                       weight_decay=meta["weight_decay"], dtype=meta["dtype"], seed=meta["seed"],
-                      precision=meta.get("precision", "fp32"))
-        params, velocity = {}, {}
-        for key, value in arrays.items():
-            kind, _, rest = key.partition("/")
-            if kind in ("param", "velocity"):
-                layer, name = rest.rsplit("/", 1)
-                (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
+                      precision=meta.get("precision", "fp32"), **options)
+        for layer, shapes in ((l.name, l.param_shapes) for l in graph if l.param_shapes):
+            for name, shape in shapes.items():
+                found = params.get(layer, {}).get(name)
+                if found is None or found.shape != tuple(shape):
+                    raise CheckpointError(f"{path}: parameter {layer}.{name} has shape "
+                                          f"{None if found is None else found.shape}, the graph needs {tuple(shape)}")
         trainer._place(params, velocity)
+        running = {**init_buffers(graph, trainer.dtype), **meta["running"]}
+        trainer._place_buffers(running)
         trainer.steps_done = meta["steps_done"]
+        trainer.snapshot = Snapshot(trainer.steps_done, params, velocity, running=running)
         return trainer

@@ -9,8 +9,8 @@ import pytest
 from taskrt import Graph, models
 from taskrt.reference import SingleDeviceTrainer
 
-# Published counts with batch norm (torchvision: inception_v3 without aux logits, resnet50).
-# Their convs have no bias and a BN (2 parameters per channel); ours have a bias and no BN.
+# Published counts with batch norm (torchvision: inception_v3 without aux logits, resnet50):
+# every conv bias-free and followed by a batch norm (2 parameters per channel), as here.
 WITH_BATCH_NORM = {"inception_v3": 23_834_568, "resnet50": 25_557_032}
 LAYERS = {"lenet5": (2, 3), "alexnet": (5, 3), "vgg16": (13, 3), "inception_v3": (94, 1), "resnet50": (53, 1),
           "splitbrain_vgg": (7, 3)}
@@ -43,9 +43,14 @@ def test_exact_param_counts(full, name, params):
 
 
 @pytest.mark.parametrize("name", sorted(WITH_BATCH_NORM))
-def test_param_counts_match_published_up_to_batch_norm(full, name):
+def test_param_counts_with_batch_norm_match_torchvision(full, name):
     g = full[name]
-    assert g.num_params() + sum(layer.shape[1] for layer in convs(g)) == WITH_BATCH_NORM[name]
+    assert g.num_params() == WITH_BATCH_NORM[name]
+    norms = [layer for layer in g if layer.kind == "batch_norm"]
+    assert len(norms) == count(g, "conv2d")
+    for norm in norms:  # each follows its bias-free conv
+        conv = g[norm.inputs[0]]
+        assert conv.kind == "conv2d" and not conv.op.bias and norm.name == f"{conv.name}.bn"
 
 
 def test_splitbrain_vgg_matches_table_1_layer_by_layer(full):
@@ -99,9 +104,9 @@ def test_resnet_blocks_add_then_relu(full):
     block = "layer2.0"
     assert g[f"{block}.conv2"].op.stride == (2, 2)  # v1.5: the stride is on the 3x3 conv
     assert g[f"{block}.conv3"].op.activation is None
-    assert g[f"{block}.add"].inputs == (f"{block}.conv3", f"{block}.downsample")
+    assert g[f"{block}.add"].inputs == (f"{block}.conv3.bn", f"{block}.downsample.bn")
     assert g[f"{block}.relu"].inputs == (f"{block}.add",)
-    assert g["layer2.1.add"].inputs == ("layer2.1.conv3", "layer2.0.relu")  # identity shortcut
+    assert g["layer2.1.add"].inputs == ("layer2.1.conv3.bn", "layer2.0.relu")  # identity shortcut
 
 
 def test_alexnet_uses_cifar_variant_for_small_images():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops import Add, Concat, Conv2d, Flatten, Linear, Pool2d, Relu, SoftmaxCrossEntropy
+from ops import Add, BatchNorm, Concat, Conv2d, Flatten, Linear, Pool2d, Relu, SoftmaxCrossEntropy
 from ops.rect import Rect
 from taskrt.params import slice_params
 
@@ -98,6 +98,8 @@ OTHERS = [
     Concat(((2, 3, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4))),
     Flatten(((2, 3, 4, 4),)),
     SoftmaxCrossEntropy(((5, 6), (5,))),
+    BatchNorm(((5, 4),)),
+    BatchNorm(((2, 3, 4, 5),), eps=1e-3),
 ]
 
 
@@ -225,3 +227,51 @@ def test_float32_kernels_keep_float32():
     assert y.dtype == np.float32
     (dx,), dp = op.backward(np.ones_like(y), xs, y, params, full(op), [True])
     assert dx.dtype == np.float32 and dp["weight"].dtype == np.float32
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_batch_norm_pieces_over_any_split_equal_the_whole(data):
+    """Partial statistics combined over a random grid of tiles, then normalize / gradient sums /
+    input gradient per tile, equal the whole-tensor batch norm forward and backward (float64)."""
+    shape = data.draw(st.sampled_from([(6, 5), (3, 4, 5, 3), (2, 2, 7, 7)]))
+    op = BatchNorm((shape,))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal(shape) * 3 + 1
+    params = {"weight": rng.standard_normal(shape[1]), "bias": rng.standard_normal(shape[1])}
+    whole = full(op)
+    y_full = op.forward([x], params, whole)
+    dy = rng.standard_normal(shape)
+    (dx_full,), dp_full = op.backward(dy, [x], y_full, params, whole, [True])
+    degrees = [data.draw(st.integers(1, s)) for s in shape]
+    tiles = list(grid_partition(shape, degrees))
+    groups = {}
+    for out in tiles:
+        groups.setdefault((out.lo[1], out.hi[1]), []).append(out)
+    for (c0, c1), outs in groups.items():
+        cs = slice(c0, c1)
+        p = {k: v[cs] for k, v in params.items()}
+        stats = op.combine_stats([op.partial_stats(x[o.relative_to(whole)]) for o in outs])
+        sums = {k: sum(op.grad_sums(dy[o.relative_to(whole)], x[o.relative_to(whole)], stats)[k] for o in outs)
+                for k in ("bias", "weight")}
+        for k in params:
+            np.testing.assert_allclose(sums[k], dp_full[k][cs], rtol=1e-10, atol=1e-12)
+        for o in outs:
+            sl = o.relative_to(whole)
+            np.testing.assert_allclose(op.normalize(x[sl], stats, p), y_full[sl], rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(op.input_grad(dy[sl], x[sl], stats, sums, p), dx_full[sl], rtol=1e-9,
+                                       atol=1e-11)
+
+
+def test_batch_norm_running_statistics_and_inference():
+    """PyTorch's rule: running mean and unbiased variance by momentum; inference uses them."""
+    op = BatchNorm(((8, 3),), momentum=0.25)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 3)) * 2 + 0.5
+    running = np.stack([np.zeros(3), np.ones(3)])
+    new = op.update_running(running, op.partial_stats(x))
+    np.testing.assert_allclose(new[0], 0.25 * x.mean(axis=0))
+    np.testing.assert_allclose(new[1], 0.75 + 0.25 * x.var(axis=0, ddof=1))
+    params = {"weight": np.array([1.0, 2.0, 0.5]), "bias": np.array([0.0, 1.0, -1.0])}
+    expected = (x - new[0]) / np.sqrt(new[1] + op.eps) * params["weight"] + params["bias"]
+    np.testing.assert_allclose(op.infer(x, new, params), expected)

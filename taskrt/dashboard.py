@@ -1,0 +1,219 @@
+"""The taskrt page of the Dask dashboard: the strategy a Trainer runs, at /taskrt.
+
+    layers x devices grid: each layer's split (n, c, h, w degrees) and the devices of its parts
+    bytes per device pair per step: planned (the plan) and measured (the workers' transfer logs)
+    step times: measured per step against the predicted step time
+
+The page is a Bokeh application served by the scheduler's own dashboard.  It registers itself
+when this module is imported before the scheduler starts: Machine.local does so, and a separate
+scheduler takes it as a preload (`dask scheduler --preload taskrt.dashboard`).  Trainers publish
+what the page shows as scheduler metadata under the key "taskrt" (see `publish`), so the page
+works wherever the scheduler runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+PATH = "/taskrt"  # one level, like the dashboard's own pages: Bokeh's static files resolve relative to it
+METADATA_KEY = "taskrt"
+PUBLISH_EVERY_S = 1.0  # at most one publication per second: a scheduler round trip each
+MEASURE_EVERY_S = 10.0  # reading the transfer logs asks every worker
+MAX_STEPS_SHOWN = 500
+
+
+def page_url(client) -> str:
+    """The page's address on the dashboard of `client`'s scheduler."""
+    link = client.dashboard_link
+    return link.rsplit("/", 1)[0] + PATH
+
+
+def page_data(trainer, measured: dict | None, step_times: list, predicted_s: float | None) -> dict:
+    """What the page shows, as plain JSON-ready data.  Devices are named by their number on the
+    whole machine, also after a recovery re-planned on some of them."""
+    graph, strategy, machine = trainer.graph, trainer.strategy, trainer.machine
+    whole = trainer._live  # device i of the machine in use is device whole[i] of the whole machine
+
+    def pairs(counts):
+        return {f"{whole[s]}->{whole[d]}": int(b) for (s, d), b in sorted(counts.items())}
+
+    layers = []
+    for layer in graph:
+        cfg = strategy[layer.name]
+        layers.append({"name": layer.name, "kind": layer.kind, "degrees": cfg.degrees, "sync": cfg.sync,
+                       "devices": list(cfg.devices)})
+    return {
+        "graph": graph.name, "strategy": strategy.name, "updated": time.time(),
+        "devices": [f"{whole[d.id]} ({d.kind})" for d in machine.devices], "machine": machine.description,
+        "layers": layers, "steps_done": trainer.steps_done,
+        "planned_bytes": pairs(trainer.plan.bytes_by_pair()),
+        "measured_bytes": None if measured is None else pairs(measured),
+        "measured_step": None if trainer.stats is None else trainer.stats.step,
+        "step_times": [[int(step), float(s)] for step, s in step_times[-MAX_STEPS_SHOWN:]],
+        "predicted_step_s": predicted_s,
+        "recoveries": [{k: r[k] for k in ("at_step", "lost_devices", "devices", "snapshot_step")} | {
+            "replayed": len(r["replayed"])} for r in trainer.recoveries],
+    }
+
+
+class Publisher:
+    """Sends a trainer's page data to the scheduler, at most once per PUBLISH_EVERY_S."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.step_times: list = []
+        self.predicted_s = trainer.strategy.meta.get("predicted_step_s")
+        self._last = 0.0
+        self._measured, self._measured_at = None, 0.0
+
+    def step_finished(self, step: int, wall_s: float, force: bool = False):
+        self.step_times.append((step, wall_s))
+        now = time.monotonic()
+        if force or now - self._last >= PUBLISH_EVERY_S:
+            self.publish(measure=force or now - self._measured_at >= MEASURE_EVERY_S)
+
+    def publish(self, measure: bool = True):
+        trainer = self.trainer
+        self._last = time.monotonic()
+        try:
+            if measure and trainer.stats is not None:
+                self._measured, self._measured_at = trainer.stats.measured_bytes, time.monotonic()
+            data = page_data(trainer, self._measured, self.step_times, self.predicted_s)
+            trainer.machine.client.set_metadata([METADATA_KEY], data)
+        except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must not
+            # fail the step; the trainer's own checks deal with the loss)
+            logging.getLogger("taskrt").warning("dashboard page not updated: %r", error)
+
+
+# ---- the Bokeh page (runs in the scheduler) ---------------------------------------------------
+SPLIT_COLORS = {"": "#d9d9d9", "n": "#4c72b0", "c": "#dd8452", "h": "#55a868", "w": "#c44e52"}
+
+
+def _split_name(degrees: dict) -> str:
+    return " ".join(f"{dim}={deg}" for dim, deg in degrees.items() if deg > 1) or "one part"
+
+
+def _color(degrees: dict) -> str:
+    dims = [dim for dim, deg in degrees.items() if deg > 1]
+    return SPLIT_COLORS[dims[0]] if len(dims) == 1 else ("#8172b3" if dims else SPLIT_COLORS[""])
+
+
+def grid_columns(data: dict) -> dict:
+    """Cells of the layers x devices grid: one per (layer, device) a part of the layer runs on."""
+    cols = {k: [] for k in ("layer", "device", "color", "label", "split")}
+    for layer in data["layers"]:
+        for part, device in enumerate(layer["devices"]):
+            cols["layer"].append(layer["name"])
+            cols["device"].append(data["devices"][device])
+            cols["color"].append(_color(layer["degrees"]))
+            cols["label"].append(f"part {part}")
+            cols["split"].append(_split_name(layer["degrees"]) + (f" ({layer['sync']})" if layer["sync"] != "ps"
+                                                                    else ""))
+    return cols
+
+
+def bytes_columns(data: dict) -> dict:
+    pairs = sorted(set(data["planned_bytes"]) | set(data["measured_bytes"] or {}))
+    measured = data["measured_bytes"] or {}
+    return {"pair": pairs, "planned": [data["planned_bytes"].get(p, 0) for p in pairs],
+            "measured": [measured.get(p, 0) for p in pairs]}
+
+
+def strategy_doc(scheduler, extra, doc):
+    from bokeh.layouts import column, row
+    from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, Span
+    from bokeh.plotting import figure
+    from bokeh.transform import dodge
+
+    doc.title = "taskrt: strategy"
+    header = Div(text="<h2>taskrt</h2><p>No trainer has published to this scheduler yet.</p>", width=1300)
+    grid = ColumnDataSource(grid_columns({"layers": [], "devices": []}))
+    pairs = ColumnDataSource({"pair": [], "planned": [], "measured": []})
+    steps = ColumnDataSource({"step": [], "ms": []})
+
+    grid_fig = figure(title="layers x devices: where each layer's parts run (color: split dimension)",
+                      x_range=FactorRange(), y_range=FactorRange(), width=700, height=420, toolbar_location=None)
+    grid_fig.rect("device", "layer", 0.92, 0.85, source=grid, color="color", alpha=0.85)
+    grid_fig.text("device", "layer", text="split", source=grid, text_align="center", text_baseline="middle",
+                  text_font_size="9pt", text_color="white")
+    grid_fig.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("device", "@device"), ("split", "@split"),
+                                           ("", "@label")]))
+    grid_fig.xaxis.axis_label = "device"
+
+    bytes_fig = figure(title="bytes per device pair per step: planned vs measured (transfer logs)",
+                       x_range=FactorRange(), width=560, height=420, toolbar_location=None)
+    bytes_fig.vbar(x=dodge("pair", -0.17, range=bytes_fig.x_range), top="planned", width=0.3, source=pairs,
+                   color="#4c72b0", legend_label="planned")
+    bytes_fig.vbar(x=dodge("pair", 0.17, range=bytes_fig.x_range), top="measured", width=0.3, source=pairs,
+                   color="#dd8452", legend_label="measured")
+    bytes_fig.add_tools(HoverTool(tooltips=[("pair", "@pair"), ("planned", "@planned{0,0}"),
+                                            ("measured", "@measured{0,0}")]))
+    bytes_fig.xaxis.axis_label = "source -> destination device"
+    bytes_fig.yaxis.axis_label = "bytes"
+
+    time_fig = figure(title="step time: measured vs predicted", width=1280, height=260, toolbar_location=None)
+    time_fig.line("step", "ms", source=steps, color="#4c72b0", legend_label="measured")
+    time_fig.scatter("step", "ms", source=steps, color="#4c72b0", size=3)
+    predicted = Span(location=0, dimension="width", line_color="#c44e52", line_dash="dashed", line_width=2,
+                     visible=False)
+    time_fig.add_layout(predicted)
+    time_fig.xaxis.axis_label = "step"
+    time_fig.yaxis.axis_label = "ms"
+
+    shown = {"updated": None}
+
+    def update():
+        data = scheduler.get_metadata([METADATA_KEY], default=None)
+        if not data or data.get("updated") == shown["updated"]:
+            return
+        shown["updated"] = data["updated"]
+        header.text = _header(data)
+        cells = grid_columns(data)
+        grid_fig.y_range.factors = [layer["name"] for layer in reversed(data["layers"])]
+        grid_fig.x_range.factors = list(data["devices"])
+        grid.data = cells
+        cols = bytes_columns(data)
+        bytes_fig.x_range.factors = cols["pair"]
+        pairs.data = cols
+        steps.data = {"step": [s for s, _ in data["step_times"]], "ms": [t * 1e3 for _, t in data["step_times"]]}
+        if data.get("predicted_step_s"):
+            predicted.location, predicted.visible = data["predicted_step_s"] * 1e3, True
+
+    update()
+    doc.add_periodic_callback(update, 1000)
+    doc.add_root(column(header, row(grid_fig, bytes_fig), time_fig))
+
+
+def _header(data: dict) -> str:
+    measured = data["measured_bytes"]
+    agree = ""
+    if measured is not None:
+        same = measured == data["planned_bytes"]
+        agree = (f"; measured bytes (step {data['measured_step']}) "
+                 + ("equal the plan" if same else "<b>differ from the plan</b>"))
+    times = [t for _, t in data["step_times"]]
+    timing = ""
+    if times:
+        recent = sorted(times[-50:])[len(times[-50:]) // 2]
+        timing = f"; median of the last {len(times[-50:])} steps {recent * 1e3:.1f} ms"
+        if data.get("predicted_step_s"):
+            timing += f", predicted {data['predicted_step_s'] * 1e3:.1f} ms"
+    recoveries = "".join(
+        f"<li>at step {r['at_step']}: lost device(s) {r['lost_devices']}, now on {r['devices']}, "
+        f"restored step {r['snapshot_step']}, replayed {r['replayed']} step(s)</li>" for r in data["recoveries"])
+    return (f"<h2>taskrt: {data['graph']} under strategy {data['strategy'] or '(unnamed)'}</h2>"
+            f"<p>{data['machine']}; {data['steps_done']} steps{agree}{timing}</p>"
+            + (f"<p>recoveries from lost workers:</p><ul>{recoveries}</ul>" if recoveries else ""))
+
+
+def register() -> None:
+    """Add the page to the scheduler dashboard's applications (before the scheduler starts)."""
+    try:
+        from distributed.dashboard.scheduler import applications
+    except ImportError:  # no bokeh: the dashboard itself is off
+        return
+    applications.setdefault(PATH, strategy_doc)
+
+
+register()

@@ -1,0 +1,124 @@
+"""Real clusters: `dask scheduler` and `dask worker` as separate processes over TLS, and a local
+machine that listens on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from taskrt import models
+from taskrt.config import ParallelConfig as P
+from taskrt.machine import Machine
+from taskrt.reference import SingleDeviceTrainer
+from taskrt.strategy import Strategy
+from taskrt.trainer import Trainer
+
+
+def _listening(dask_worker=None, dask_scheduler=None):
+    """(host, port) of every socket this process listens on."""
+    import psutil
+
+    return sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN})
+
+
+def _servers(dask_worker=None, dask_scheduler=None):
+    """Hosts the Dask server of this process (scheduler or worker) listens on: its comm listeners
+    and its HTTP server (the dashboard)."""
+    server = dask_worker or dask_scheduler
+    hosts = [listener.listen_address for listener in server.listeners]
+    http = getattr(server, "http_server", None)
+    if http is not None:
+        hosts += [sock.getsockname()[0] for sock in http._sockets.values()]
+    return hosts
+
+
+def test_local_machine_binds_everything_to_loopback():
+    with Machine.local(2, probe=False) as machine:
+        client = machine.client
+        assert client.scheduler.address.startswith("tcp://127.0.0.1:")
+        assert client.dashboard_link.startswith("http://127.0.0.1:")
+        scheduler = client.run_on_scheduler(_servers)
+        assert scheduler and all("127.0.0.1" in host for host in scheduler), scheduler
+        for address, hosts in client.run(_servers).items():
+            assert address.startswith("tcp://127.0.0.1:")
+            assert hosts and all("127.0.0.1" in host for host in hosts), (address, hosts)
+        # every socket the worker processes listen on (worker comms, worker dashboards, ...)
+        for address, sockets in client.run(_listening).items():
+            assert sockets and all(ip == "127.0.0.1" for ip, _ in sockets), (address, sockets)
+        # nannies run in this process beside the scheduler
+        for nanny in machine.cluster.workers.values():
+            assert all("127.0.0.1" in listener.listen_address for listener in nanny.listeners)
+
+
+def _write_throwaway_certificate(folder):
+    """A self-signed key and certificate for every role (distributed.Security.temporary), as files."""
+    from distributed import Security
+
+    temporary = Security.temporary()
+    (folder / "cert.pem").write_text(temporary.tls_ca_file)
+    (folder / "key.pem").write_text(temporary.tls_client_key)
+    return folder / "cert.pem", folder / "key.pem"
+
+
+def _wait_for(path, process, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"{process.args} exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow  # starts `dask scheduler` and two `dask worker` processes
+def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
+    pytest.importorskip("cryptography")
+    from distributed import Client, Security
+
+    cert, key = _write_throwaway_certificate(tmp_path)
+    tls = ["--tls-ca-file", str(cert), "--tls-cert", str(cert), "--tls-key", str(key)]
+    dask = [sys.executable, "-m", "dask"]  # the `dask` command of this environment
+    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
+    scheduler_file = tmp_path / "scheduler.json"
+    processes = [subprocess.Popen(
+        [*dask, "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", "0",
+         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file),
+         "--preload", "taskrt.dashboard", *tls],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_for(scheduler_file, processes[0])
+        address = json.loads(scheduler_file.read_text())["address"]
+        assert address.startswith("tls://127.0.0.1:")
+        for i in range(2):
+            processes.append(subprocess.Popen(
+                [*dask, "worker", address, "--nthreads", "1", "--nworkers", "1", "--host", "127.0.0.1",
+                 "--dashboard-address", "127.0.0.1:0", "--resources", f"dev{i}=1", *tls],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        security = Security(tls_ca_file=str(cert), tls_client_cert=str(cert), tls_client_key=str(key),
+                            require_encryption=True)
+        with Client(address, security=security, timeout="60s") as client:
+            client.wait_for_workers(2, timeout=300)
+            assert all(w.startswith("tls://") for w in client.scheduler_info()["workers"])
+            machine = Machine.from_client(client, probe=False)
+            graph = models.lenet5(batch=4, image_size=16, width=0.5)
+            strategy = Strategy({l.name: P(n=2, devices=(1, 0)) for l in graph if not l.is_input})
+            trainer = Trainer(graph, strategy, machine, dtype="float64")
+            rng = np.random.default_rng(0)
+            x, y = rng.standard_normal(graph.inputs[0].shape), rng.integers(0, 10, 4)
+            assert trainer.step(x, y) == pytest.approx(SingleDeviceTrainer(graph, dtype="float64").step(x, y),
+                                                       rel=1e-12)
+            assert trainer.stats.measured_bytes == trainer.stats.planned_bytes
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
