@@ -299,7 +299,7 @@ def coarse_grain(graph, work="flops", itemsize: int = 4) -> CoarseModel:
         else:
             raise HypergraphError(f"layer {layer.name!r} ({kind}): the hypergraph models describe chains of "
                                   f"{', '.join(FILTER_KINDS + CHANNEL_LOCAL_KINDS)} layers; {kind} layers "
-                                  "(branches that merge) are not modelled")
+                                  f"{'(branches that merge) ' if kind in ('concat', 'add') else ''}are not modelled")
     batch = graph.inputs[0].shape[0]
     vertex_layers, nets = [], []
     for v in layers:  # work was summed over whole layers: per filter

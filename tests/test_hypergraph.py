@@ -97,7 +97,14 @@ def test_vgg16_model_matches_its_layers():
 
 
 def test_graphs_with_merging_branches_are_refused():
-    with pytest.raises(hg.HypergraphError, match="concat"):
+    g = tr.Graph("branches")
+    x = g.input("x", (2, 3, 8, 8))
+    a = g.conv2d(x, 4, 3, padding=1, name="a")
+    b = g.conv2d(x, 4, 3, padding=1, name="b")
+    g.softmax_cross_entropy(g.linear(g.flatten(g.concat([a, b], name="join")), 3))
+    with pytest.raises(hg.HypergraphError, match=r"'join' \(concat\).*branches that merge"):
+        hg.coarse_grain(g)
+    with pytest.raises(hg.HypergraphError, match=r"batch_norm layers are not modelled"):
         hg.coarse_grain(models.inception_v3(batch=2, image_size=75, width=1 / 16))
 
 

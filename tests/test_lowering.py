@@ -312,7 +312,8 @@ def test_gradients_mode_reduces_instead_of_updating():
     tc, gc = train.phase_counts(), grads.phase_counts()
     assert "reduce" not in tc and "update" not in gc
     assert gc["reduce"] == tc["update"] == sum(1 for layer in g if layer.param_shapes)
-    assert set(grads.outputs) == {"loss", "grads"} and set(train.outputs) == {"loss", "state"}
+    assert set(grads.outputs) == {"loss", "grads"} and set(train.outputs) == {"loss", "state", "buffers"}
+    assert train.outputs["buffers"] == {}  # no batch norms, no running statistics
     assert all(key[0].endswith("-reduce") for key in grads.outputs["grads"].values())
     # the same bytes move: the gradient sum is not sent back to the replicas
     assert grads.bytes_by_pair() == train.bytes_by_pair()
