@@ -15,6 +15,7 @@
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
   ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
+  peer         PyTorch on the CPU stepping the same networks, against in-process, local(1) and local(2)
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
 spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
@@ -32,8 +33,9 @@ import sys
 import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
-# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist and elastic take minutes even with --quick
-ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic"]
+# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist, elastic and peer take minutes
+# even with --quick (peer also needs the optional torch)
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer"]
 
 
 def main(argv=None):

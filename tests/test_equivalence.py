@@ -115,10 +115,7 @@ def check_equivalence(graph, strategy, machine, dtype):
         assert_close(trainer.predict(x), reference.predict(x), tol, "forward output after 3 steps")
 
 
-# batch_norm_net runs with the slow marker: its cases did not complete on the loaded 2-core machine
-# where they were written, so they are not yet part of the default run
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "batch_norm_net" else n
-                                  for n in GRAPHS])
+@pytest.mark.parametrize("name", list(GRAPHS))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])

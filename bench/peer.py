@@ -1,0 +1,148 @@
+"""A peer in the benchmark runner: the same networks stepped by PyTorch on the CPU.
+
+One thread: PyTorch (torch.set_num_threads(1)) against this runtime in-process (SingleDeviceTrainer,
+one BLAS thread) and on Machine.local(1).  Two threads: PyTorch with two threads against
+Machine.local(2) running data parallelism and the searched strategy (search.optimize with the
+simulation check, its costs measured in the same run); the faster of the two is the runtime's best.
+Every runner takes one step per round, rounds interleaved, medians reported; throughput is images
+per second.  The goal (issue 14) is local(1) at least 0.8x PyTorch's one-thread throughput on
+AlexNet-32 and VGG-16-32.
+
+PyTorch is optional (`pip install '.[torch]'`); without it the benchmark says so and skips.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+from tqdm import tqdm
+
+import search
+from bench.measure import LOCAL_MODELS, QUICK_MODELS
+from bench.overhead import batch_for, data_parallel
+from bench.report import markdown_table, write_result
+from taskrt.machine import Machine
+from taskrt.params import init_parameters
+from taskrt.reference import SingleDeviceTrainer
+from taskrt.trainer import Trainer
+
+GOALS = {"alexnet32": 0.8, "vgg16_32": 0.8}  # local(1) / PyTorch one-thread throughput
+HYPER = {"lr": 1e-4, "momentum": 0.9}
+
+
+def interleaved(runners: dict, x, y, rounds: int, desc: str) -> dict:
+    """Median seconds per step of each runner, one step of each per round after one warm-up step."""
+    for step in runners.values():  # first-touch memory, caches, numba
+        step(x, y)
+    times = {label: [] for label in runners}
+    for _ in tqdm(range(rounds), desc=desc, leave=False, disable=None):
+        for label, step in runners.items():
+            start = time.perf_counter()
+            step(x, y)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def torch_step(graph, threads: int):
+    import torch
+
+    from bench.torch_peer import TorchPeer
+
+    torch.set_num_threads(threads)
+    peer = TorchPeer(graph, init_parameters(graph, 0), device="cpu", **HYPER)
+
+    def step(x, y):
+        torch.set_num_threads(threads)  # the setting is per process; another runner may have changed it
+        return peer.step(x, y)
+
+    return step
+
+
+def one_thread_rows(chosen: dict, rounds: int) -> list[dict]:
+    from threadpoolctl import threadpool_limits
+
+    rows = []
+    with Machine.local(1, probe=False) as machine, threadpool_limits(1):
+        for name, make in chosen.items():
+            graph = make()
+            x, y = batch_for(graph)
+            runners = {"pytorch": torch_step(graph, 1),
+                       "in-process": SingleDeviceTrainer(graph, **HYPER).step,
+                       "local(1)": Trainer(graph, data_parallel(graph, 1), machine, **HYPER).step}
+            med = interleaved(runners, x, y, rounds, f"{name}, one thread")
+            batch = graph.inputs[0].shape[0]
+            ratio = med["pytorch"] / med["local(1)"]  # throughput ratio
+            rows.append({"threads": 1, "model": name, "batch": batch,
+                         "pytorch_ms": med["pytorch"] * 1e3, "in_process_ms": med["in-process"] * 1e3,
+                         "taskrt_ms": med["local(1)"] * 1e3, "taskrt_runner": "local(1)",
+                         "pytorch_img_s": batch / med["pytorch"], "taskrt_img_s": batch / med["local(1)"],
+                         "in_process_vs_pytorch": med["pytorch"] / med["in-process"],
+                         "taskrt_vs_pytorch": ratio, "goal": GOALS.get(name),
+                         "meets_goal": ratio >= GOALS[name] if name in GOALS else None})
+    return rows
+
+
+def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
+    rows = []
+    with Machine.local(2) as machine, tempfile.TemporaryDirectory() as tmp:
+        cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json")
+        for name, make in chosen.items():
+            graph = make()
+            x, y = batch_for(graph)
+            start = time.perf_counter()
+            searched = search.optimize(graph, machine, cost_model, check_by_simulation=True)
+            search_s = time.perf_counter() - start
+            runners = {"pytorch": torch_step(graph, 2),
+                       "local(2) data parallel": Trainer(graph, data_parallel(graph, 2), machine, **HYPER).step,
+                       "local(2) searched": Trainer(graph, searched, machine, **HYPER).step}
+            med = interleaved(runners, x, y, rounds, f"{name}, two threads")
+            best = min(("local(2) data parallel", "local(2) searched"), key=med.get)
+            batch = graph.inputs[0].shape[0]
+            rows.append({"threads": 2, "model": name, "batch": batch, "pytorch_ms": med["pytorch"] * 1e3,
+                         "data_parallel_ms": med["local(2) data parallel"] * 1e3,
+                         "searched_ms": med["local(2) searched"] * 1e3, "search_s": search_s,
+                         "taskrt_ms": med[best] * 1e3, "taskrt_runner": best,
+                         "pytorch_img_s": batch / med["pytorch"], "taskrt_img_s": batch / med[best],
+                         "taskrt_vs_pytorch": med["pytorch"] / med[best]})
+    return rows
+
+
+def run(out_dir="results", quick=False):
+    try:
+        import torch
+    except ImportError:
+        print("bench peer: skipped, PyTorch is not installed (pip install '.[torch]', or a CPU wheel of torch)")
+        return []
+    chosen = QUICK_MODELS if quick else LOCAL_MODELS
+    rounds = 3 if quick else 9
+    one = one_thread_rows(chosen, rounds)
+    two = two_thread_rows(chosen, rounds)
+    summary = []
+    for row in one:
+        goal = f"goal >= {row['goal']}x: {'met' if row['meets_goal'] else 'MISSED'}" if row["goal"] else "no goal"
+        summary.append(f"{row['model']}, one thread: local(1) {row['taskrt_img_s']:.0f} img/s vs PyTorch "
+                       f"{row['pytorch_img_s']:.0f} img/s = {row['taskrt_vs_pytorch']:.2f}x ({goal}); "
+                       f"in-process {row['in_process_vs_pytorch']:.2f}x")
+    for row in two:
+        summary.append(f"{row['model']}, two threads: best on local(2) ({row['taskrt_runner']}) "
+                       f"{row['taskrt_img_s']:.0f} img/s vs PyTorch {row['pytorch_img_s']:.0f} img/s = "
+                       f"{row['taskrt_vs_pytorch']:.2f}x")
+    summary.append(f"PyTorch {torch.__version__} on the CPU, the same graph, initial parameters, loss and SGD "
+                   "update (bench/torch_peer.py); throughput ratios are PyTorch's step time over taskrt's, "
+                   f"medians of {rounds} interleaved rounds")
+    columns = [("threads", "threads"), ("model", "model"), ("batch", "batch"), ("pytorch_ms", "PyTorch ms"),
+               ("taskrt_runner", "taskrt runner"), ("taskrt_ms", "taskrt ms"),
+               ("taskrt_vs_pytorch", "taskrt / PyTorch throughput"), ("goal", "goal")]
+    md = write_result(out_dir, "peer", one + two, columns,
+                      {"rounds": rounds, "torch": torch.__version__, "goals": GOALS}, summary)
+    detail_one = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("in_process_ms", "in-process ms"),
+                  ("taskrt_ms", "local(1) ms"), ("in_process_vs_pytorch", "in-process / PyTorch throughput")]
+    detail_two = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("data_parallel_ms", "data parallel ms"),
+                  ("searched_ms", "searched ms"), ("search_s", "search s (costs measured)")]
+    with md.open("a") as f:
+        f.write("\n## One thread\n\n" + markdown_table(detail_one, one) + "\n")
+        f.write("\n## Two threads, local(2)\n\n" + markdown_table(detail_two, two) + "\n")
+    print(md.read_text())
+    return one + two
