@@ -21,7 +21,8 @@ MODELS = {
     # 107: the last blocks keep 2x2 maps, so each batch norm sees 8 values per channel (at 75, 2 values
     # per channel leave the normalization so ill-conditioned that rounding differences grow past 1e-9)
     "inception_v3": lambda: models.inception_v3(batch=2, image_size=107, num_classes=5, width=1 / 16),
-    "resnet50": lambda: models.resnet50(batch=2, image_size=32, num_classes=5, width=1 / 16),
+    # 64, for the same reason: at 32 the last block's maps are 1x1 and each batch norm sees 2 values
+    "resnet50": lambda: models.resnet50(batch=2, image_size=64, num_classes=5, width=1 / 16),
     "splitbrain_vgg": lambda: models.splitbrain_vgg(batch=2, image_size=32, width=1 / 16),
 }
 
