@@ -122,7 +122,7 @@ def bytes_columns(data: dict) -> dict:
 
 def strategy_doc(scheduler, extra, doc):
     from bokeh.layouts import column, row
-    from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, Span
+    from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, NumeralTickFormatter, Span
     from bokeh.plotting import figure
     from bokeh.transform import dodge
 
@@ -151,6 +151,9 @@ def strategy_doc(scheduler, extra, doc):
                                             ("measured", "@measured{0,0}")]))
     bytes_fig.xaxis.axis_label = "source -> destination device"
     bytes_fig.yaxis.axis_label = "bytes"
+    bytes_fig.yaxis.formatter = NumeralTickFormatter(format="0,0")
+    bytes_fig.legend.orientation = "horizontal"  # below the bars, which reach the top when planned = measured
+    bytes_fig.add_layout(bytes_fig.legend[0], "below")
 
     time_fig = figure(title="step time: measured vs predicted", width=1280, height=260, toolbar_location=None)
     time_fig.line("step", "ms", source=steps, color="#4c72b0", legend_label="measured")
@@ -158,6 +161,10 @@ def strategy_doc(scheduler, extra, doc):
     predicted = Span(location=0, dimension="width", line_color="#c44e52", line_dash="dashed", line_width=2,
                      visible=False)
     time_fig.add_layout(predicted)
+    # the Span's legend entry: a line with one NaN point draws nothing on the plot but its legend sample
+    time_fig.line(x=[float("nan")], y=[float("nan")], line_color="#c44e52", line_dash="dashed", line_width=2,
+                  legend_label="predicted (the plan simulated with measured costs)")
+    time_fig.legend.orientation, time_fig.legend.location = "horizontal", "top_left"
     time_fig.xaxis.axis_label = "step"
     time_fig.yaxis.axis_label = "ms"
 
