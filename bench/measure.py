@@ -9,6 +9,7 @@ simulator.
 from __future__ import annotations
 
 import statistics
+import time
 
 import numpy as np
 from tqdm import tqdm
@@ -25,6 +26,19 @@ LOCAL_MODELS = {
     "vgg16_32": lambda: models.vgg16(batch=16, image_size=32, num_classes=10),
 }
 QUICK_MODELS = {"lenet5": LOCAL_MODELS["lenet5"]}
+
+
+def interleaved(runners: dict, x, y, rounds: int, desc: str) -> dict:
+    """Median seconds per step of each runner, one step of each per round after one warm-up step."""
+    for step in runners.values():  # first-touch memory, caches, numba
+        step(x, y)
+    times = {label: [] for label in runners}
+    for _ in tqdm(range(rounds), desc=desc, leave=False, disable=None):
+        for label, step in runners.items():
+            start = time.perf_counter()
+            step(x, y)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def strategies_for(graph, machine, cost_model) -> dict:

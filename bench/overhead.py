@@ -15,6 +15,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from bench.measure import LOCAL_MODELS, interleaved
 from bench.report import markdown_table, write_result
 from taskrt import models
 from taskrt.config import ParallelConfig
@@ -61,15 +62,8 @@ def single_device_rows(models_: dict, rounds: int) -> list[dict]:
             one = data_parallel(graph, 1)
             runners["local(1)"] = Trainer(graph, one, machine, **hyper)
             runners["local(1) unfused"] = Trainer(graph, one, machine, fused=False, **hyper)
-            times = {label: [] for label in runners}
-            for runner in runners.values():  # warm-up: first-touch memory, caches, numba
-                runner.step(x, y)
-            for _ in tqdm(range(rounds), desc=f"{name} on one device", leave=False, disable=None):
-                for label, runner in runners.items():
-                    start = time.perf_counter()
-                    runner.step(x, y)
-                    times[label].append(time.perf_counter() - start)
-            med = {label: statistics.median(t) for label, t in times.items()}
+            med = interleaved({label: runner.step for label, runner in runners.items()}, x, y, rounds,
+                              f"{name} on one device")
             ratio = med["local(1)"] / med["in-process"]
             rows.append({"model": name, "batch": graph.inputs[0].shape[0],
                          "in_process_ms": med["in-process"] * 1e3, "local1_ms": med["local(1)"] * 1e3,
@@ -130,8 +124,6 @@ def dask_tasks(trainer) -> int:
 
 
 def run(out_dir="results", quick=False):
-    from bench.measure import LOCAL_MODELS
-
     rounds = 3 if quick else 9
     chosen = {"lenet5": LOCAL_MODELS["lenet5"]} if quick else LOCAL_MODELS
     single = single_device_rows(chosen, rounds)

@@ -13,14 +13,11 @@ PyTorch is optional (`pip install '.[torch]'`); without it the benchmark says so
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 
-from tqdm import tqdm
-
 import search
-from bench.measure import LOCAL_MODELS, QUICK_MODELS
+from bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
 from bench.overhead import batch_for, data_parallel
 from bench.report import markdown_table, write_result
 from taskrt.machine import Machine
@@ -30,19 +27,6 @@ from taskrt.trainer import Trainer
 
 GOALS = {"alexnet32": 0.8, "vgg16_32": 0.8}  # local(1) / PyTorch one-thread throughput
 HYPER = {"lr": 1e-4, "momentum": 0.9}
-
-
-def interleaved(runners: dict, x, y, rounds: int, desc: str) -> dict:
-    """Median seconds per step of each runner, one step of each per round after one warm-up step."""
-    for step in runners.values():  # first-touch memory, caches, numba
-        step(x, y)
-    times = {label: [] for label in runners}
-    for _ in tqdm(range(rounds), desc=desc, leave=False, disable=None):
-        for label, step in runners.items():
-            start = time.perf_counter()
-            step(x, y)
-            times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def torch_step(graph, threads: int):
