@@ -37,7 +37,7 @@ from taskrt.config import Part
 from taskrt.data import bind_inputs
 from taskrt.executor import Executor
 from taskrt.graph import Graph, GraphError
-from taskrt.params import init_buffers, init_parameters, resolve_dtype
+from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
 from taskrt.plan import BUFFER, DATA, TASK, Buffer, Dep, Plan, Task
 from taskrt.tasks import Spec
 
@@ -144,15 +144,6 @@ def flatten_state(state: dict, layout) -> np.ndarray:
     return xp.concatenate([xp.asarray(state[k]).ravel() for k, _ in layout])
 
 
-def unflatten(flat, layout) -> dict:
-    out, start = {}, 0
-    for key, shape in layout:
-        size = prod(shape)
-        out[key] = flat[start : start + size].reshape(shape)
-        start += size
-    return out
-
-
 # ---- task specs -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CutBlock(Spec):
@@ -164,7 +155,7 @@ class CutBlock(Spec):
     block_layout: tuple
 
     def __call__(self, flat):
-        state = unflatten(flat, self.layout)
+        state = unpack(flat, self.layout)
         block = {}
         for key, _ in self.block_layout:
             arr = state[key]
@@ -191,14 +182,14 @@ class LocalStep(Spec):
     def __call__(self, *values):
         xp = array_module(values[0])
         if self.first:
-            blocks = [unflatten(v, lay) for v, lay in zip(values[: len(self.units)], self.layouts)]
+            blocks = [unpack(v, lay) for v, lay in zip(values[: len(self.units)], self.layouts)]
             x, y = values[len(self.units)], values[len(self.units) + 1]
         else:
             flat, x, y = values
             blocks, start = [], 0
             for lay in self.layouts:
                 size = sum(prod(s) for _, s in lay)
-                blocks.append(unflatten(flat[start : start + size], lay))
+                blocks.append(unpack(flat[start : start + size], lay))
                 start += size
         params, running = _split_blocks(self.units, blocks)
         _, grads, stats = forward_backward(self.graph, params, running, x, y, train=True)
@@ -227,11 +218,11 @@ class WriteBack(Spec):
     mode: str
 
     def __call__(self, flat, *finals):
-        state = {k: v.copy() for k, v in unflatten(flat, self.layout).items()}
+        state = {k: v.copy() for k, v in unpack(flat, self.layout).items()}
         pieces = []
         for final, (rows, cols, offset, lay) in zip(finals, self.sites):
             size = sum(prod(s) for _, s in lay)
-            pieces.append((rows, cols, unflatten(final[offset : offset + size], lay)))
+            pieces.append((rows, cols, unpack(final[offset : offset + size], lay)))
         if self.mode == "average":
             for key in state:
                 state[key] = sum(block[key] for _, _, block in pieces) / len(pieces)
@@ -473,7 +464,7 @@ class _RoundTrainer:
     def _flats(self) -> dict:
         keys = list(self._state)
         values = self.machine.client.gather([self._state[k] for k in keys])
-        return {k[0]: unflatten(np.asarray(v), self._layouts[k[0]]) for k, v in zip(keys, values)}
+        return {k[0]: unpack(np.asarray(v), self._layouts[k[0]]) for k, v in zip(keys, values)}
 
     def parameters(self) -> dict:
         """Whole-network parameters, {layer: {"weight": ..., "bias": ...}} (as Trainer.parameters)."""

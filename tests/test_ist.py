@@ -17,9 +17,9 @@ from taskrt.ist import (
     partition,
     plan_round,
     site_blocks,
-    unflatten,
     units_of,
 )
+from taskrt.params import unpack
 from taskrt.reference import SingleDeviceTrainer
 
 
@@ -77,7 +77,7 @@ def test_blocks_written_back_land_where_they_came_from():
             block = CutBlock(layout, rows, cols, lay)(flat)
             finals.append(block + (s + 1) * 1000.0)  # each site marks what it trained
             spec_sites.append((rows, cols, 0, lay))
-        new = unflatten(WriteBack(layout, tuple(spec_sites), "replace")(flat, *finals), layout)
+        new = unpack(WriteBack(layout, tuple(spec_sites), "replace")(flat, *finals), layout)
         owner_rows = np.full(widths[i], -1) if i < len(units) - 1 else None
         owner_cols = np.full(widths[i - 1], -1) if i > 0 else None
         for s in range(sites):
