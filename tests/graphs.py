@@ -1,9 +1,32 @@
-"""Small graphs for the search tests: undirected shapes for the optimizer (edge lists over node
-names) and an Inception-style block built with the graph API."""
+"""Small graphs for the tests: undirected shapes for the optimizer (edge lists over node names), an
+Inception-style block built with the graph API, and a small LeNet-5 with a mixed strategy that
+uses every split the trainer tests need."""
 
 from __future__ import annotations
 
-from taskrt import Graph
+from taskrt import Graph, models
+from taskrt.config import ParallelConfig as P
+from taskrt.strategy import Strategy
+
+
+def small_lenet():
+    return models.lenet5(batch=4, image_size=16, width=0.5)
+
+
+def mixed_lenet_strategy(graph, fc_devices=(1, 2), name=""):
+    """n-split convolutions on (0, 1), an h-split conv2 on (2, 0), c-split fully-connected layers
+    on `fc_devices`."""
+    configs = {}
+    for layer in graph:
+        if layer.is_input:
+            continue
+        if layer.name == "conv2":
+            configs[layer.name] = P(h=2, devices=(2, 0))
+        elif layer.kind == "linear":
+            configs[layer.name] = P(c=2, devices=fc_devices)
+        else:
+            configs[layer.name] = P(n=2, devices=(0, 1))
+    return Strategy(configs, name=name)
 
 
 def _names(k, prefix="v"):

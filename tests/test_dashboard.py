@@ -8,29 +8,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from taskrt import models
-from taskrt.config import ParallelConfig as P
 from taskrt.dashboard import PATH, page_url
-from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer
-
-
-def small_lenet():
-    return models.lenet5(batch=4, image_size=16, width=0.5)
+from tests.graphs import mixed_lenet_strategy, small_lenet
 
 
 def mixed(graph):
-    configs = {}
-    for layer in graph:
-        if layer.is_input:
-            continue
-        if layer.name == "conv2":
-            configs[layer.name] = P(h=2, devices=(2, 0))
-        elif layer.kind == "linear":
-            configs[layer.name] = P(c=2, devices=(1, 3))
-        else:
-            configs[layer.name] = P(n=2, devices=(0, 1))
-    return Strategy(configs, name="mixed-for-the-page")
+    return mixed_lenet_strategy(graph, fc_devices=(1, 3), name="mixed-for-the-page")
 
 
 def sources(doc) -> dict:

@@ -10,35 +10,20 @@ import time
 import numpy as np
 import pytest
 
-from taskrt import models
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.config import ParallelConfig as P
 from taskrt.elastic import remap, snapshot_interval
 from taskrt.machine import Machine, MachineError, worker_info
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer, WorkerLostWarning
+from tests.graphs import mixed_lenet_strategy, small_lenet
 
 RTOL = 1e-5  # float32: replayed steps run under another strategy, so sums are taken in another order
 
 
-def small_lenet():
-    return models.lenet5(batch=4, image_size=16, width=0.5)
-
-
 def mixed(graph):
-    """Every device used: n-split convolutions on (0, 1), an h-split conv2 on (2, 0), c-split
-    fully-connected layers on (1, 2)."""
-    configs = {}
-    for layer in graph:
-        if layer.is_input:
-            continue
-        if layer.name == "conv2":
-            configs[layer.name] = P(h=2, devices=(2, 0))
-        elif layer.kind == "linear":
-            configs[layer.name] = P(c=2, devices=(1, 2))
-        else:
-            configs[layer.name] = P(n=2, devices=(0, 1))
-    return Strategy(configs, name="mixed")
+    """Every device used (see tests/graphs.py)."""
+    return mixed_lenet_strategy(graph, name="mixed")
 
 
 def batches(graph, count, seed=0):

@@ -7,32 +7,18 @@ import time
 import numpy as np
 import pytest
 
-from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.data import InputError
 from taskrt.machine import Machine, MachineError, worker_info
 from taskrt.reference import SingleDeviceTrainer
 from taskrt.strategy import Strategy, StrategyError
 from taskrt.trainer import CheckpointError, Trainer
-
-
-def small_lenet():
-    return models.lenet5(batch=4, image_size=16, width=0.5)
+from tests.graphs import mixed_lenet_strategy, small_lenet
 
 
 def mixed(graph):
     """n-split convolutions, h-split second conv, c-split fully-connected layers, on 3 devices."""
-    configs = {}
-    for layer in graph:
-        if layer.is_input:
-            continue
-        if layer.name == "conv2":
-            configs[layer.name] = P(h=2, devices=(2, 0))
-        elif layer.kind == "linear":
-            configs[layer.name] = P(c=2, devices=(1, 2))
-        else:
-            configs[layer.name] = P(n=2, devices=(0, 1))
-    return Strategy(configs)
+    return mixed_lenet_strategy(graph)
 
 
 def batches(graph, count, seed=0):
