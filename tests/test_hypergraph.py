@@ -177,6 +177,64 @@ def test_mt_kahypar_balances_and_beats_the_naive_partitions(k):
     assert metrics.volume < hg.horizontal(model, k).metrics().volume
 
 
+def _brute_force_optimum(model, k, epsilon):
+    """The least volume over every assignment of each layer's filter counts to k parts."""
+    import itertools
+
+    def splits(size):
+        return [c for c in itertools.product(range(size + 1), repeat=k) if sum(c) == size]
+
+    cap = (1 + epsilon) * model.total_work / k
+    best = None
+    for rows in itertools.product(*(splits(v.size) for v in model.layers)):
+        counts = np.array(rows)
+        if (model.part_work(counts) <= cap * (1 + 1e-12)).all():
+            volume = model.volume(counts)
+            best = volume if best is None else min(best, volume)
+    return best
+
+
+@pytest.mark.parametrize("k, epsilon", [(2, 0.1), (2, 0.5), (3, 0.3)])
+def test_the_exact_partition_equals_brute_force(k, epsilon):
+    model = hg.coarse_grain(fig_3_4())
+    exact = hg.optimal(model, k, epsilon=epsilon)
+    assert exact.info["optimal"] and exact.runnable
+    assert (model.part_work(exact.counts) <= (1 + epsilon) * model.total_work / k * (1 + 1e-9)).all()
+    assert exact.metrics().volume == _brute_force_optimum(model, k, epsilon)
+
+
+def test_the_exact_partition_is_no_worse_than_any_other():
+    pytest.importorskip("mtkahypar")
+    model = hg.coarse_grain(small_vgg())
+    exact = hg.optimal(model, 3, epsilon=0.1)
+    assert exact.info["optimal"]
+    for part in (hg.partition(model, 3, threads=1), hg.incremental(model, 3), hg.horizontal(model, 3)):
+        if part.metrics().max_avg <= 1.1:
+            assert exact.metrics().volume <= part.metrics().volume
+    assert exact.info["bound"] == pytest.approx(exact.metrics().volume, rel=1e-6)
+
+
+def test_work_atoms_keep_every_atom_small_against_a_part():
+    model = hg.coarse_grain(models.vgg16(batch=32))
+    for k in (2, 16, 128):
+        atoms = model.work_atoms(k)
+        cap = model.total_work / k / 10
+        for v, count, ranges in zip(model.layers, atoms, model.atoms(atoms)):
+            assert len(ranges) == count and ranges[0][0] == 0 and ranges[-1][1] == v.size
+            assert count >= min(v.size, 16)
+            assert max(hi - lo for lo, hi in ranges) * v.work <= cap or count == v.size
+    with pytest.raises(hg.HypergraphError, match="one count per layer"):
+        model.atoms([1, 2])
+
+
+def test_partition_settings_are_checked():
+    model = hg.coarse_grain(small_vgg())
+    for kwargs, message in [({"preset": "fast"}, "preset='fast'"), ({"vcycles": -1}, "vcycles=-1"),
+                            ({"atoms": "many"}, "atoms='many'")]:
+        with pytest.raises(hg.HypergraphError, match=message):
+            hg.partition(model, 2, **kwargs)
+
+
 def test_fine_grain_model_and_its_partitions():
     g = fig_3_4()
     fine = hg.fine_grain(g, max_atoms=None)
@@ -205,13 +263,15 @@ def test_fine_grain_volume_counts_partial_sums():
     assert h.sent(parts, 2).tolist() == [expected // 2, expected // 2]
 
 
-@pytest.mark.parametrize("method", ["layer-wise", "horizontal", "incremental", "hypergraph"])
+@pytest.mark.parametrize("method", ["layer-wise", "horizontal", "incremental", "hypergraph", "optimal"])
 def test_partitions_run_exactly_and_move_the_bytes_the_model_counts(machine4, method):
     g = small_vgg(batch=2)
     model = hg.coarse_grain(g)
     if method == "hypergraph":
         pytest.importorskip("mtkahypar")
         part = hg.partition(model, 4, seed=0, threads=1)
+    elif method == "optimal":
+        part = hg.optimal(model, 4, time_limit=20)
     else:
         part = {"layer-wise": hg.layer_wise, "horizontal": hg.horizontal, "incremental": hg.incremental}[method](
             model, 4)
@@ -220,7 +280,7 @@ def test_partitions_run_exactly_and_move_the_bytes_the_model_counts(machine4, me
     fc3 = part.counts[model.index("fc3")]
     logits = int((fc3.sum() - fc3[strategy["loss"].devices[0]]) * 2 * 4)  # the loss reads every logit
     assert hg.forward_bytes(plan) == model.volume(part.counts) + logits
-    if method in ("horizontal", "hypergraph"):  # the others run in the slow suite
+    if method in ("horizontal", "hypergraph", "optimal"):  # the others run in the slow suite
         check_equivalence(g, strategy, machine4, "float64")
 
 
