@@ -105,9 +105,9 @@ def _row(part: hg.Partition, method: str, n: int, **extra) -> dict:
     return {"N": n, "method": method, "max_gflop": round(m.max_work / 1e9), "min_gflop": round(m.min_work / 1e9),
             "avg_gflop": round(m.avg_work / 1e9), "max_min": round(m.max_min, 2), "max_avg": round(m.max_avg, 3),
             "thesis_max_avg": round(THESIS_MAX_AVG.get(method, {}).get(n, 0), 2) or "",
-            "volume_mib": round(m.volume / MIB, 1), "volume_mv": round(m.volume / MV, 2),
-            "thesis_mv": THESIS_VOLUME.get(method, {}).get(n, ""), "max_comm_mv": round(m.max_comm / MV, 2),
-            "avg_comm_mv": round(m.avg_comm / MV, 2), "max_avg_comm": round(m.max_avg_comm, 1),
+            "volume_mib": round(m.volume / MIB, 1), "volume_mv": round(m.volume / MV, 3),
+            "thesis_mv": THESIS_VOLUME.get(method, {}).get(n, ""), "max_comm_mv": round(m.max_comm / MV, 3),
+            "avg_comm_mv": round(m.avg_comm / MV, 3), "max_avg_comm": round(m.max_avg_comm, 1),
             "seconds": round(part.seconds, 3), **extra}
 
 
