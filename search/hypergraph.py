@@ -489,7 +489,8 @@ def partition(model, k: int, epsilon: float = 0.1, seed: int = 0, preset: str = 
     preset: one of PRESETS, or "auto": for the coarse-grain model "default" up to k = 64, "large_k"
     above (on VGG-16 at k = 128 the default's initial partitioning took 2.8 s against large_k's
     0.5 s, for equal volumes; at k = 64 the default's volume is 8% lower); for the fine-grain model
-    "quality" (on VGG-16, 3-13% less volume than "default" at k = 8..128 in about the same time).  vcycles: extra V-cycles of refinement.
+    "quality" (on VGG-16, 3-13% less volume than "default" at k = 8..128 in about the same time).
+    vcycles: extra V-cycles of refinement.
     atoms (coarse-grain): "auto" (`work_atoms`, sized by the allowed imbalance), None (a vertex per
     filter), an int (at most that many per layer) or one count per layer.  `seed` makes it
     deterministic for a given thread count.  `seconds` counts building the partitioner's input
