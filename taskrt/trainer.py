@@ -43,6 +43,7 @@ from taskrt.params import init_buffers, init_parameters, pack, resolve_dtype, sl
 from taskrt.strategy import Strategy
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
+CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; workers keep the task states in between
 POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
 RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
 MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
@@ -163,6 +164,7 @@ class Trainer:
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
         self._in_flight: list[StepFuture] = []
         self._last_finished = 0.0
+        self._cut_at = 0  # the step whose state was last given fresh keys
         self._aux_runs = 0
         self.stats: StepStats | None = None
         self._memory = None
@@ -356,11 +358,13 @@ class Trainer:
     def _hyper(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
 
-    def _run(self, mode, data, step, hyper=None, tag=None, check=True):
+    def _run(self, mode, data, step, hyper=None, tag=None, check=True, address=None):
         """Submit a plan; `check`: first make sure the devices and state are there (recovering
-        when elastic); without, a missing device raises MachineError."""
+        when elastic); without, a missing device raises MachineError.  `address`: the devices'
+        worker addresses, when the caller has just checked them."""
         started = time.perf_counter()  # the step's time includes sending its data
-        address = self._check_state(step) if check else self.machine.addresses()
+        if address is None:
+            address = self._check_state(step) if check else self.machine.addresses()
         plan = self._plan(mode)
         futures = self.executor.scatter(plan, data, address)
         tag = tag or f"{step}-{self._token}"
@@ -368,11 +372,11 @@ class Trainer:
         run.submitted = started
         return run
 
-    def _run_logged(self, entry: LoggedStep, replay: int = 0) -> StepRun:
+    def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
         checked the devices: a check here could recover, and the recovery replays the log.)"""
         tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
-        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False)
+        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False, address=address)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
         self._buffers = run.outputs["buffers"]
         return run
@@ -382,13 +386,13 @@ class Trainer:
         arrays = bind_inputs(self.graph, data, self.dtype)
         if self._in_flight and len(self._in_flight) >= MAX_IN_FLIGHT:
             self._in_flight.pop(0).result()  # bounds the history Dask keeps (see _cut_lineage)
-        self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
+        address = self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
         self.steps_done += 1
         entry = LoggedStep(self.steps_done, arrays, self._hyper())
         if self.elastic:
             self._log.append(entry)
         try:
-            run = self._run_logged(entry)
+            run = self._run_logged(entry, address=address)
         except Exception:
             # a device lost while the step was being sent: recover, which replays it from the log
             if not self.elastic or not self._missing_devices():
@@ -404,7 +408,11 @@ class Trainer:
         return self.submit(*data).result()
 
     def _cut_lineage(self, run: StepRun):
-        """Give the current state fresh keys once its step is done (see Executor.cut_lineage)."""
+        """Every CUT_LINEAGE_EVERY steps, give the current state fresh keys once its step is done
+        (see Executor.cut_lineage)."""
+        if run.step - self._cut_at < CUT_LINEAGE_EVERY:
+            return
+        self._cut_at = run.step
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
         if self._buffers is run.outputs["buffers"] and self._buffers:

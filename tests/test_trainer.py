@@ -41,6 +41,28 @@ def test_steps_in_flight_equal_sequential_steps(machine4):
             np.testing.assert_allclose(b[layer][name], a[layer][name], rtol=1e-12)
 
 
+def _task_states(machine, token):
+    def count(token, dask_worker=None):
+        return sum(token in str(key) for key in dask_worker.state.tasks)
+    return sum(machine.client.run(count, token).values())
+
+
+def test_workers_keep_a_bounded_history_of_steps(machine4):
+    """The state's lineage is cut every CUT_LINEAGE_EVERY steps, so the task states the workers
+    keep stop growing with the number of steps."""
+    from taskrt.trainer import CUT_LINEAGE_EVERY
+
+    graph = small_lenet()
+    x, y = batches(graph, 1)[0]
+    trainer = Trainer(graph, mixed(graph), machine4, lr=0.01, snapshot_every=None)
+    counts = []
+    for _ in range(3):
+        for _ in range(2 * CUT_LINEAGE_EVERY):
+            trainer.step(x, y)
+        counts.append(_task_states(machine4, trainer._token))
+    assert counts[2] <= counts[1] * 1.1, counts  # no growth: without cuts, each round adds as many
+
+
 def test_checkpoint_resume_continues_exactly(machine4, tmp_path):
     graph = small_lenet()
     data = batches(graph, 4, seed=1)
