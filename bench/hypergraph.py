@@ -22,8 +22,10 @@ have at N = 2 and 4 under these weights.  Writes results/hypergraph.json, .md an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -111,6 +113,7 @@ def _row(part: hg.Partition, method: str, n: int, **extra) -> dict:
             "seconds": round(part.seconds, 3), **extra}
 
 
+TIMING_RUNS = 5  # the coarse-grain partition's seconds: median of this many calls
 # Mt-KaHyPar's strongest setting here: deterministic quality preset, 5 more V-cycles, 128 atoms a layer
 QUALITY = {"preset": "deterministic_quality", "vcycles": 5, "atoms": 128}
 
@@ -126,7 +129,10 @@ def balance_tables(coarse, fine, ns, epsilon=0.1, seed=0, quality_upto=32, optim
         rows.append(_row(hg.incremental(fine, n), "channel-wise incremental", n))
         bound = round(lower_bound(coarse, n, epsilon) / MV, 1)
         part = hg.partition(coarse, n, epsilon=epsilon, seed=seed)
-        rows.append(_row(part, "coarse hypergraph", n, bound_mv=bound, startup_s=round(part.info["startup_s"], 3)))
+        startup = part.info["startup_s"]  # once per process: the first call pays it
+        again = [hg.partition(coarse, n, epsilon=epsilon, seed=seed).seconds for _ in range(TIMING_RUNS - 1)]
+        part = dataclasses.replace(part, seconds=statistics.median([part.seconds, *again]))
+        rows.append(_row(part, "coarse hypergraph", n, bound_mv=bound, startup_s=round(startup, 3)))
         if n <= quality_upto:
             rows.append(_row(hg.partition(coarse, n, epsilon=epsilon, seed=seed, **QUALITY),
                              "coarse hypergraph, quality", n, bound_mv=bound))
@@ -248,8 +254,9 @@ def write(out_dir, record):
     md += ["## Tables 5.1-5.12: work (GFLOP, forward + backward) and forward communication", "",
            "Volumes in MiB (bytes) and MV (2^20 values, the thesis's \"MB\"); thesis_mv is the thesis's figure, "
            "bound_mv a lower bound on any coarse-grain partition at this balance (for the MILP rows: the solver's "
-           "bound); seconds: time to partition, building the input included; startup_s: of which starting "
-           "Mt-KaHyPar's thread pool (first call in the process).", "",
+           "bound); seconds: time to partition, building the input included (for the coarse hypergraph the median of "
+           f"{TIMING_RUNS} calls); startup_s: starting Mt-KaHyPar's thread pool, once per process, paid by the "
+           "first call (N = 2) on top.", "",
            _table(("N", "method", "max_gflop", "min_gflop", "avg_gflop", "max_min", "max_avg", "thesis_max_avg",
                    "volume_mib", "volume_mv", "thesis_mv", "bound_mv", "max_comm_mv", "avg_comm_mv", "max_avg_comm",
                    "seconds", "startup_s"), tables), ""]
@@ -306,8 +313,8 @@ def _summary(tables, imbalance, epoch, runtime, timing) -> list[str]:
     worst = max(timing, key=lambda r: r["N"])
     lines.append(f"Mt-KaHyPar on the coarse-grain model: {worst['seconds']} s at N={worst['N']} "
                  f"(goal: under 1 s: {'met' if worst['seconds'] < 1 else 'MISSED'}); slowest over all N: "
-                 f"{max(r['seconds'] for r in timing)} s, thread pool start {max(r['startup_s'] for r in timing)} s "
-                 "(once per process, included in the first N)")
+                 f"{max(r['seconds'] for r in timing)} s (medians of {TIMING_RUNS} calls); starting its thread pool "
+                 f"{max(r['startup_s'] for r in timing)} s, once per process")
     bound_ok = all(r["volume_mv"] >= r.get("bound_mv", 0) - 0.05 for r in tables if r["method"] == "coarse hypergraph")
     lines.append(f"every coarse-grain hypergraph volume is at or above the lower bound for its balance: {bound_ok}")
     mean = np.mean([float(r["reduction"].rstrip("%")) for r in epoch])
