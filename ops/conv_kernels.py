@@ -1,0 +1,200 @@
+"""Array kernels of 2D convolution on one tile: im2col + GEMM, in the layout that copies least.
+
+Tensors are NCHW, weights (Cout, C, kh, kw), padding ((top, bottom), (left, right)) as the tile
+needs it (`ops.windows.tile_padding`).  The column matrix of each block of about `row_blocks`
+output positions is built in one of two layouts, whichever copies longer contiguous runs:
+
+- channels last (`ops.windows`): the tile is copied once to a zero-padded NHWC array and each
+  window contributes runs of kw*C values; any array module (numpy or cupy);
+- planes (`ops.planes`): straight from the NCHW tile, runs of one output row (Wo values); numpy.
+
+Backward-data of a stride-1 convolution is itself a convolution: the gradient correlated with the
+kernel flipped and transposed, padded by k-1-p, gathers every input's gradient exactly once, so
+it reuses the forward kernel (no scatter-add, no padded gradient to zero and crop).  A strided
+convolution scatter-adds its window gradients (col2im) instead.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from ops import planes
+from ops.base import array_module
+from ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
+
+
+def _out_hw(in_hw, kernel, stride, pads):
+    return tuple((size + p0 + p1 - k) // s + 1 for size, k, s, (p0, p1) in zip(in_hw, kernel, stride, pads))
+
+
+def use_planes(x, channels: int, kernel, stride, out_width: int) -> bool:
+    """The planes layout for numpy tiles whose output rows are contiguous (stride 1) and at least as long
+    as a window's channel run."""
+    return array_module(x) is numpy and stride[1] == 1 and out_width >= kernel[1] * channels
+
+
+def _blocks(n, ho, wo):
+    for sn, sh in row_blocks(n, ho, wo):
+        yield sn.start, sn.stop, sh.start, sh.stop
+
+
+def _scratch(x, rows, cols):
+    """A C-contiguous (rows, cols) matrix on top of a reusable buffer of at least rows*cols values."""
+    return x[: rows * cols].reshape(rows, cols)
+
+
+# ---- channels last ------------------------------------------------------------------------------
+def _padded_nhwc(x_nhwc, pads):
+    """Contiguous zero-padded copy of an NHWC view, in one pass (only the border is zeroed)."""
+    xp = array_module(x_nhwc)
+    n, h, w, c = x_nhwc.shape
+    (pt, pb), (pl, pr) = pads
+    out = xp.empty((n, h + pt + pb, w + pl + pr, c), dtype=x_nhwc.dtype)
+    out[:, :pt] = 0
+    out[:, pt + h :] = 0
+    out[:, pt : pt + h, :pl] = 0
+    out[:, pt : pt + h, pl + w :] = 0
+    out[:, pt : pt + h, pl : pl + w] = x_nhwc
+    return out
+
+
+def _matrix_nhwc(w):
+    """The (kh*kw*C, Cout) matrix of a kernel, rows (i, j, c) as im2col_block, copied in the order that
+    reads w most contiguously (w may be a flipped, transposed view)."""
+    if abs(w.strides[0]) < abs(w.strides[1]):
+        return w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
+    return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1).T
+
+
+def _conv_nhwc(x_nhwc, w, bias, stride, pads, relu):
+    """Forward of an NHWC view; returns y in NHWC."""
+    xp = array_module(x_nhwc)
+    cout, kernel = w.shape[0], w.shape[2:]
+    view = window_view_nhwc(_padded_nhwc(x_nhwc, pads), kernel, stride)
+    n, ho, wo = view.shape[:3]
+    wmat = _matrix_nhwc(w)
+    y = xp.empty((n, ho, wo, cout), dtype=x_nhwc.dtype)
+    for block in row_blocks(n, ho, wo):
+        yb = y[block].reshape(-1, cout)
+        xp.matmul(im2col_block(view, block), wmat, out=yb)
+        if bias is not None:
+            yb += bias
+        if relu:
+            xp.maximum(yb, 0, out=yb)
+    return y
+
+
+def _weight_grad_nhwc(d, x, kernel, stride, pads):
+    xp = array_module(x)
+    cout = d.shape[1]
+    view = window_view_nhwc(_padded_nhwc(x.transpose(0, 2, 3, 1), pads), kernel, stride)
+    d_nhwc = d.transpose(0, 2, 3, 1)
+    dw = xp.zeros((cout, kernel[0] * kernel[1] * x.shape[1]), dtype=x.dtype)
+    for block in row_blocks(*d_nhwc.shape[:3]):
+        dw += d_nhwc[block].reshape(-1, cout).T @ im2col_block(view, block)
+    return xp.ascontiguousarray(dw.reshape(cout, *kernel, x.shape[1]).transpose(0, 3, 1, 2))
+
+
+def _scatter_nhwc(d, w, in_shape, stride, pads):
+    xp = array_module(d)
+    n, cout, ho, wo = d.shape
+    c, (kh, kw) = in_shape[1], w.shape[2:]
+    (pt, pb), (pl, pr) = pads
+    d_nhwc = d.transpose(0, 2, 3, 1)
+    wm = w.transpose(0, 2, 3, 1).reshape(cout, -1)  # columns (i, j, c)
+    dx_pad = xp.zeros((n, in_shape[2] + pt + pb, in_shape[3] + pl + pr, c), dtype=d.dtype)
+    for block in row_blocks(n, ho, wo):
+        rows = d_nhwc[block]
+        dcols = (rows.reshape(-1, cout) @ wm).reshape(*rows.shape[:3], kh, kw, c)
+        col2im_block(dx_pad, dcols, block, stride)
+    return xp.ascontiguousarray(crop(dx_pad, pads, axes=(1, 2)).transpose(0, 3, 1, 2))
+
+
+# ---- planes -------------------------------------------------------------------------------------
+def _conv_planes(x, w, bias, stride, pads, relu):
+    x = numpy.ascontiguousarray(x)
+    n, c, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    ho, wo = _out_hw((h, wd), (kh, kw), stride, pads)
+    wmat = numpy.ascontiguousarray(w).reshape(cout, -1)  # columns (c, i, j), as planes.im2col
+    bias = numpy.zeros(cout, x.dtype) if bias is None else numpy.ascontiguousarray(bias, dtype=x.dtype)
+    y = numpy.empty((n, cout, ho, wo), dtype=x.dtype)
+    most = max((n1 - n0) * (h1 - h0) * wo for n0, n1, h0, h1 in _blocks(n, ho, wo))
+    cols_buf = numpy.empty(wmat.shape[1] * most, dtype=x.dtype)
+    out_buf = numpy.empty(cout * most, dtype=x.dtype)
+    for n0, n1, h0, h1 in _blocks(n, ho, wo):
+        positions = (n1 - n0) * (h1 - h0) * wo
+        cols = _scratch(cols_buf, wmat.shape[1], positions)
+        planes.im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0])
+        out = _scratch(out_buf, cout, positions)
+        numpy.matmul(wmat, cols, out=out)
+        planes.store(out, y, bias, relu, n0, n1, h0, h1)
+    return y
+
+
+def _weight_grad_planes(d, x, kernel, stride, pads):
+    x, d = numpy.ascontiguousarray(x), numpy.ascontiguousarray(d)
+    n, cout, ho, wo = d.shape
+    k = x.shape[1] * kernel[0] * kernel[1]
+    dw = numpy.zeros((cout, k), dtype=x.dtype)
+    most = max((n1 - n0) * (h1 - h0) * wo for n0, n1, h0, h1 in _blocks(n, ho, wo))
+    cols_buf = numpy.empty(k * most, dtype=x.dtype)
+    d_buf = numpy.empty(cout * most, dtype=x.dtype)
+    for n0, n1, h0, h1 in _blocks(n, ho, wo):
+        positions = (n1 - n0) * (h1 - h0) * wo
+        cols = _scratch(cols_buf, k, positions)
+        planes.im2col(x, cols, n0, n1, h0, h1, wo, *kernel, *stride, pads[0][0], pads[1][0])
+        rows = _scratch(d_buf, cout, positions)
+        planes.load(d, rows, n0, n1, h0, h1)
+        dw += rows @ cols.T
+    return dw.reshape(cout, x.shape[1], *kernel)
+
+
+def _scatter_planes(d, w, in_shape, stride, pads):
+    d = numpy.ascontiguousarray(d)
+    n, cout, ho, wo = d.shape
+    kh, kw = w.shape[2:]
+    wm = numpy.ascontiguousarray(w).reshape(cout, -1)
+    dx = numpy.zeros(in_shape, dtype=d.dtype)
+    most = max((n1 - n0) * (h1 - h0) * wo for n0, n1, h0, h1 in _blocks(n, ho, wo))
+    d_buf = numpy.empty(cout * most, dtype=d.dtype)
+    for n0, n1, h0, h1 in _blocks(n, ho, wo):
+        rows = _scratch(d_buf, cout, (n1 - n0) * (h1 - h0) * wo)
+        planes.load(d, rows, n0, n1, h0, h1)
+        planes.col2im(wm.T @ rows, dx, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0])
+    return dx
+
+
+# ---- the kernels --------------------------------------------------------------------------------
+def conv2d(x, w, bias, stride, pads, relu=False):
+    """relu?(x correlated with w, + bias) of one tile: x (N, C, H, W) -> (N, Cout, Ho, Wo)."""
+    _, wo = _out_hw(x.shape[2:], w.shape[2:], stride, pads)
+    if use_planes(x, x.shape[1], w.shape[2:], stride, wo):
+        return _conv_planes(x, w, bias, stride, pads, relu)
+    y = _conv_nhwc(x.transpose(0, 2, 3, 1), w, bias, stride, pads, relu)
+    return array_module(x).ascontiguousarray(y.transpose(0, 3, 1, 2))
+
+
+def conv2d_weight_grad(d, x, kernel, stride, pads):
+    """dL/dw (Cout, C, kh, kw) and dL/db (Cout,) of one tile from d = dL/dy (any relu already applied)."""
+    wo = d.shape[3]
+    if use_planes(x, x.shape[1], kernel, stride, wo):
+        dw = _weight_grad_planes(d, x, kernel, stride, pads)
+    else:
+        dw = _weight_grad_nhwc(d, x, kernel, stride, pads)
+    return dw, d.sum(axis=(0, 2, 3))
+
+
+def conv2d_data_grad(d, w, in_shape, stride, pads):
+    """dL/dx (N, C, H, W) of one tile from d = dL/dy (any relu already applied)."""
+    cout, cin, kh, kw = w.shape
+    (pt, pb), (pl, pr) = pads
+    flipped = ((kh - 1 - pt, kh - 1 - pb), (kw - 1 - pl, kw - 1 - pr))
+    planes_layout = use_planes(d, cin, (kh, kw), stride, d.shape[3])
+    # Gathering multiplies by a (kh*kw*Cout, C) matrix, scattering by a (Cout, kh*kw*C) one and then
+    # adds into dx: gathering is faster when C >= Cout and the copies are channels-last.
+    if not planes_layout and cin >= cout and tuple(stride) == (1, 1) and min(min(p) for p in flipped) >= 0:
+        return conv2d(d, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), None, (1, 1), flipped)
+    if planes_layout:
+        return _scatter_planes(d, w, in_shape, stride, pads)
+    return _scatter_nhwc(d, w, in_shape, stride, pads)
