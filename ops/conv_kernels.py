@@ -22,15 +22,19 @@ from ops import planes
 from ops.base import array_module
 from ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
 
+PLANES_MIN_WIDTH = 48
+
 
 def _out_hw(in_hw, kernel, stride, pads):
     return tuple((size + p0 + p1 - k) // s + 1 for size, k, s, (p0, p1) in zip(in_hw, kernel, stride, pads))
 
 
 def use_planes(x, channels: int, kernel, stride, out_width: int) -> bool:
-    """The planes layout for numpy tiles whose output rows are contiguous (stride 1) and at least as long
-    as a window's channel run."""
-    return array_module(x) is numpy and stride[1] == 1 and out_width >= kernel[1] * channels
+    """The planes layout for numpy tiles with contiguous output rows (stride 1) that are long: at least
+    a window's channel run, or PLANES_MIN_WIDTH (measured: channels-last is faster at width 32 and
+    below with 64 or more channels, planes from width 56 on)."""
+    return (array_module(x) is numpy and stride[1] == 1
+            and (out_width >= kernel[1] * channels or out_width >= PLANES_MIN_WIDTH))
 
 
 def _blocks(n, ho, wo):
@@ -185,16 +189,34 @@ def conv2d_weight_grad(d, x, kernel, stride, pads):
     return dw, d.sum(axis=(0, 2, 3))
 
 
+def gather_padding(kernel, stride, pads):
+    """Padding of d in the gather form of backward-data (k-1-p per side), or None where it does not
+    apply: a strided convolution, or padding beyond k-1."""
+    flipped = tuple((k - 1 - p0, k - 1 - p1) for k, (p0, p1) in zip(kernel, pads))
+    if tuple(stride) != (1, 1) or min(min(p) for p in flipped) < 0:
+        return None
+    return flipped
+
+
+def data_grad_gather(d, w, pads):
+    """dL/dx of a stride-1 convolution: d correlated with the flipped, transposed kernel."""
+    flipped = gather_padding(w.shape[2:], (1, 1), pads)
+    return conv2d(d, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), None, (1, 1), flipped)
+
+
+def data_grad_scatter(d, w, in_shape, stride, pads):
+    """dL/dx of any convolution: window gradients (d times the kernel) added into place (col2im)."""
+    if use_planes(d, in_shape[1], w.shape[2:], stride, d.shape[3]):
+        return _scatter_planes(d, w, in_shape, stride, pads)
+    return _scatter_nhwc(d, w, in_shape, stride, pads)
+
+
 def conv2d_data_grad(d, w, in_shape, stride, pads):
     """dL/dx (N, C, H, W) of one tile from d = dL/dy (any relu already applied)."""
     cout, cin, kh, kw = w.shape
-    (pt, pb), (pl, pr) = pads
-    flipped = ((kh - 1 - pt, kh - 1 - pb), (kw - 1 - pl, kw - 1 - pr))
-    planes_layout = use_planes(d, cin, (kh, kw), stride, d.shape[3])
     # Gathering multiplies by a (kh*kw*Cout, C) matrix, scattering by a (Cout, kh*kw*C) one and then
-    # adds into dx: gathering is faster when C >= Cout and the copies are channels-last.
-    if not planes_layout and cin >= cout and tuple(stride) == (1, 1) and min(min(p) for p in flipped) >= 0:
-        return conv2d(d, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), None, (1, 1), flipped)
-    if planes_layout:
-        return _scatter_planes(d, w, in_shape, stride, pads)
-    return _scatter_nhwc(d, w, in_shape, stride, pads)
+    # adds into dx: gathering is faster when C >= Cout and the copies are channels-last (measured).
+    if (cin >= cout and gather_padding((kh, kw), stride, pads) is not None
+            and not use_planes(d, cin, (kh, kw), stride, d.shape[3])):
+        return data_grad_gather(d, w, pads)
+    return data_grad_scatter(d, w, in_shape, stride, pads)
