@@ -118,3 +118,16 @@ def load(d, block, n0, n1, h0, h1):
                 for w in range(wo):
                     dst[w] = src[w]
                 col += wo
+
+
+@numba.njit(cache=True)
+def to_nhwc(x, out, top, left):
+    """out[n, top + h, left + w, c] <- x[n, c, h, w]: reads whole rows of each channel."""
+    n_, c_, height, width = x.shape
+    for n in range(n_):
+        for h in range(height):
+            dst = out[n, top + h, left:]
+            for c in range(c_):
+                src = x[n, c, h]
+                for w in range(width):
+                    dst[w, c] = src[w]

@@ -34,6 +34,27 @@ def reference_data_grad(d, w, in_shape, stride, pads):
     return dx[:, :, pt : pt + h, pl : pl + wd]
 
 
+def check_every_layout(x, w, b, stride, pads, relu, d):
+    win = windows(x, w.shape[2:], stride, pads)
+    y_ref = np.einsum("nchwij,ocij->nohw", win, w) + b[None, :, None, None]
+    if relu:
+        y_ref = np.maximum(y_ref, 0)
+    dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
+    dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
+    for planes in (True, False):
+        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes):
+            y = conv_kernels.conv2d(x, w, b, stride, pads, relu)
+            np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+            dw, db = conv_kernels.conv2d_weight_grad(d, x, w.shape[2:], stride, pads)
+            np.testing.assert_allclose(dw, dw_ref, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(db, d.sum(axis=(0, 2, 3)), rtol=1e-12, atol=1e-12)
+            dxs = [conv_kernels.data_grad_scatter(d, w, x.shape, stride, pads)]
+            if conv_kernels.gather_padding(w.shape[2:], stride, pads) is not None:
+                dxs.append(conv_kernels.data_grad_gather(d, w, pads))
+            for dx in dxs:
+                np.testing.assert_allclose(dx, dx_ref, rtol=1e-12, atol=1e-12)
+
+
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_conv_layouts_and_backward_forms_match_references(data):
@@ -42,23 +63,13 @@ def test_conv_layouts_and_backward_forms_match_references(data):
     xs, params = make_inputs(op, rng, distinct=False)
     out = random_rect(data.draw, op.out_shape)
     (x,), p = tile_inputs(op, xs, params, out)
-    w, b, stride, pads, kernel = p["weight"], p["bias"], op.stride, op._pads(out), op.kernel
     d = rng.standard_normal(out.shape)
-    win = windows(x, kernel, stride, pads)
-    y_ref = np.einsum("nchwij,ocij->nohw", win, w) + b[None, :, None, None]
-    if op.activation == "relu":
-        y_ref = np.maximum(y_ref, 0)
-    dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
-    dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
-    for planes in (True, False):
-        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes):
-            y = conv_kernels.conv2d(x, w, b, stride, pads, op.activation == "relu")
-            np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
-            dw, db = conv_kernels.conv2d_weight_grad(d, x, kernel, stride, pads)
-            np.testing.assert_allclose(dw, dw_ref, rtol=1e-12, atol=1e-12)
-            np.testing.assert_allclose(db, d.sum(axis=(0, 2, 3)), rtol=1e-12, atol=1e-12)
-            dxs = [conv_kernels.data_grad_scatter(d, w, x.shape, stride, pads)]
-            if conv_kernels.gather_padding(kernel, stride, pads) is not None:
-                dxs.append(conv_kernels.data_grad_gather(d, w, pads))
-            for dx in dxs:
-                np.testing.assert_allclose(dx, dx_ref, rtol=1e-12, atol=1e-12)
+    check_every_layout(x, p["weight"], p["bias"], op.stride, op._pads(out), op.activation == "relu", d)
+
+
+def test_planes_4k_apart_are_copied_to_channels_last_by_rows():
+    """16x32 float64 planes are 4 KiB apart: the channels-last copy takes its row loop there."""
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((2, 3, 16, 32)), rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)
+    d = rng.standard_normal((2, 4, 15, 32))
+    check_every_layout(x, w, b, (1, 1), ((0, 1), (1, 1)), True, d)
