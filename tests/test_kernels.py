@@ -1,4 +1,5 @@
-"""Convolution kernels: every column layout and backward-data form computes the same thing.
+"""Array kernels: every column layout and backward-data form of convolution computes the same thing,
+and the one-pass SGD update rounds as the array operations do.
 
 `ops.conv_kernels` chooses a column layout (planes or channels-last) and a backward-data form
 (gather or scatter) for speed.  Here each one is forced in turn on random tiles and compared with
@@ -9,10 +10,11 @@ from __future__ import annotations
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops import conv_kernels
+from ops import conv_kernels, sgd_update
 from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
 
 
@@ -73,3 +75,18 @@ def test_planes_4k_apart_are_copied_to_channels_last_by_rows():
     x, w, b = rng.standard_normal((2, 3, 16, 32)), rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)
     d = rng.standard_normal((2, 4, 15, 32))
     check_every_layout(x, w, b, (1, 1), ((0, 1), (1, 1)), True, d)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("momentum, weight_decay", [(0.9, 1e-2), (0.9, 0.0), (0.0, 1e-2), (0.0, 0.0)])
+def test_sgd_loop_rounds_as_the_array_operations(dtype, momentum, weight_decay):
+    """The one-pass update equals PyTorch's formula evaluated step by step in the parameters' precision."""
+    rng = np.random.default_rng(6)
+    w, v, g = (rng.standard_normal((7, 5)).astype(dtype) for _ in range(3))
+    lr = 0.05
+    step = g + dtype(weight_decay) * w if weight_decay else g
+    v_expected = dtype(momentum) * v + step if momentum else step
+    w_new, v_new = sgd_update(w, v, g, lr, momentum, weight_decay)
+    assert w_new.dtype == v_new.dtype == dtype and w_new.shape == w.shape
+    np.testing.assert_array_equal(v_new, v_expected)
+    np.testing.assert_array_equal(w_new, w - dtype(lr) * v_expected)
