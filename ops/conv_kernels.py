@@ -216,12 +216,17 @@ def data_grad_scatter(d, w, in_shape, stride, pads):
     return _scatter_nhwc(d, w, in_shape, stride, pads)
 
 
+def gathers(d, w_shape, stride, pads) -> bool:
+    """Does backward-data gather?  Gathering multiplies by a (kh*kw*Cout, C) matrix, scattering by a
+    (Cout, kh*kw*C) one and then adds into dx: gathering is faster when C >= Cout and the copies are
+    channels-last (measured)."""
+    cout, cin, kh, kw = w_shape
+    return (cin >= cout and gather_padding((kh, kw), stride, pads) is not None
+            and not use_planes(d, cin, (kh, kw), stride, d.shape[3]))
+
+
 def conv2d_data_grad(d, w, in_shape, stride, pads):
     """dL/dx (N, C, H, W) of one tile from d = dL/dy (any relu already applied)."""
-    cout, cin, kh, kw = w.shape
-    # Gathering multiplies by a (kh*kw*Cout, C) matrix, scattering by a (Cout, kh*kw*C) one and then
-    # adds into dx: gathering is faster when C >= Cout and the copies are channels-last (measured).
-    if (cin >= cout and gather_padding((kh, kw), stride, pads) is not None
-            and not use_planes(d, cin, (kh, kw), stride, d.shape[3])):
+    if gathers(d, w.shape, stride, pads):
         return data_grad_gather(d, w, pads)
     return data_grad_scatter(d, w, in_shape, stride, pads)
