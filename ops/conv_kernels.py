@@ -67,21 +67,35 @@ def _padded_nhwc(x, pads=((0, 0), (0, 0))):
     return out
 
 
-def _matrix_nhwc(w):
-    """The (kh*kw*C, Cout) matrix of a kernel, rows (i, j, c) as im2col_block, copied in the order that
-    reads w most contiguously (w may be a flipped, transposed view)."""
-    if abs(w.strides[0]) < abs(w.strides[1]):
-        return w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
-    return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1).T
+def _swap_last(a):
+    """Contiguous (A, C, B) copy of an (A, B, C) array."""
+    xp = array_module(a)
+    if xp is not numpy:
+        return xp.ascontiguousarray(a.transpose(0, 2, 1))
+    out = numpy.empty((a.shape[0], a.shape[2], a.shape[1]), dtype=a.dtype)
+    planes.swap_last(numpy.ascontiguousarray(a), out)  # 3x numpy's strided copy on 512x512x3x3
+    return out
 
 
-def _conv_nhwc(x, w, bias, stride, pads, relu):
-    """Forward of an NCHW tile; returns y in NHWC."""
+def _kernel_nhwc(w, flipped):
+    """The kernel as a matrix whose rows are im2col_block's columns (i, j, c): (kh*kw*C, Cout) for w;
+    for the gradient's kernel (w flipped and transposed: backward-data gathering) (kh*kw*Cout, C)."""
+    cout, c, kh, kw = w.shape
+    if not flipped:
+        return _swap_last(w.reshape(cout, c, kh * kw)).reshape(cout, -1).T
+    if array_module(w) is not numpy:
+        return w.transpose(2, 3, 0, 1)[::-1, ::-1].reshape(-1, c)
+    out = numpy.empty((kh * kw, cout, c), dtype=w.dtype)
+    planes.flip_taps(numpy.ascontiguousarray(w).reshape(cout, c, kh * kw), out)
+    return out.reshape(-1, c)
+
+
+def _conv_nhwc(x, wmat, kernel, bias, stride, pads, relu):
+    """Forward of an NCHW tile by a `_kernel_nhwc` matrix; returns y in NHWC."""
     xp = array_module(x)
-    cout, kernel = w.shape[0], w.shape[2:]
+    cout = wmat.shape[1]
     view = window_view_nhwc(_padded_nhwc(x, pads), kernel, stride)
     n, ho, wo = view.shape[:3]
-    wmat = _matrix_nhwc(w)
     y = xp.empty((n, ho, wo, cout), dtype=x.dtype)
     for block in row_blocks(n, ho, wo):
         yb = y[block].reshape(-1, cout)
@@ -101,7 +115,7 @@ def _weight_grad_nhwc(d, x, kernel, stride, pads):
     dw = xp.zeros((cout, kernel[0] * kernel[1] * x.shape[1]), dtype=x.dtype)
     for block in row_blocks(*d_nhwc.shape[:3]):
         dw += d_nhwc[block].reshape(-1, cout).T @ im2col_block(view, block)
-    return xp.ascontiguousarray(dw.reshape(cout, *kernel, x.shape[1]).transpose(0, 3, 1, 2))
+    return _swap_last(dw.reshape(cout, kernel[0] * kernel[1], x.shape[1])).reshape(cout, x.shape[1], *kernel)
 
 
 def _scatter_nhwc(d, w, in_shape, stride, pads):
@@ -110,7 +124,7 @@ def _scatter_nhwc(d, w, in_shape, stride, pads):
     c, (kh, kw) = in_shape[1], w.shape[2:]
     (pt, pb), (pl, pr) = pads
     d_nhwc = _padded_nhwc(d)
-    wm = w.transpose(0, 2, 3, 1).reshape(cout, -1)  # columns (i, j, c)
+    wm = _kernel_nhwc(w, False).T  # columns (i, j, c)
     dx_pad = xp.zeros((n, in_shape[2] + pt + pb, in_shape[3] + pl + pr, c), dtype=d.dtype)
     for block in row_blocks(n, ho, wo):
         rows = d_nhwc[block]
@@ -120,12 +134,21 @@ def _scatter_nhwc(d, w, in_shape, stride, pads):
 
 
 # ---- planes -------------------------------------------------------------------------------------
-def _conv_planes(x, w, bias, stride, pads, relu):
+def _kernel_planes(w, flipped):
+    """The kernel as a matrix whose columns are planes.im2col's rows (c, i, j): (Cout, C*kh*kw) for w,
+    (C, Cout*kh*kw) for the gradient's kernel (w flipped and transposed)."""
+    cout, c, kh, kw = w.shape
+    w = numpy.ascontiguousarray(w).reshape(cout, c, kh * kw)
+    if not flipped:
+        return w.reshape(cout, -1)
+    return numpy.ascontiguousarray(w[:, :, ::-1].transpose(1, 0, 2)).reshape(c, -1)
+
+
+def _conv_planes(x, wmat, kernel, bias, stride, pads, relu):
     x = numpy.ascontiguousarray(x)
     n, c, h, wd = x.shape
-    cout, _, kh, kw = w.shape
+    cout, (kh, kw) = wmat.shape[0], kernel
     ho, wo = _out_hw((h, wd), (kh, kw), stride, pads)
-    wmat = numpy.ascontiguousarray(w).reshape(cout, -1)  # columns (c, i, j), as planes.im2col
     bias = numpy.zeros(cout, x.dtype) if bias is None else numpy.ascontiguousarray(bias, dtype=x.dtype)
     y = numpy.empty((n, cout, ho, wo), dtype=x.dtype)
     most = max((n1 - n0) * (h1 - h0) * wo for n0, n1, h0, h1 in _blocks(n, ho, wo))
@@ -175,13 +198,19 @@ def _scatter_planes(d, w, in_shape, stride, pads):
 
 
 # ---- the kernels --------------------------------------------------------------------------------
+def _correlate(x, w, flipped, bias, stride, pads, relu):
+    """x correlated with w (Cout, C, kh, kw), or with w flipped and transposed, + bias, through relu."""
+    kernel = w.shape[2:]
+    _, wo = _out_hw(x.shape[2:], kernel, stride, pads)
+    if use_planes(x, x.shape[1], kernel, stride, wo):
+        return _conv_planes(x, _kernel_planes(w, flipped), kernel, bias, stride, pads, relu)
+    y = _conv_nhwc(x, _kernel_nhwc(w, flipped), kernel, bias, stride, pads, relu)
+    return array_module(x).ascontiguousarray(y.transpose(0, 3, 1, 2))
+
+
 def conv2d(x, w, bias, stride, pads, relu=False):
     """relu?(x correlated with w, + bias) of one tile: x (N, C, H, W) -> (N, Cout, Ho, Wo)."""
-    _, wo = _out_hw(x.shape[2:], w.shape[2:], stride, pads)
-    if use_planes(x, x.shape[1], w.shape[2:], stride, wo):
-        return _conv_planes(x, w, bias, stride, pads, relu)
-    y = _conv_nhwc(x, w, bias, stride, pads, relu)
-    return array_module(x).ascontiguousarray(y.transpose(0, 3, 1, 2))
+    return _correlate(x, w, False, bias, stride, pads, relu)
 
 
 def conv2d_weight_grad(d, x, kernel, stride, pads):
@@ -205,8 +234,7 @@ def gather_padding(kernel, stride, pads):
 
 def data_grad_gather(d, w, pads):
     """dL/dx of a stride-1 convolution: d correlated with the flipped, transposed kernel."""
-    flipped = gather_padding(w.shape[2:], (1, 1), pads)
-    return conv2d(d, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), None, (1, 1), flipped)
+    return _correlate(d, w, True, None, (1, 1), gather_padding(w.shape[2:], (1, 1), pads), False)
 
 
 def data_grad_scatter(d, w, in_shape, stride, pads):

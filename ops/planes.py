@@ -131,3 +131,27 @@ def to_nhwc(x, out, top, left):
                 src = x[n, c, h]
                 for w in range(width):
                     dst[w, c] = src[w]
+
+
+@numba.njit(cache=True)
+def swap_last(a, out):
+    """out[i, k, j] <- a[i, j, k]."""
+    n0, n1, n2 = a.shape
+    for i in range(n0):
+        src, dst = a[i], out[i]
+        for j in range(n1):
+            row = src[j]
+            for k in range(n2):
+                dst[k, j] = row[k]
+
+
+@numba.njit(cache=True)
+def flip_taps(w, out):
+    """out[t, co, c] <- w[co, c, taps - 1 - t]: a (Cout, C, taps) kernel flipped and transposed."""
+    c_out, c_in, taps = w.shape
+    for co in range(c_out):
+        src = w[co]
+        for t in range(taps):
+            dst = out[taps - 1 - t, co]
+            for c in range(c_in):
+                dst[c] = src[c, t]
