@@ -8,10 +8,11 @@ output positions is built in one of two layouts, whichever copies longer contigu
   window contributes runs of kw*C values; any array module (numpy or cupy);
 - planes (`ops.planes`): straight from the NCHW tile, runs of one output row (Wo values); numpy.
 
-Backward-data of a stride-1 convolution is itself a convolution: the gradient correlated with the
-kernel flipped and transposed, padded by k-1-p, gathers every input's gradient exactly once, so
-it reuses the forward kernel (no scatter-add, no padded gradient to zero and crop).  A strided
-convolution scatter-adds its window gradients (col2im) instead.
+Backward-data comes in two forms.  Gathering: for a stride-1 convolution the input gradient is
+itself a convolution, of the output gradient (padded by k-1-p) with the kernel flipped and
+transposed, so it reuses the forward kernel (no scatter-add, no padded gradient to zero and crop).
+Scattering (any stride): window gradients, the output gradient times the kernel, are added into
+place (col2im).  `gathers` picks the faster one.
 """
 
 from __future__ import annotations

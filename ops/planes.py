@@ -8,6 +8,9 @@ one where images are wide and channels few (first layers, large images).  Paddin
 materialized: positions outside the tile are written as zeros (im2col) or skipped (col2im).
 
 A block is (n0, n1, h0, h1): samples [n0, n1) and output rows [h0, h1), all output columns.
+
+The other copies of `ops.conv_kernels` that numpy does slowly element by element live here too:
+NCHW to NHWC (`to_nhwc`) and the permutations of kernels and their gradients.
 """
 
 from __future__ import annotations
