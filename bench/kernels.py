@@ -1,23 +1,35 @@
 """Conv kernel speed: forward + backward GFLOP/s of VGG-16 and AlexNet conv layers next to the
-float32 GEMM rate measured in the same run, all on one thread (one core is one device here)."""
+float32 GEMM rate, all on one thread (one core is one device here).
+
+Each layer's forward, backward and a 2048x2048 GEMM run in alternating rounds and each reports
+its median, so the layer's fraction of the GEMM rate compares times taken under the same load.
+Times are the CPU time of the measuring thread, which runs the kernels alone (one BLAS thread):
+on a shared machine, time its core spends on other processes does not count, contention for
+caches and memory still does.  Goal (issue 14): at least 50% of GEMM on every large layer, 70% as
+the moonshot."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from bench.report import median_time, write_result
+from bench.measure import interleaved
+from bench.report import write_result
+from ops import conv_kernels
 from ops.rect import Rect
 from taskrt import models
 
-GOAL = 0.5  # large conv layers should reach half the GEMM rate
+GOAL, MOONSHOT = 0.5, 0.7  # of the GEMM rate, large conv layers
 
 
-def gemm_rate(size: int, repeats: int) -> float:
+def gemm(size: int):
+    """A size x size float32 matrix product, and its FLOPs."""
     a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
     b = np.random.default_rng(1).standard_normal((size, size), dtype=np.float32)
-    return 2 * size**3 / median_time(lambda: a @ b, repeats) / 1e9
+    return (lambda: a @ b), 2 * size**3
 
 
 def conv_layers(batch: int):
@@ -28,64 +40,84 @@ def conv_layers(batch: int):
                 yield graph.name, layer
 
 
-def measure_layer(layer, repeats: int, rng) -> dict:
+def layout(op, x) -> str:
+    """Which kernels the layer runs: its column layout, and how backward-data is computed."""
+    out = Rect.full(op.out_shape)
+    pads = op._pads(out)
+    planes = conv_kernels.use_planes(x, x.shape[1], op.kernel, op.stride, op.out_shape[3])
+    d = np.empty(op.out_shape, dtype=x.dtype)
+    form = "gather" if conv_kernels.gathers(d, (op.out_channels, *op.in_shapes[0][1:2], *op.kernel), op.stride,
+                                            pads) else "scatter"
+    return f"{'planes' if planes else 'channels-last'}, {form}"
+
+
+def measure_layer(layer, product, rounds: int, rng) -> dict:
     op = layer.op
     out = Rect.full(op.out_shape)
     x = rng.standard_normal(op.in_shapes[0], dtype=np.float32)
     params = {k: rng.standard_normal(s, dtype=np.float32) * 0.01 for k, s in op.param_shapes().items()}
     y = op.forward([x], params, out)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
-    t_fwd = median_time(lambda: op.forward([x], params, out), repeats)
-    t_bwd = median_time(lambda: op.backward(dy, [x], y, params, out, [True]), repeats)
+    multiply, gemm_flops = product
+    med = interleaved({"gemm": lambda *_: multiply(),
+                       "forward": lambda *_: op.forward([x], params, out),
+                       "backward": lambda *_: op.backward(dy, [x], y, params, out, [True])},
+                      None, None, rounds, layer.name, clock=time.thread_time)
     flops = op.flops(out) + op.backward_flops(out)
+    gflops = flops / (med["forward"] + med["backward"]) / 1e9
+    gemm_gflops = gemm_flops / med["gemm"] / 1e9
     n, c, h, w = op.in_shapes[0]
     return {
         "input": f"{n}x{c}x{h}x{w}",
         "out_channels": op.out_channels,
         "kernel": f"{op.kernel[0]}x{op.kernel[1]}/{op.stride[0]}",
+        "layout": layout(op, x),
         "gflop": flops / 1e9,
-        "forward_ms": t_fwd * 1e3,
-        "backward_ms": t_bwd * 1e3,
-        "gflops": flops / (t_fwd + t_bwd) / 1e9,
+        "forward_ms": med["forward"] * 1e3,
+        "backward_ms": med["backward"] * 1e3,
+        "gflops": gflops,
+        "gemm_gflops": gemm_gflops,
+        "of_gemm": gflops / gemm_gflops,
         "large": c >= 64,
     }
 
 
 def run(out_dir="results", quick=False):
-    batch, repeats, gemm_size = (1, 2, 1024) if quick else (8, 3, 2048)
+    batch, rounds, gemm_size = (1, 3, 1024) if quick else (8, 5, 2048)
     rng = np.random.default_rng(0)
     rows = []
     with threadpool_limits(1):
-        gemm = gemm_rate(gemm_size, repeats + 2)
+        product = gemm(gemm_size)
         layers = list(conv_layers(batch))
         for model, layer in tqdm(layers, desc="conv layers", leave=False, disable=None):
-            row = {"model": model, "layer": layer.name, **measure_layer(layer, repeats, rng)}
-            row["of_gemm"] = row["gflops"] / gemm
-            rows.append(row)
-        gemm_after = gemm_rate(gemm_size, repeats + 2)
+            rows.append({"model": model, "layer": layer.name, **measure_layer(layer, product, rounds, rng)})
     large = [r["of_gemm"] for r in rows if r["large"]]
+    gemm_rates = [r["gemm_gflops"] for r in rows]
     summary = [
-        f"float32 GEMM ({gemm_size}x{gemm_size}, 1 thread): {gemm:.1f} GFLOP/s before the layers, "
-        f"{gemm_after:.1f} after",
+        f"float32 GEMM ({gemm_size}x{gemm_size}, 1 thread), timed in the rounds of each layer: "
+        f"{min(gemm_rates):.1f} to {max(gemm_rates):.1f} GFLOP/s, median {np.median(gemm_rates):.1f}",
         f"large conv layers (>= 64 input channels): {min(large):.0%} to {max(large):.0%} of GEMM, "
         f"median {np.median(large):.0%}; goal {GOAL:.0%}: "
-        + ("met by all" if min(large) >= GOAL else f"missed by {sum(v < GOAL for v in large)} of {len(large)}"),
+        + ("met by all" if min(large) >= GOAL else f"missed by {sum(v < GOAL for v in large)} of {len(large)}")
+        + f"; moonshot {MOONSHOT:.0%}: reached by {sum(v >= MOONSHOT for v in large)} of {len(large)}",
         "first layers (3 input channels) have a 27- or 363-long reduction: GEMM cannot run at full rate there",
+        f"medians of {rounds} rounds, each round one GEMM, one forward and one backward of the layer; "
+        "times are the measuring thread's CPU time",
     ]
     columns = [("model", "model"), ("layer", "layer"), ("input", "input (NCHW)"), ("out_channels", "Cout"),
-               ("kernel", "kernel/stride"), ("gflop", "GFLOP fwd+bwd"), ("forward_ms", "fwd ms"),
-               ("backward_ms", "bwd ms"), ("gflops", "GFLOP/s"), ("of_gemm", "of GEMM")]
+               ("kernel", "kernel/stride"), ("layout", "columns, backward-data"), ("gflop", "GFLOP fwd+bwd"),
+               ("forward_ms", "fwd ms"), ("backward_ms", "bwd ms"), ("gflops", "GFLOP/s"),
+               ("gemm_gflops", "GEMM GFLOP/s"), ("of_gemm", "of GEMM")]
     for row in rows:
         row["of_gemm"] = round(row["of_gemm"], 3)
     md = write_result(out_dir, "kernels", rows, columns,
-                      {"batch": batch, "threads": 1, "gemm_gflops": gemm, "gemm_gflops_after": gemm_after},
-                      summary)
-    _plot(rows, gemm, out_dir)
+                      {"batch": batch, "threads": 1, "rounds": rounds, "gemm_size": gemm_size}, summary)
+    _plot(rows, out_dir)
     print(md.read_text())
     return rows
 
 
-def _plot(rows, gemm, out_dir):
+def _plot(rows, out_dir):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,13 +125,15 @@ def _plot(rows, gemm, out_dir):
 
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = [f"{r['model']}.{r['layer']}" for r in rows]
-    ax.bar(range(len(rows)), [r["gflops"] for r in rows], color="tab:blue", label="conv fwd+bwd")
-    ax.axhline(gemm, color="tab:red", label=f"float32 GEMM {gemm:.0f} GFLOP/s")
-    ax.axhline(gemm * GOAL, color="tab:red", linestyle="--", label="50% of GEMM")
+    ax.bar(range(len(rows)), [r["of_gemm"] for r in rows], color="tab:blue", label="conv fwd+bwd")
+    ax.axhline(1.0, color="tab:red", label="float32 GEMM (2048x2048), timed alongside each layer")
+    ax.axhline(GOAL, color="tab:red", linestyle="--", label=f"goal {GOAL:.0%}")
+    ax.axhline(MOONSHOT, color="tab:red", linestyle=":", label=f"moonshot {MOONSHOT:.0%}")
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("GFLOP/s (1 thread)")
-    ax.set_title("Conv kernels (im2col + GEMM, numpy) vs GEMM, measured in the same run")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("fraction of the GEMM rate (1 thread)")
+    ax.set_title("Conv kernels (im2col + GEMM, numpy) against GEMM")
+    ax.set_ylim(0, 1.25)
+    ax.legend(fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
     fig.savefig(f"{out_dir}/kernels.png", dpi=120)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""2D convolution (NCHW, weight (Cout, Cin, kh, kw)) with optional fused ReLU: im2col + GEMM.
+"""2D convolution (NCHW, weight (Cout, Cin, kh, kw)) with optional fused ReLU: im2col + GEMM (`ops.conv_kernels`).
 
 On GPU tiles the same convolution runs through cuDNN when torch can (`ops.torch_kernels`)."""
 
@@ -7,20 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ops import torch_kernels
-from ops.base import Op, array_module
+from ops.base import Op
+from ops.conv_kernels import conv2d, conv2d_data_grad, conv2d_weight_grad
 from ops.errors import ShapeError
 from ops.rect import Rect
-from ops.windows import (
-    col2im_block,
-    crop,
-    halo,
-    im2col_block,
-    out_size,
-    pad,
-    row_blocks,
-    tile_padding,
-    window_view_nhwc,
-)
+from ops.windows import halo, out_size, tile_padding
 
 
 def check_window(what, in_shape, kernel, stride, padding):
@@ -102,60 +93,23 @@ class Conv2d(Op):
     def _pads(self, out):
         return tile_padding(out, self.kernel, self.stride, self.padding, self.in_shapes[0][2:])
 
-    # Kernels work in NHWC so that im2col copies contiguous channel runs; tensors stay NCHW.
-    def _windows(self, x, out):
-        xp = array_module(x)
-        x_nhwc = pad(xp.ascontiguousarray(x.transpose(0, 2, 3, 1)), self._pads(out), axes=(1, 2))
-        return x_nhwc.shape, window_view_nhwc(x_nhwc, self.kernel, self.stride)
-
-    def _weight_matrix(self, w):
-        return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1)  # columns (i, j, c), as im2col_block
-
     def forward(self, xs, params, out):
         if torch_kernels.use_torch(xs[0]):
             return torch_kernels.conv2d_forward(xs[0], params, self.stride, self._pads(out), self.activation)
-        x, w = xs[0], params["weight"]
-        xp = array_module(x)
-        n, cout, ho, wo = out.shape
-        _, view = self._windows(x, out)
-        wt = self._weight_matrix(w).T
-        y = xp.empty((n, ho, wo, cout), dtype=x.dtype)
-        for block in row_blocks(n, ho, wo):
-            xp.matmul(im2col_block(view, block), wt, out=y[block].reshape(-1, cout))
-        if self.bias:
-            y += params["bias"]
-        if self.activation == "relu":
-            xp.maximum(y, 0, out=y)
-        return xp.ascontiguousarray(y.transpose(0, 3, 1, 2))
+        return conv2d(xs[0], params["weight"], params.get("bias"), self.stride, self._pads(out),
+                      self.activation == "relu")
 
     def backward(self, dy, xs, y, params, out, need_dx):
         if torch_kernels.use_torch(xs[0]):
             return torch_kernels.conv2d_backward(dy, xs[0], y, params, self.stride, self._pads(out), self.activation,
                                                  need_dx[0])
-        x, w = xs[0], params["weight"]
-        xp = array_module(x)
-        n, cout, ho, wo = out.shape
+        x, pads = xs[0], self._pads(out)
         if self.activation == "relu":
             dy = dy * (y > 0)
-        dy_nhwc = xp.ascontiguousarray(dy.transpose(0, 2, 3, 1))
-        padded_shape, view = self._windows(x, out)
-        wm = self._weight_matrix(w)
-        dw = xp.zeros_like(wm)
-        dx_pad = xp.zeros(padded_shape, dtype=x.dtype) if need_dx[0] else None
-        for block in row_blocks(n, ho, wo):
-            d = dy_nhwc[block].reshape(-1, cout)
-            dw += d.T @ im2col_block(view, block)
-            if dx_pad is not None:
-                dcols = (d @ wm).reshape(*dy_nhwc[block].shape[:3], *self.kernel, x.shape[1])
-                col2im_block(dx_pad, dcols, block, self.stride)
-        dw = dw.reshape(cout, *self.kernel, x.shape[1]).transpose(0, 3, 1, 2)
-        grads = {"weight": xp.ascontiguousarray(dw)}
-        if self.bias:
-            grads["bias"] = dy_nhwc.reshape(-1, cout).sum(axis=0)
-        if dx_pad is None:
-            return [None], grads
-        dx = crop(dx_pad, self._pads(out), axes=(1, 2))
-        return [xp.ascontiguousarray(dx.transpose(0, 3, 1, 2))], grads
+        dw, db = conv2d_weight_grad(dy, x, self.kernel, self.stride, pads)
+        grads = {"weight": dw, "bias": db} if self.bias else {"weight": dw}
+        dx = conv2d_data_grad(dy, params["weight"], x.shape, self.stride, pads) if need_dx[0] else None
+        return [dx], grads
 
     def attrs(self):
         return {

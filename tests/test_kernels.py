@@ -1,0 +1,92 @@
+"""Array kernels: every column layout and backward-data form of convolution computes the same thing,
+and the one-pass SGD update rounds as the array operations do.
+
+`ops.conv_kernels` chooses a column layout (planes or channels-last) and a backward-data form
+(gather or scatter) for speed.  Here each one is forced in turn on random tiles and compared with
+direct references (float64), so the choice never changes what is computed."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops import conv_kernels, sgd_update
+from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
+
+
+def windows(x, kernel, stride, pads):
+    xp = np.pad(x, ((0, 0), (0, 0), *pads))
+    return np.lib.stride_tricks.sliding_window_view(xp, kernel, axis=(2, 3))[:, :, :: stride[0], :: stride[1]]
+
+
+def reference_data_grad(d, w, in_shape, stride, pads):
+    (pt, pb), (pl, pr) = pads
+    n, _, h, wd = in_shape
+    dx = np.zeros((n, in_shape[1], h + pt + pb, wd + pl + pr))
+    ho, wo = d.shape[2:]
+    for i in range(w.shape[2]):
+        for j in range(w.shape[3]):
+            rows = slice(i, i + stride[0] * (ho - 1) + 1, stride[0])
+            cols = slice(j, j + stride[1] * (wo - 1) + 1, stride[1])
+            dx[:, :, rows, cols] += np.einsum("nohw,oc->nchw", d, w[:, :, i, j])
+    return dx[:, :, pt : pt + h, pl : pl + wd]
+
+
+def check_every_layout(x, w, b, stride, pads, relu, d):
+    win = windows(x, w.shape[2:], stride, pads)
+    y_ref = np.einsum("nchwij,ocij->nohw", win, w) + b[None, :, None, None]
+    if relu:
+        y_ref = np.maximum(y_ref, 0)
+    dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
+    dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
+    for planes in (True, False):
+        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes):
+            y = conv_kernels.conv2d(x, w, b, stride, pads, relu)
+            np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+            dw, db = conv_kernels.conv2d_weight_grad(d, x, w.shape[2:], stride, pads)
+            np.testing.assert_allclose(dw, dw_ref, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(db, d.sum(axis=(0, 2, 3)), rtol=1e-12, atol=1e-12)
+            dxs = [conv_kernels.data_grad_scatter(d, w, x.shape, stride, pads)]
+            if conv_kernels.gather_padding(w.shape[2:], stride, pads) is not None:
+                dxs.append(conv_kernels.data_grad_gather(d, w, pads))
+            for dx in dxs:
+                np.testing.assert_allclose(dx, dx_ref, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_conv_layouts_and_backward_forms_match_references(data):
+    op = data.draw(windowed_ops().filter(lambda op: op.kind == "conv2d"))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    xs, params = make_inputs(op, rng, distinct=False)
+    out = random_rect(data.draw, op.out_shape)
+    (x,), p = tile_inputs(op, xs, params, out)
+    d = rng.standard_normal(out.shape)
+    check_every_layout(x, p["weight"], p["bias"], op.stride, op._pads(out), op.activation == "relu", d)
+
+
+def test_planes_4k_apart_are_copied_to_channels_last_by_rows():
+    """16x32 float64 planes are 4 KiB apart: the channels-last copy takes its row loop there."""
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((2, 3, 16, 32)), rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)
+    d = rng.standard_normal((2, 4, 15, 32))
+    check_every_layout(x, w, b, (1, 1), ((0, 1), (1, 1)), True, d)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("momentum, weight_decay", [(0.9, 1e-2), (0.9, 0.0), (0.0, 1e-2), (0.0, 0.0)])
+def test_sgd_loop_rounds_as_the_array_operations(dtype, momentum, weight_decay):
+    """The one-pass update equals PyTorch's formula evaluated step by step in the parameters' precision."""
+    rng = np.random.default_rng(6)
+    w, v, g = (rng.standard_normal((7, 5)).astype(dtype) for _ in range(3))
+    lr = 0.05
+    step = g + dtype(weight_decay) * w if weight_decay else g
+    v_expected = dtype(momentum) * v + step if momentum else step
+    w_new, v_new = sgd_update(w, v, g, lr, momentum, weight_decay)
+    assert w_new.dtype == v_new.dtype == dtype and w_new.shape == w.shape
+    np.testing.assert_array_equal(v_new, v_expected)
+    np.testing.assert_array_equal(w_new, w - dtype(lr) * v_expected)
