@@ -4,8 +4,8 @@
 
 Pure: returns new arrays, so a value other tasks may still read is never changed.  Numpy arrays
 go through one numba loop that reads w, v, g once and writes the two results (the array
-operations take four passes, and fresh memory costs page faults on top, so passes count for a
-large layer); other arrays (cupy) allocate just the two results and work in place on them.
+operations take four passes) into reused memory (`ops.reuse`: fresh memory costs a page fault per
+page); other arrays (cupy) allocate just the two results and work in place on them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import numba
 import numpy
 
+from ops import reuse
 from ops.base import array_module
 
 
@@ -28,7 +29,7 @@ def _update(w, v, g, lr, momentum, weight_decay, w_new, v_new):
 def sgd_update(w, v, g, lr: float, momentum: float, weight_decay: float):
     xp = array_module(w)
     if xp is numpy:
-        w_new, v_new = numpy.empty_like(w), numpy.empty_like(w)
+        w_new, v_new = reuse.empty(w.shape, w.dtype), reuse.empty(w.shape, w.dtype)
         scalar = w.dtype.type  # the loop computes in w's precision, as the array operations do
         _update(w.ravel(), v.ravel(), numpy.asarray(g, dtype=w.dtype).ravel(), scalar(lr), scalar(momentum),
                 scalar(weight_decay), w_new.reshape(-1), v_new.reshape(-1))

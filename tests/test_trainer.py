@@ -59,8 +59,11 @@ def test_workers_keep_a_bounded_history_of_steps(machine4):
     for _ in range(3):
         for _ in range(2 * CUT_LINEAGE_EVERY):
             trainer.step(x, y)
+        time.sleep(0.5)  # releases reach the workers
         counts.append(_task_states(machine4, trainer._token))
-    assert counts[2] <= counts[1] * 1.1, counts  # no growth: without cuts, each round adds as many
+    per_step = len(trainer.plan.tasks)
+    # without cuts every round adds 2 * CUT_LINEAGE_EVERY steps' task states; allow two steps' worth of noise
+    assert counts[2] <= counts[1] + 2 * per_step, (counts, per_step)
 
 
 def test_checkpoint_resume_continues_exactly(machine4, tmp_path):
