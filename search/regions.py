@@ -2,21 +2,23 @@
 
 Every part of every config of a layer becomes a row: the lo/hi of its output Rect and its
 device, built with the same block rule as ParallelConfig.parts.  For a consumer, each part's
-*needed* input Rect comes from the op's own region rule (`op.input_rects`), asked once per
-distinct 1-D block: the rules of all ops are separable (each input dimension's range depends on
-one output dimension), which `NeedTable` checks rather than assumes.  Overlap volumes between
-producer parts and consumer needs are then exactly the numbers the lowering moves.
+*needed* input Rect comes from the op's region rule, asked once per distinct 1-D block: the
+rules of all ops are separable (each input dimension's range depends on one output dimension),
+which `Needs` checks rather than assumes.  The zoo's ops have their rule here in array form
+(`RULES`, tested equal to each op's `input_rects`), so all blocks are asked at once; any other
+op is asked block by block.  Overlap volumes between producer parts and consumer needs are then
+exactly the numbers the lowering moves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from ops import Concat, Conv2d, Flatten, Linear, Op, Pool2d, SoftmaxCrossEntropy
 from ops.rect import Rect
-from taskrt.config import DIMS, blocks
+from taskrt.config import DIMS
 
 
 @dataclass
@@ -28,10 +30,13 @@ class PartTable:
     device: np.ndarray  # (parts,)
     starts: np.ndarray  # first row of each config (for np.*.reduceat)
     block: np.ndarray  # (parts, rank): block index of the part along each dimension
+    degrees: np.ndarray | None = None  # (configs, rank): blocks per dimension of each config
 
     def __post_init__(self):
         # config index of each row
         self.config = np.repeat(np.arange(len(self.starts)), np.diff(np.append(self.starts, len(self.device))))
+        if self.degrees is None:
+            self.degrees = np.maximum.reduceat(self.block, self.starts, axis=0) + 1
 
     @property
     def shape(self) -> np.ndarray:
@@ -44,12 +49,19 @@ def part_table(shape, configs) -> PartTable:
     if uneven is not None:
         raise ValueError(f"config {uneven} splits channels unevenly; the cost tables price even splits only "
                          "(time such a strategy by simulating its plan: taskrt.simulate)")
+    degrees = np.array([[getattr(c, dim) for dim in DIMS[: len(shape)]] for c in configs], dtype=np.int64)
+    device = np.concatenate([np.asarray(c.devices, dtype=np.int64) for c in configs])
+    return grid_parts(shape, degrees, device)
+
+
+def grid_parts(shape, degrees: np.ndarray, device: np.ndarray) -> PartTable:
+    """The parts of configs given as (configs, rank) degrees and every part's device, in config order."""
     rank = len(shape)
-    degrees = np.array([[getattr(c, dim) for dim in DIMS[:rank]] for c in configs], dtype=np.int64)
     sizes = np.prod(degrees, axis=1)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    config = np.repeat(np.arange(len(configs)), sizes)
-    index = np.arange(int(sizes.sum())) - starts[config]  # row-major part index within its config
+    starts = np.zeros(len(degrees), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    config = np.repeat(np.arange(len(degrees)), sizes)
+    index = np.arange(len(config)) - starts[config]  # row-major part index within its config
     trailing = np.ones_like(degrees)
     for d in range(rank - 2, -1, -1):
         trailing[:, d] = trailing[:, d + 1] * degrees[:, d + 1]
@@ -59,73 +71,167 @@ def part_table(shape, configs) -> PartTable:
     q, r = size // deg, size % deg  # blocks as equal as possible, the first r one larger
     lo = block * q + np.minimum(block, r)
     hi = lo + q + (block < r)
-    device = np.concatenate([np.asarray(c.devices, dtype=np.int64) for c in configs])
-    return PartTable(lo, hi, device, starts, block)
+    table = PartTable(lo, hi, np.asarray(device, dtype=np.int64), starts, block, degrees)
+    table.config = config
+    return table
+
+
+def block_slots(size: int, degrees) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks of each of `degrees` (distinct, ascending) along a dimension of `size`, one slot
+    per (degree, block): the first slot of each degree, and every slot's lo and hi."""
+    degrees = np.asarray(degrees, dtype=np.int64)
+    first = np.zeros(len(degrees), dtype=np.int64)
+    np.cumsum(degrees[:-1], out=first[1:])
+    of_slot = np.repeat(degrees, degrees)
+    block = np.arange(len(of_slot)) - np.repeat(first, degrees)
+    q, r = size // of_slot, size % of_slot
+    lo = block * q + np.minimum(block, r)
+    return first, lo, lo + q + (block < r)
+
+
+# ---- region rules in array form ------------------------------------------------------------------
+def input_ranges(op, j: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`op.input_rects(Rect(lo[k], hi[k]))[j]` for every row k at once: (reads, lo, hi) of input j,
+    zeros where the rule gives None.  Ops whose rule has an array form here (RULES, keyed by the
+    `input_rects` they mirror) take it; any other op's own rule is asked row by row."""
+    rule = RULES.get(type(op).input_rects)
+    if rule is not None:
+        return rule(op, j, lo, hi)
+    rank = len(op.in_shapes[j])
+    reads = np.zeros(len(lo), dtype=bool)
+    out_lo, out_hi = np.zeros((len(lo), rank), dtype=np.int64), np.zeros((len(lo), rank), dtype=np.int64)
+    for k, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+        r = op.input_rects(Rect(tuple(a), tuple(b)))[j]
+        if r is not None:
+            reads[k], out_lo[k], out_hi[k] = True, r.lo, r.hi
+    return reads, out_lo, out_hi
+
+
+def _same(op, j, lo, hi):  # Op.input_rects: the output's own Rect
+    return np.ones(len(lo), dtype=bool), lo, hi
+
+
+def _window(op, lo, hi, channels_lo, channels_hi):
+    """ops.conv.window_input_rect: samples kept, the given channels, ops.windows.halo in h and w."""
+    in_lo, in_hi = np.empty_like(lo), np.empty_like(hi)
+    in_lo[:, 0], in_hi[:, 0] = lo[:, 0], hi[:, 0]
+    in_lo[:, 1], in_hi[:, 1] = channels_lo, channels_hi
+    for axis, kernel, stride, padding in zip((2, 3), op.kernel, op.stride, op.padding):
+        start = lo[:, axis] * stride - padding
+        stop = (hi[:, axis] - 1) * stride - padding + kernel
+        in_lo[:, axis] = np.maximum(start, 0)
+        in_hi[:, axis] = np.minimum(stop, op.in_shapes[0][axis])
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
+def _conv(op, j, lo, hi):
+    return _window(op, lo, hi, 0, op.in_shapes[0][1])
+
+
+def _pool(op, j, lo, hi):
+    return _window(op, lo, hi, lo[:, 1], hi[:, 1])
+
+
+def _all_features(op, j, lo, hi):  # linear, and the loss's logits: every feature of the samples
+    features = op.in_shapes[0][1]
+    return _same(op, j, np.stack([lo[:, 0], np.zeros_like(lo[:, 0])], axis=1),
+                 np.stack([hi[:, 0], np.full_like(hi[:, 0], features)], axis=1))
+
+
+def _loss(op, j, lo, hi):
+    return _all_features(op, j, lo, hi) if j == 0 else _same(op, j, lo, hi)
+
+
+def _flatten(op, j, lo, hi):
+    shape, plane = op.in_shapes[0], op._plane
+    in_lo = np.zeros((len(lo), len(shape)), dtype=np.int64)
+    in_hi = np.broadcast_to(np.array(shape, dtype=np.int64), in_lo.shape).copy()
+    in_lo[:, 0], in_hi[:, 0] = lo[:, 0], hi[:, 0]
+    in_lo[:, 1], in_hi[:, 1] = lo[:, 1] // plane, -(-hi[:, 1] // plane)
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
+def _concat(op, j, lo, hi):
+    offsets = op.offsets
+    c0, c1 = np.maximum(lo[:, 1], offsets[j]), np.minimum(hi[:, 1], offsets[j + 1])
+    reads = c0 < c1
+    in_lo, in_hi = lo.copy(), hi.copy()
+    in_lo[:, 1], in_hi[:, 1] = c0 - offsets[j], c1 - offsets[j]
+    in_lo[~reads], in_hi[~reads] = 0, 0
+    return reads, in_lo, in_hi
+
+
+RULES = {Op.input_rects: _same, Conv2d.input_rects: _conv, Pool2d.input_rects: _pool,
+         Linear.input_rects: _all_features, SoftmaxCrossEntropy.input_rects: _loss,
+         Flatten.input_rects: _flatten, Concat.input_rects: _concat}
 
 
 class NotSeparable(ValueError):
     pass
 
 
-@lru_cache(maxsize=1 << 16)
-def _probe(op, j, d, a, b):
-    """The region rule for an output that is whole except for [a, b) along dimension d."""
-    return op.input_rects(Rect.full(op.out_shape).replace(d, a, b))[j]
-
-
 class Needs:
-    """What each part of a consumer reads of its input `j`, per part (`table`) and per 1-D block."""
+    """What each part of a consumer reads of its input `j`, per part (`table`) and per 1-D block.
 
-    def __init__(self, op, j: int, parts: PartTable, configs):
-        out_shape, rank = op.out_shape, len(op.in_shapes[j])
+    The rule is asked once per block of every degree along each output dimension, the others
+    whole; each input dimension may vary with one output dimension only (its driver), which is
+    checked.  A part's need then takes each input dimension from its block along the driver."""
+
+    def __init__(self, op, j: int, parts: PartTable, configs=None):
+        out_shape = tuple(op.out_shape)
+        rank_out, rank = len(out_shape), len(op.in_shapes[j])
         self.out_shape = out_shape
-        full = Rect.full(out_shape)
-        base = op.input_rects(full)[j]
-        probes: dict[tuple[int, int, int], Rect | None] = {}
-        for d, (size, dim) in enumerate(zip(out_shape, DIMS)):
-            for degree in sorted({getattr(c, dim) for c in configs}):
-                for a, b in blocks(size, degree):
-                    probes[(d, a, b)] = _probe(op, j, d, a, b)
+        slots = [block_slots(size, np.unique(parts.degrees[:, d])) for d, size in enumerate(out_shape)]
+        counts = [len(lo) for _, lo, _ in slots]
+        # one probe per slot: the whole output except that slot's block along its dimension; row 0 is whole
+        probe_lo = np.zeros((1 + sum(counts), rank_out), dtype=np.int64)
+        probe_hi = np.tile(np.array(out_shape, dtype=np.int64), (len(probe_lo), 1))
+        bounds = np.concatenate([[1], 1 + np.cumsum(counts)])
+        for d, (_, lo, hi) in enumerate(slots):
+            probe_lo[bounds[d] : bounds[d + 1], d], probe_hi[bounds[d] : bounds[d + 1], d] = lo, hi
+        reads, in_lo, in_hi = input_ranges(op, j, probe_lo, probe_hi)
+        base_lo, base_hi = in_lo[0], in_hi[0]
+        varies = reads[:, None] & ((in_lo != base_lo) | (in_hi != base_hi))
         driver: dict[int, int] = {}
-        for (d, _, _), r in probes.items():
-            if r is not None:
-                for e in range(rank):
-                    if (r.lo[e] != base.lo[e] or r.hi[e] != base.hi[e]) and driver.setdefault(e, d) != d:
-                        raise NotSeparable(f"{op.kind}: input {j} dimension {e} depends on output dimensions "
-                                           f"{driver[e]} and {d}")
-        self.probes, self.driver = probes, driver
-        self.constant = {e: (base.lo[e], base.hi[e]) for e in range(rank) if e not in driver}
-        lo = np.tile(np.array(base.lo), (len(parts.device), 1))
-        hi = np.tile(np.array(base.hi), (len(parts.device), 1))
+        for d in range(rank_out):
+            for e in np.flatnonzero(varies[bounds[d] : bounds[d + 1]].any(axis=0)).tolist():
+                if driver.setdefault(e, d) != d:
+                    raise NotSeparable(f"{op.kind}: input {j} dimension {e} depends on output dimensions "
+                                       f"{driver[e]} and {d}")
+        self.driver = driver
+        self.constant = {e: (int(base_lo[e]), int(base_hi[e])) for e in range(rank) if e not in driver}
+        # per output dimension: the degrees' first slots, and each slot's answer
+        self._degrees = [np.unique(parts.degrees[:, d]) for d in range(rank_out)]
+        self._first = [first for first, _, _ in slots]
+        self._reads = [reads[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
+        self._lo = [in_lo[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
+        self._hi = [in_hi[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
+        lo = np.tile(base_lo, (len(parts.device), 1))
+        hi = np.tile(base_hi, (len(parts.device), 1))
         empty = np.zeros(len(parts.device), dtype=bool)
-        degrees = (np.maximum.reduceat(parts.block, parts.starts, axis=0) + 1)[parts.config]
-        for d in range(len(out_shape)):
-            # the probe answers, indexed by (degree, block): one slot per block of each degree
-            slot_of, results = {}, []
-            for degree in np.unique(degrees[:, d]).tolist():
-                slot_of[degree] = len(results)
-                results += [probes[(d, a, b)] for a, b in blocks(out_shape[d], degree)]
-            first = np.zeros(int(degrees[:, d].max()) + 1, dtype=np.int64)
-            for degree, start in slot_of.items():
-                first[degree] = start
-            slot = first[degrees[:, d]] + parts.block[:, d]
-            empty |= np.array([r is None for r in results])[slot]
+        degrees = parts.degrees[parts.config]
+        for d in range(rank_out):
+            slot = self._slot_of(d, degrees[:, d]) + parts.block[:, d]
+            empty |= ~self._reads[d][slot]
             for e in (e for e, dd in driver.items() if dd == d):
-                lo[:, e] = np.array([r.lo[e] if r is not None else 0 for r in results])[slot]
-                hi[:, e] = np.array([r.hi[e] if r is not None else 0 for r in results])[slot]
+                lo[:, e], hi[:, e] = self._lo[d][slot, e], self._hi[d][slot, e]
         lo[empty] = 0
         hi[empty] = 0
-        self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block)
+        self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees)
+
+    def _slot_of(self, d, degrees) -> np.ndarray:
+        """First slot of each of `degrees` (degrees the configs use) along output dimension `d`."""
+        return self._first[d][np.searchsorted(self._degrees[d], degrees)]
 
     def block_ranges(self, d: int, groups):
         """For output dimension `d` and slots [(first slot, degree)]: whether each block reads
         anything, and per input dimension `d` drives, the lo and hi arrays over slots."""
-        results = [self.probes.get((d, a, z)) for _, degree in groups for a, z in blocks(self.out_shape[d], degree)]
-        reads = np.array([r is not None for r in results])
-        ranges = {}
-        for e in (e for e, dd in self.driver.items() if dd == d):
-            ranges[e] = (np.array([r.lo[e] if r is not None else 0 for r in results]),
-                         np.array([r.hi[e] if r is not None else 0 for r in results]))
+        degrees = np.array([degree for _, degree in groups], dtype=np.int64)
+        slot = np.repeat(self._slot_of(d, degrees), degrees) + (
+            np.arange(degrees.sum()) - np.repeat(np.cumsum(degrees) - degrees, degrees))
+        reads = self._reads[d][slot]
+        ranges = {e: (np.where(reads, self._lo[d][slot, e], 0), np.where(reads, self._hi[d][slot, e], 0))
+                  for e, dd in self.driver.items() if dd == d}
         return reads, ranges
 
 

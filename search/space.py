@@ -10,8 +10,9 @@ contiguous block of devices.  Configs whose parts do not fit in a device's memor
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import product
 from math import prod
+
+import numpy as np
 
 from ops.rect import Rect
 from taskrt.config import DIMS, ParallelConfig, blocks
@@ -39,6 +40,24 @@ def _block_memory(op, extent, itemsize) -> int:
     return part_footprint(op, Rect((0,) * len(extent), extent), itemsize).total
 
 
+def config_grid(dims, shape, num_devices: int, powers_of_two: bool = True, placement: str = "first"):
+    """Every config of a layer that splits `dims` of its output `shape`, as arrays in
+    `layer_configs`' order: (configs, 4) degrees over (n, c, h, w) and each config's first device."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    choices = np.array(degree_choices(num_devices, powers_of_two), dtype=np.int64)
+    per_dim = [choices[choices <= shape[dims.index(dim)]] if dim in dims else np.ones(1, dtype=np.int64)
+               for dim in DIMS]
+    degrees = np.stack([g.ravel() for g in np.meshgrid(*per_dim, indexing="ij")], axis=1)
+    degrees = degrees[np.prod(degrees, axis=1) <= num_devices]
+    total = np.prod(degrees, axis=1)
+    if placement == "first":
+        return degrees, np.zeros(len(degrees), dtype=np.int64)
+    count = num_devices // total  # blocks [k*P, (k+1)*P) that fit
+    config = np.repeat(np.arange(len(degrees)), count)
+    return degrees[config], (np.arange(len(config)) - np.repeat(np.cumsum(count) - count, count)) * total[config]
+
+
 def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement: str = "first",
                   memory: float | None = None, itemsize: int = 4) -> list[ParallelConfig]:
     """Every config of `layer` on `num_devices` devices.
@@ -46,24 +65,9 @@ def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement
     placement "first": the parts use devices 0..P-1 (under the additive cost model a block
     elsewhere only adds transfers); "aligned": every block [k*P, (k+1)*P).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    choices = degree_choices(num_devices, powers_of_two)
-    per_dim = []
-    for dim in DIMS:
-        if dim in layer.dims:
-            size = layer.shape[layer.dims.index(dim)]
-            per_dim.append([d for d in choices if d <= size])
-        else:
-            per_dim.append([1])
-    configs = []
-    for degrees in product(*per_dim):
-        total = prod(degrees)
-        if total > num_devices:
-            continue
-        starts = [0] if placement == "first" else range(0, num_devices - total + 1, total)
-        for start in starts:
-            configs.append(ParallelConfig(*degrees, devices=tuple(range(start, start + total))))
+    degrees, first = config_grid(layer.dims, layer.shape, num_devices, powers_of_two, placement)
+    configs = [ParallelConfig(*d, devices=tuple(range(s, s + prod(d))))
+               for d, s in zip(degrees.tolist(), first.tolist())]
     if memory is not None:
         fitting = [c for c in configs if part_memory(layer, c, itemsize) <= memory]
         if not fitting:
