@@ -215,6 +215,19 @@ class CostModel:
             space = self._spaces[key] = LayerSpace(key, configs, parts, needs, grid)
         return space
 
+    def regions(self, layer, config):
+        """The parts of `layer` under `config` as (lo, hi, device) rows, and each input's needs as
+        (lo, hi) rows (zero rows: reads nothing), from the layer's search space when the config is
+        in it (search.memory.step_memory takes this)."""
+        space = self.layer_space(layer)
+        i = space.index().get((config.n, config.c, config.h, config.w, config.devices))
+        if i is None or not config.is_even:
+            space, i = self.layer_space(layer, [config]), 0
+        parts = space.parts
+        rows = slice(parts.starts[i], parts.starts[i + 1] if i + 1 < len(parts.starts) else len(parts.device))
+        return (parts.lo[rows], parts.hi[rows], parts.device[rows]), [(n.table.lo[rows], n.table.hi[rows])
+                                                                      for n in space.needs]
+
     def _fitting_configs(self, layer):
         """The search space of `layer` (as `search.space.layer_configs` gives it), built from arrays:
         every config's parts and needs at once, dropping those whose largest part does not fit."""
@@ -513,6 +526,13 @@ class LayerSpace:
     needs: list[Needs]
     grid: transfer.Grid
     cheaper: tuple | None = None  # the configs with the cheaper sync method, and its t_s
+    _index: dict | None = None
+
+    def index(self) -> dict:
+        """Position of each config by its split and devices (whatever its sync method)."""
+        if self._index is None:
+            self._index = {(c.n, c.c, c.h, c.w, c.devices): i for i, c in enumerate(self.configs)}
+        return self._index
 
 
 def channel_params(op) -> int:

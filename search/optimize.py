@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from search.cost import Breakdown, CostModel
 from search.eliminate import minimize
+from search.memory import step_memory
 from taskrt.strategy import Strategy
 
 
@@ -56,17 +57,17 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation:
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
-    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy, cost_model.itemsize)
+    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy, cost_model.itemsize, cost_model)
     return strategy
 
 
-def memory_per_device(graph, strategy, itemsize=4) -> dict:
-    """JSON-ready bytes per device of a training step under `strategy`, by kind (taskrt.memory)."""
-    from taskrt.lowering import lower
-    from taskrt.memory import plan_memory
-
-    plan = lower(graph, strategy.validated(graph), itemsize=itemsize)
-    return {str(d): m.to_dict() for d, m in plan_memory(plan, itemsize).items()}
+def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
+    """JSON-ready bytes per device of a training step under `strategy`, by kind: taskrt.memory's
+    accounting of the plan, counted without lowering it (search.memory), from `cost_model`'s
+    region tables when given."""
+    regions = cost_model.regions if cost_model is not None else None
+    memory = step_memory(graph, strategy.validated(graph), itemsize, regions)
+    return {str(d): m.to_dict() for d, m in memory.items()}
 
 
 SIMULATION_MARGIN = 0.05  # on a real cluster: how much faster by simulation a change must be to be taken

@@ -1,0 +1,154 @@
+"""Memory per device of a training step under a strategy, without lowering it.
+
+The same accounting as taskrt.memory.plan_memory (tests check they agree on many strategies),
+counted from the region rules instead of the plan's tasks:
+- each layer's parameter shards (parts with the same channel block), their gradients, the
+  optimizer state of the chunks each device owns, and what a server or chunk owner receives;
+- every part's output, the data tiles, and every value forward moves: a producer's tile that a
+  part on another device needs whole, or else the slice cut for it on the producer's device;
+  each value counts once on the device that cuts it and once on each other device reading it;
+- the largest backward working set of a part on each device.
+
+Where a plan would drop tasks no output needs (a part no consumer reads, a layer feeding
+nothing), or a config splits channels unevenly, the plan is lowered and measured instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from search.cost import channel_params
+from search.regions import Needs, part_table
+from taskrt.memory import KINDS, DeviceMemory
+from taskrt.plan import chunk_bounds
+
+
+def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, DeviceMemory]:
+    """Bytes per device, by kind, of one training step of `graph` under `strategy` (validated).
+
+    `regions(layer, config)`, if given, returns the parts of `layer` under `config` as
+    (lo, hi, device) rows and each input's needs as (lo, hi) rows (zero rows: reads nothing),
+    as `CostModel.regions` does from the search's tables; by default they are computed here."""
+    if any(not config.is_even for config in strategy.configs.values()):
+        return _lowered(graph, strategy, itemsize)
+    regions = regions or _regions
+    layers = {layer.name: regions(layer, strategy[layer.name]) for layer in graph}
+    needed = graph.needs_backward()
+    memory: dict[int, dict[str, int]] = {}
+
+    def add(device, kind, nbytes):
+        memory.setdefault(device, dict.fromkeys(KINDS, 0))[kind] += nbytes
+
+    read = {name: np.zeros(len(parts[2]), dtype=bool) for name, (parts, _) in layers.items()}  # by a consumer part
+    takes_dy = {}  # per part of a needed layer: whether its backward tasks read its output gradient
+    for layer in graph:
+        (lo, hi, device), needs = layers[layer.name]
+        volume = np.prod(hi - lo, axis=1)
+        if layer.param_shapes:
+            _parameters(layer, strategy[layer.name], lo, hi, device, itemsize, add)
+        if not layer.is_input:
+            for d, v in zip(device.tolist(), volume.tolist()):  # a forward (or loss) task per part
+                add(d, "activations", 0 if layer.kind == "softmax_cross_entropy" else v * itemsize)
+        # which parts run a backward task some output needs (the loss's parts always do)
+        backward = np.full(len(device), layer.kind == "softmax_cross_entropy"
+                           or (layer.name in needed and bool(layer.param_shapes) and not layer.op.reduces_statistics))
+        for j, src in enumerate(layer.inputs):
+            meets = _meets(layers[src][0], needs[j])
+            read[src] |= meets.any(axis=1)
+            if src in needed and layer.name in needed:  # its input gradient goes to a producer part's backward
+                backward |= (meets & takes_dy[src][:, None]).any(axis=0)
+        if layer.name in needed:  # batch norm's gradient sums read it in every part
+            takes_dy[layer.name] = backward | layer.op.reduces_statistics
+        for d, k in zip(device.tolist(), np.flatnonzero(backward).tolist()):
+            # part_footprint(...).transient: its input tiles, its output and output gradient
+            working = (sum(int(np.prod(n_hi[k] - n_lo[k])) for n_lo, n_hi in needs) + int(volume[k])) * itemsize
+            add(d, "transient", 0)
+            memory[d]["transient"] = max(memory[d]["transient"], working)
+    kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
+    if not all(read[layer.name].all() for layer in kept):
+        return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
+    reads = {name: [] for name in layers}  # per producer: (device, need lo, need hi) of its consumers' parts
+    for layer in graph:
+        for j, src in enumerate(layer.inputs):
+            reads[src].append((layers[layer.name][0][2], *layers[layer.name][1][j]))
+    for layer in graph:
+        size = _itemsize(layer, itemsize)
+        (lo, hi, device), _ = layers[layer.name]
+        if layer.is_input and read[layer.name].any():  # the data tiles
+            for d, v in zip(device.tolist(), np.prod(hi - lo, axis=1).tolist()):
+                add(d, "activations", v * size)
+        _forward_values(layers[layer.name][0], reads[layer.name], size, add)
+    return {d: DeviceMemory(**memory[d]) for d in sorted(memory)}
+
+
+def _itemsize(layer, itemsize) -> int:
+    return 8 if layer.is_input and layer.op.dtype == "int64" else itemsize
+
+
+def _regions(layer, config):
+    parts = part_table(layer.shape, [config])
+    return (parts.lo, parts.hi, parts.device), [
+        (n.table.lo, n.table.hi) for n in (Needs(layer.op, j, parts) for j in range(len(layer.inputs)))]
+
+
+def _meets(producer, need) -> np.ndarray:
+    """(producer parts, consumer parts): whether a producer tile meets a consumer part's need."""
+    (lo, hi, _), (n_lo, n_hi) = producer, need
+    return (np.maximum(lo[:, None], n_lo[None]) < np.minimum(hi[:, None], n_hi[None])).all(axis=2)
+
+
+def _parameters(layer, config, lo, hi, device, itemsize, add):
+    """Shards (parts with the same channel block), as taskrt.lowering.plan_shards and plan_memory."""
+    per_channel = channel_params(layer.op)
+    shards: dict[tuple[int, int], list[int]] = {}
+    for c0, c1, d in zip(lo[:, 1].tolist(), hi[:, 1].tolist(), device.tolist()):
+        shards.setdefault((c0, c1), []).append(d)
+    for (c0, c1), devices in shards.items():
+        size = per_channel * (c1 - c0)
+        nbytes = size * itemsize
+        for d in devices:
+            add(d, "parameters", nbytes)  # the weights it computes with
+            add(d, "gradients", nbytes)  # its own gradient
+        if config.sync == "ps" or len(devices) == 1:
+            chunks = [(0, size, devices[0])]
+        else:
+            chunks = [(a, b, d) for (a, b), d in zip(chunk_bounds(size, len(devices)), devices)]
+        for a, b, d in chunks:
+            chunk = (b - a) * itemsize
+            add(d, "optimizer", chunk)
+            if len(chunks) > 1:  # a master chunk beside the gathered copy
+                add(d, "parameters", chunk)
+            add(d, "gradients", (len(devices) - 1) * (nbytes if len(chunks) == 1 else chunk))
+
+
+def _forward_values(producer, reads, itemsize, add):
+    """What forward moves out of one layer's tiles, for its consumers' parts `reads` ((device,
+    need lo, need hi) rows per consumer input): a tile a part on another device needs whole, or
+    else the slice of it the part needs, cut on the tile's device.  A slice is cut once, and a
+    value travels once to each other device that reads it (taskrt.lowering.pieces and route)."""
+    lo, hi, device = producer
+    values = []  # (tile, piece lo, piece hi, reading device)
+    for to, n_lo, n_hi in reads:
+        piece_lo, piece_hi = np.maximum(lo[:, None], n_lo[None]), np.minimum(hi[:, None], n_hi[None])
+        p, q = np.nonzero((piece_lo < piece_hi).all(axis=2) & (device[:, None] != to[None]))
+        if len(p):
+            values.append(np.concatenate([p[:, None], piece_lo[p, q], piece_hi[p, q], to[q, None]], axis=1))
+    if not values:
+        return
+    rank = lo.shape[1]
+    moved = np.unique(np.concatenate(values), axis=0)  # each (value, reading device) once
+    tile, piece_lo, piece_hi, to = moved[:, 0], moved[:, 1 : 1 + rank], moved[:, 1 + rank : -1], moved[:, -1]
+    nbytes = np.prod(piece_hi - piece_lo, axis=1) * itemsize
+    for d, n in zip(to.tolist(), nbytes.tolist()):
+        add(d, "activations", n)
+    sliced = ~((piece_lo == lo[tile]).all(axis=1) & (piece_hi == hi[tile]).all(axis=1))
+    _, once = np.unique(moved[sliced, :-1], axis=0, return_index=True)  # a slice is cut once for all readers
+    for p, n in zip(tile[sliced][once].tolist(), nbytes[sliced][once].tolist()):
+        add(int(device[p]), "activations", n)
+
+
+def _lowered(graph, strategy, itemsize):
+    from taskrt.lowering import lower
+    from taskrt.memory import plan_memory
+
+    return plan_memory(lower(graph, strategy, itemsize=itemsize), itemsize)
