@@ -200,39 +200,51 @@ class Needs:
                                        f"{driver[e]} and {d}")
         self.driver = driver
         self.constant = {e: (int(base_lo[e]), int(base_hi[e])) for e in range(rank) if e not in driver}
-        # per output dimension: the degrees' first slots, and each slot's answer
-        self._degrees = [np.unique(parts.degrees[:, d]) for d in range(rank_out)]
-        self._first = [first for first, _, _ in slots]
-        self._reads = [reads[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
-        self._lo = [in_lo[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
-        self._hi = [in_hi[bounds[d] : bounds[d + 1]] for d in range(rank_out)]
+        # per output dimension and slot: the answer (backward costs in search.transfer read these)
+        width = max(counts)
+        self.by_slot = BySlot(np.zeros((rank_out, width)), np.zeros((rank_out, width, rank), dtype=np.int64),
+                              np.zeros((rank_out, width, rank), dtype=np.int64),
+                              np.zeros((rank_out, rank), dtype=np.bool_), np.zeros(rank, dtype=np.int64),
+                              np.zeros(rank, dtype=np.int64), np.zeros(rank, dtype=np.bool_))
+        for d in range(rank_out):
+            rows = slice(bounds[d], bounds[d + 1])
+            self.by_slot.reads[d, : counts[d]] = reads[rows]
+            for e in (e for e, dd in driver.items() if dd == d):
+                self.by_slot.drives[d, e] = True
+                self.by_slot.lo[d, : counts[d], e] = np.where(reads[rows], in_lo[rows, e], 0)
+                self.by_slot.hi[d, : counts[d], e] = np.where(reads[rows], in_hi[rows, e], 0)
+        for e, (a, b) in self.constant.items():
+            self.by_slot.constant_lo[e], self.by_slot.constant_hi[e], self.by_slot.has_constant[e] = a, b, True
+        # each part's need: every input dimension from its block along the dimension driving it
         lo = np.tile(base_lo, (len(parts.device), 1))
         hi = np.tile(base_hi, (len(parts.device), 1))
         empty = np.zeros(len(parts.device), dtype=bool)
         degrees = parts.degrees[parts.config]
         for d in range(rank_out):
-            slot = self._slot_of(d, degrees[:, d]) + parts.block[:, d]
-            empty |= ~self._reads[d][slot]
+            first, _, _ = slots[d]
+            slot = first[np.searchsorted(np.unique(parts.degrees[:, d]), degrees[:, d])] + parts.block[:, d]
+            answered = slice(bounds[d], bounds[d + 1])
+            empty |= ~reads[answered][slot]
             for e in (e for e, dd in driver.items() if dd == d):
-                lo[:, e], hi[:, e] = self._lo[d][slot, e], self._hi[d][slot, e]
+                lo[:, e], hi[:, e] = in_lo[answered][slot, e], in_hi[answered][slot, e]
         lo[empty] = 0
         hi[empty] = 0
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees)
 
-    def _slot_of(self, d, degrees) -> np.ndarray:
-        """First slot of each of `degrees` (degrees the configs use) along output dimension `d`."""
-        return self._first[d][np.searchsorted(self._degrees[d], degrees)]
 
-    def block_ranges(self, d: int, groups):
-        """For output dimension `d` and slots [(first slot, degree)]: whether each block reads
-        anything, and per input dimension `d` drives, the lo and hi arrays over slots."""
-        degrees = np.array([degree for _, degree in groups], dtype=np.int64)
-        slot = np.repeat(self._slot_of(d, degrees), degrees) + (
-            np.arange(degrees.sum()) - np.repeat(np.cumsum(degrees) - degrees, degrees))
-        reads = self._reads[d][slot]
-        ranges = {e: (np.where(reads, self._lo[d][slot, e], 0), np.where(reads, self._hi[d][slot, e], 0))
-                  for e, dd in self.driver.items() if dd == d}
-        return reads, ranges
+@dataclass
+class BySlot:
+    """A consumer's needs of one input per output dimension d and slot s (blocks of every degree
+    its configs use, `block_slots` order): whether the block reads anything, and the range of
+    each input dimension d drives; the ranges of input dimensions no output dimension drives."""
+
+    reads: np.ndarray  # (output rank, slots), 1.0 or 0.0
+    lo: np.ndarray  # (output rank, slots, input rank)
+    hi: np.ndarray
+    drives: np.ndarray  # (output rank, input rank)
+    constant_lo: np.ndarray  # (input rank,)
+    constant_hi: np.ndarray
+    has_constant: np.ndarray
 
 
 def overlap_volumes(producer: PartTable, consumer: PartTable) -> np.ndarray:
