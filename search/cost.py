@@ -139,11 +139,15 @@ class CostModel:
         self.memory_bandwidth = self.calibration["memory_bandwidth"]
         self.kinds = sorted({d.kind for d in machine.devices})
         self.kind_index = {d.id: self.kinds.index(d.kind) for d in machine.devices}
+        # each device's data sheet (the roofline of simulated devices)
+        self._peak = np.array([DEVICE_KINDS[d.kind]["flops"] if self.estimated else 0.0 for d in machine.devices])
+        self._bandwidth = np.array([DEVICE_KINDS[d.kind]["memory_bandwidth"] if self.estimated else 0.0
+                                    for d in machine.devices])
         self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
-        self._grids: dict[tuple, tuple] = {}  # (dims, shape) -> config_grid
+        self._grids: dict[tuple, tuple] = {}  # (dims, shape) -> config_grid and its configs
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
@@ -234,9 +238,10 @@ class CostModel:
         op, shape = layer.op, layer.shape
         grid_key = (op.dims, shape)
         if grid_key not in self._grids:
-            self._grids[grid_key] = config_grid(op.dims, shape, self.machine.num_devices, self.powers_of_two,
-                                                self.placement)
-        degrees, first = self._grids[grid_key]
+            degrees, first = config_grid(op.dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
+            configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
+            self._grids[grid_key] = degrees, first, configs
+        degrees, first, configs = self._grids[grid_key]
         parts, needs = self._regions(op, shape, degrees, first)
         memory = min((d.memory for d in self.machine.devices if d.memory), default=None)
         if memory is not None:
@@ -246,8 +251,8 @@ class CostModel:
                     layer_configs(layer, self.machine.num_devices, self.powers_of_two, self.placement, memory,
                                   self.itemsize)
                 degrees, first = degrees[fits], first[fits]
+                configs = [c for c, fit in zip(configs, fits.tolist()) if fit]
                 parts, needs = self._regions(op, shape, degrees, first)
-        configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
         return configs, parts, needs
 
     @staticmethod
@@ -328,7 +333,8 @@ class CostModel:
             # each direction's dependent tasks: the part's, and batch norm's statistics reduction before it
             hops = (2 if layer.name in needed else 1) * (1 + layer.op.statistics_hops)
             if self.estimated:  # a formula per part: no need to find the distinct ones
-                fwd, bwd = roofline_parts(layer.op, shapes, self.kinds, self.kind_index, table.device, self.itemsize)
+                fwd, bwd = roofline_parts(layer.op, shapes, self._peak[table.device], self._bandwidth[table.device],
+                                          self.itemsize)
                 times = fwd + bwd * backward
                 out[layer.name] = self._compute[key] = np.maximum.reduceat(times, table.starts) + hops * self.hop
                 continue
@@ -372,7 +378,7 @@ class CostModel:
         if self.estimated:
             shapes = [np.array([rect.shape])] + [np.array([r.shape if r else (0,) * len(s)])
                                                  for r, s in zip(op.input_rects(rect), op.in_shapes)]
-            fwd, bwd = roofline_parts(op, shapes, [kind], {0: 0}, np.array([0]), self.itemsize)
+            fwd, bwd = roofline_parts(op, shapes, self._peak[device], self._bandwidth[device], self.itemsize)
             return float(fwd[0]), float(bwd[0])
         missing = {}
         key = self._lookup(kind, op, rect, tuple(need_dx), missing)
@@ -692,22 +698,20 @@ def measure_synchronization(items, repeats, dtype):
     return out
 
 
-def roofline_parts(op, shapes, kinds, kind_index, device, itemsize) -> tuple[np.ndarray, np.ndarray]:
+def roofline_parts(op, shapes, peak, bandwidth, itemsize) -> tuple[np.ndarray, np.ndarray]:
     """Roofline estimates (forward, backward) for many parts of one op at once:
     max(FLOPs / peak, bytes / memory bandwidth) from the device kind's data sheet.
 
-    `shapes`: the parts' output tile shapes, then each input's tile shapes (rows).  FLOPs and
-    parameter volumes of every op grow linearly with the output tile (parameters with its
-    channel extent), so one unit tile gives the rates."""
+    `shapes`: the parts' output tile shapes, then each input's tile shapes (rows); `peak` and
+    `bandwidth`: of each part's device kind.  FLOPs and parameter volumes of every op grow
+    linearly with the output tile (parameters with its channel extent), so one unit tile gives
+    the rates."""
     out = shapes[0]
     volume = np.prod(out, axis=1).astype(np.float64)
     unit = Rect((0,) * out.shape[1], (1,) * out.shape[1])
     inputs = sum(np.prod(s, axis=1).astype(np.float64) for s in shapes[1:])
     params = channel_params(op) * (out[:, 1] if out.shape[1] > 1 else 1)
     moved = (inputs + volume + params) * itemsize
-    spec = [DEVICE_KINDS[k] for k in kinds]
-    peak = np.array([spec[kind_index[d]]["flops"] for d in device])
-    bandwidth = np.array([spec[kind_index[d]]["memory_bandwidth"] for d in device])
     forward = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
     backward = np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)
     return forward, backward

@@ -14,6 +14,7 @@ The problem: choose one config index per node to minimize
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -72,10 +73,15 @@ def minimize(unary: dict, edges: list) -> Result:
     """`unary`: name -> costs per config; `edges`: (u, v, matrix configs(u) x configs(v))."""
     g = _Graph(unary, edges)
     log = []  # undo records, in elimination order
-    while True:
-        v = next((n for n in g.unary if len(g.adj[n]) <= 2), None)
-        if v is None:
-            break
+    # The first node (in node order) with at most two neighbours goes next.  Eliminating a node
+    # never adds to a neighbour's degree, so a node that qualifies stays qualified: a heap of
+    # the qualified ones by node order finds it without scanning the graph.
+    ready = [g.order[n] for n in g.unary if len(g.adj[n]) <= 2]
+    heapq.heapify(ready)
+    queued = set(ready)
+    names = list(g.unary)
+    while ready:
+        v = names[heapq.heappop(ready)]
         neighbours = sorted(g.adj[v], key=g.order.get)
         own = g.unary[v]
         # Each record keeps the (never modified) arrays it minimized over, so undoing it finds
@@ -83,11 +89,13 @@ def minimize(unary: dict, edges: list) -> Result:
         # needs only the minimum, not the argmin table.
         if len(neighbours) == 0:
             log.append(("free", v, own))
+            g.remove(v)
         elif len(neighbours) == 1:
             (u,) = neighbours
             edge = g.matrix(u, v)
             g.unary[u] = g.unary[u] + (edge + own[None, :]).min(axis=1)
             log.append(("leaf", v, u, edge, own))
+            g.remove(v)
         else:
             u, w = neighbours
             left, right = g.matrix(u, v), g.matrix(v, w)
@@ -95,8 +103,10 @@ def minimize(unary: dict, edges: list) -> Result:
             g.remove(v)
             log.append(("node", v, u, w, left, own, right))
             g.add_edge(u, w, merged)
-            continue
-        g.remove(v)
+        for u in neighbours:  # each lost v (and may have gained the other)
+            if g.order[u] not in queued and len(g.adj[u]) <= 2:
+                queued.add(g.order[u])
+                heapq.heappush(ready, g.order[u])
     reduced_nodes, reduced_edges = len(g.unary), len(g.pair)
     eliminations = len(log)
     if not g.unary:

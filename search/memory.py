@@ -22,6 +22,8 @@ from search.regions import Needs, part_table
 from taskrt.memory import KINDS, DeviceMemory
 from taskrt.plan import chunk_bounds
 
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TRANSIENT = range(len(KINDS))
+
 
 def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, DeviceMemory]:
     """Bytes per device, by kind, of one training step of `graph` under `strategy` (validated).
@@ -34,21 +36,20 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
     regions = regions or _regions
     layers = {layer.name: regions(layer, strategy[layer.name]) for layer in graph}
     needed = graph.needs_backward()
-    memory: dict[int, dict[str, int]] = {}
-
-    def add(device, kind, nbytes):
-        memory.setdefault(device, dict.fromkeys(KINDS, 0))[kind] += nbytes
-
+    devices = 1 + max(int(parts[2].max()) for parts, _ in layers.values())
+    memory = np.zeros((devices, len(KINDS)), dtype=np.int64)
+    present = np.zeros(devices, dtype=bool)  # devices the plan has tasks or data on
     read = {name: np.zeros(len(parts[2]), dtype=bool) for name, (parts, _) in layers.items()}  # by a consumer part
     takes_dy = {}  # per part of a needed layer: whether its backward tasks read its output gradient
     for layer in graph:
         (lo, hi, device), needs = layers[layer.name]
         volume = np.prod(hi - lo, axis=1)
         if layer.param_shapes:
-            _parameters(layer, strategy[layer.name], lo, hi, device, itemsize, add)
-        if not layer.is_input:
-            for d, v in zip(device.tolist(), volume.tolist()):  # a forward (or loss) task per part
-                add(d, "activations", 0 if layer.kind == "softmax_cross_entropy" else v * itemsize)
+            _parameters(layer, strategy[layer.name], lo, hi, device, itemsize, memory)
+        if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
+            present[device] = True
+            if layer.kind != "softmax_cross_entropy":
+                np.add.at(memory[:, ACTIVATIONS], device, volume * itemsize)
         # which parts run a backward task some output needs (the loss's parts always do)
         backward = np.full(len(device), layer.kind == "softmax_cross_entropy"
                            or (layer.name in needed and bool(layer.param_shapes) and not layer.op.reduces_statistics))
@@ -59,11 +60,9 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
                 backward |= (meets & takes_dy[src][:, None]).any(axis=0)
         if layer.name in needed:  # batch norm's gradient sums read it in every part
             takes_dy[layer.name] = backward | layer.op.reduces_statistics
-        for d, k in zip(device.tolist(), np.flatnonzero(backward).tolist()):
-            # part_footprint(...).transient: its input tiles, its output and output gradient
-            working = (sum(int(np.prod(n_hi[k] - n_lo[k])) for n_lo, n_hi in needs) + int(volume[k])) * itemsize
-            add(d, "transient", 0)
-            memory[d]["transient"] = max(memory[d]["transient"], working)
+        if backward.any():  # part_footprint(...).transient: its input tiles, its output and output gradient
+            inputs = sum((np.prod(np.maximum(n_hi - n_lo, 0), axis=1) for n_lo, n_hi in needs), np.zeros_like(volume))
+            np.maximum.at(memory[:, TRANSIENT], device[backward], ((inputs + volume) * itemsize)[backward])
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
         return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
@@ -75,10 +74,10 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
         size = _itemsize(layer, itemsize)
         (lo, hi, device), _ = layers[layer.name]
         if layer.is_input and read[layer.name].any():  # the data tiles
-            for d, v in zip(device.tolist(), np.prod(hi - lo, axis=1).tolist()):
-                add(d, "activations", v * size)
-        _forward_values(layers[layer.name][0], reads[layer.name], size, add)
-    return {d: DeviceMemory(**memory[d]) for d in sorted(memory)}
+            present[device] = True
+            np.add.at(memory[:, ACTIVATIONS], device, np.prod(hi - lo, axis=1) * size)
+        _forward_values(layers[layer.name][0], reads[layer.name], size, memory)
+    return {d: DeviceMemory(*map(int, memory[d])) for d in np.flatnonzero(present).tolist()}
 
 
 def _itemsize(layer, itemsize) -> int:
@@ -97,7 +96,7 @@ def _meets(producer, need) -> np.ndarray:
     return (np.maximum(lo[:, None], n_lo[None]) < np.minimum(hi[:, None], n_hi[None])).all(axis=2)
 
 
-def _parameters(layer, config, lo, hi, device, itemsize, add):
+def _parameters(layer, config, lo, hi, device, itemsize, memory):
     """Shards (parts with the same channel block), as taskrt.lowering.plan_shards and plan_memory."""
     per_channel = channel_params(layer.op)
     shards: dict[tuple[int, int], list[int]] = {}
@@ -106,22 +105,21 @@ def _parameters(layer, config, lo, hi, device, itemsize, add):
     for (c0, c1), devices in shards.items():
         size = per_channel * (c1 - c0)
         nbytes = size * itemsize
-        for d in devices:
-            add(d, "parameters", nbytes)  # the weights it computes with
-            add(d, "gradients", nbytes)  # its own gradient
+        np.add.at(memory[:, PARAMETERS], devices, nbytes)  # the weights it computes with
+        np.add.at(memory[:, GRADIENTS], devices, nbytes)  # its own gradient
         if config.sync == "ps" or len(devices) == 1:
             chunks = [(0, size, devices[0])]
         else:
             chunks = [(a, b, d) for (a, b), d in zip(chunk_bounds(size, len(devices)), devices)]
         for a, b, d in chunks:
             chunk = (b - a) * itemsize
-            add(d, "optimizer", chunk)
+            memory[d, OPTIMIZER] += chunk
             if len(chunks) > 1:  # a master chunk beside the gathered copy
-                add(d, "parameters", chunk)
-            add(d, "gradients", (len(devices) - 1) * (nbytes if len(chunks) == 1 else chunk))
+                memory[d, PARAMETERS] += chunk
+            memory[d, GRADIENTS] += (len(devices) - 1) * (nbytes if len(chunks) == 1 else chunk)
 
 
-def _forward_values(producer, reads, itemsize, add):
+def _forward_values(producer, reads, itemsize, memory):
     """What forward moves out of one layer's tiles, for its consumers' parts `reads` ((device,
     need lo, need hi) rows per consumer input): a tile a part on another device needs whole, or
     else the slice of it the part needs, cut on the tile's device.  A slice is cut once, and a
@@ -139,12 +137,10 @@ def _forward_values(producer, reads, itemsize, add):
     moved = np.unique(np.concatenate(values), axis=0)  # each (value, reading device) once
     tile, piece_lo, piece_hi, to = moved[:, 0], moved[:, 1 : 1 + rank], moved[:, 1 + rank : -1], moved[:, -1]
     nbytes = np.prod(piece_hi - piece_lo, axis=1) * itemsize
-    for d, n in zip(to.tolist(), nbytes.tolist()):
-        add(d, "activations", n)
+    np.add.at(memory[:, ACTIVATIONS], to, nbytes)
     sliced = ~((piece_lo == lo[tile]).all(axis=1) & (piece_hi == hi[tile]).all(axis=1))
     _, once = np.unique(moved[sliced, :-1], axis=0, return_index=True)  # a slice is cut once for all readers
-    for p, n in zip(tile[sliced][once].tolist(), nbytes[sliced][once].tolist()):
-        add(int(device[p]), "activations", n)
+    np.add.at(memory[:, ACTIVATIONS], device[tile[sliced][once]], nbytes[sliced][once])
 
 
 def _lowered(graph, strategy, itemsize):

@@ -42,6 +42,36 @@ class PartTable:
     def shape(self) -> np.ndarray:
         return self.hi - self.lo
 
+    def slots(self, size) -> Slots:
+        """The blocks of the configs along each dimension of a tensor of shape `size`, as slots."""
+        if getattr(self, "_slots", None) is None:
+            first = np.zeros_like(self.degrees)
+            lo, hi = [], []
+            for d, extent in enumerate(size):
+                degrees = np.unique(self.degrees[:, d])
+                starts, a, b = block_slots(extent, degrees)
+                first[:, d] = starts[np.searchsorted(degrees, self.degrees[:, d])]
+                lo.append(a)
+                hi.append(b)
+            width = max(len(a) for a in lo)
+            slot_lo, slot_hi = np.zeros((len(lo), width), dtype=np.int64), np.zeros((len(lo), width), dtype=np.int64)
+            for d, (a, b) in enumerate(zip(lo, hi)):
+                slot_lo[d, : len(a)], slot_hi[d, : len(b)] = a, b
+            self._slots = Slots(first, slot_lo, slot_hi, [len(a) for a in lo], first[self.config] + self.block)
+        return self._slots
+
+
+@dataclass
+class Slots:
+    """Per dimension, one slot per (degree, block) for every degree the configs use along it
+    (degrees ascending, blocks in order: `block_slots`)."""
+
+    first: np.ndarray  # (configs, rank): each config's first slot along each dimension
+    lo: np.ndarray  # (rank, width): each slot's block, padded with empty ones to the widest dimension
+    hi: np.ndarray
+    count: list[int]  # slots along each dimension
+    part: np.ndarray  # (parts, rank): each part's slot
+
 
 def part_table(shape, configs) -> PartTable:
     """All parts of all configs, vectorized: the same blocks, order and devices as ParallelConfig.parts."""
@@ -181,14 +211,15 @@ class Needs:
         out_shape = tuple(op.out_shape)
         rank_out, rank = len(out_shape), len(op.in_shapes[j])
         self.out_shape = out_shape
-        slots = [block_slots(size, np.unique(parts.degrees[:, d])) for d, size in enumerate(out_shape)]
-        counts = [len(lo) for _, lo, _ in slots]
+        slots = parts.slots(out_shape)
+        counts = slots.count
         # one probe per slot: the whole output except that slot's block along its dimension; row 0 is whole
         probe_lo = np.zeros((1 + sum(counts), rank_out), dtype=np.int64)
         probe_hi = np.tile(np.array(out_shape, dtype=np.int64), (len(probe_lo), 1))
         bounds = np.concatenate([[1], 1 + np.cumsum(counts)])
-        for d, (_, lo, hi) in enumerate(slots):
-            probe_lo[bounds[d] : bounds[d + 1], d], probe_hi[bounds[d] : bounds[d + 1], d] = lo, hi
+        for d in range(rank_out):
+            probe_lo[bounds[d] : bounds[d + 1], d] = slots.lo[d, : counts[d]]
+            probe_hi[bounds[d] : bounds[d + 1], d] = slots.hi[d, : counts[d]]
         reads, in_lo, in_hi = input_ranges(op, j, probe_lo, probe_hi)
         base_lo, base_hi = in_lo[0], in_hi[0]
         varies = reads[:, None] & ((in_lo != base_lo) | (in_hi != base_hi))
@@ -219,10 +250,8 @@ class Needs:
         lo = np.tile(base_lo, (len(parts.device), 1))
         hi = np.tile(base_hi, (len(parts.device), 1))
         empty = np.zeros(len(parts.device), dtype=bool)
-        degrees = parts.degrees[parts.config]
         for d in range(rank_out):
-            first, _, _ = slots[d]
-            slot = first[np.searchsorted(np.unique(parts.degrees[:, d]), degrees[:, d])] + parts.block[:, d]
+            slot = slots.part[:, d]
             answered = slice(bounds[d], bounds[d + 1])
             empty |= ~reads[answered][slot]
             for e in (e for e, dd in driver.items() if dd == d):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from search.regions import PartTable, block_slots, overlap_volumes
+from search.regions import PartTable, overlap_volumes
 
 
 @dataclass
@@ -113,30 +113,13 @@ class Grid:
     def __init__(self, table: PartTable, shape, node: np.ndarray, num_devices: int):
         self.table = table
         self.degrees = table.degrees
-        rank = self.degrees.shape[1]
-        first = np.zeros_like(self.degrees)
-        slot_lo, slot_hi = [], []
-        for d in range(rank):
-            degrees = np.unique(self.degrees[:, d])
-            starts, lo, hi = block_slots(shape[d], degrees)
-            first[:, d] = starts[np.searchsorted(degrees, self.degrees[:, d])]
-            slot_lo.append(lo)
-            slot_hi.append(hi)
-        self.slots = _slot_arrays(slot_lo, slot_hi)
-        self.part_slot = first[table.config] + table.block
-        self.index = np.empty((num_devices, rank, 5, len(self.degrees)), dtype=np.uint32)  # unsigned: no wraparound
-        self.ok = _grid_index(table.block, table.device, table.starts, first, self.degrees, node,
-                              self.slots[0].shape[1], self.index)
-
-
-def _slot_arrays(slot_lo, slot_hi):
-    """Per dimension the slot intervals, padded to one (rank, slots) array each for lo and hi."""
-    rows = max(len(x) for x in slot_lo)
-    lo = np.zeros((len(slot_lo), rows), dtype=np.int64)
-    hi = np.zeros_like(lo)
-    for e, (a, b) in enumerate(zip(slot_lo, slot_hi)):
-        lo[e, : len(a)], hi[e, : len(b)] = a, b
-    return lo, hi
+        slots = table.slots(shape)
+        self.slots = slots.lo, slots.hi
+        self.part_slot = slots.part
+        # unsigned: numba indexes with it without checking for negative indices
+        self.index = np.empty((num_devices, len(shape), 5, len(self.degrees)), dtype=np.uint32)
+        self.ok = _grid_index(table.block, table.device, table.starts, slots.first, self.degrees, node,
+                              slots.lo.shape[1], self.index)
 
 
 @numba.njit(cache=True)

@@ -118,6 +118,31 @@ def test_minimize_equals_brute_force_and_depth_first(problem):
         assert same_cost(evaluate(unary, edges, dfs.choice), best)
 
 
+def scan_order(unary, edges) -> list[str]:
+    """The elimination order by definition: again and again, the first node in node order with
+    at most two neighbours (a node with two is replaced by an edge between them)."""
+    adj = {n: set() for n in unary}
+    for u, v, _ in edges:
+        if u != v:
+            adj[u].add(v)
+            adj[v].add(u)
+    order = []
+    while (v := next((n for n in adj if len(adj[n]) <= 2), None)) is not None:
+        neighbours = adj.pop(v)
+        for u in neighbours:
+            adj[u].discard(v)
+            adj[u] |= neighbours - {u}
+        order.append(v)
+    return order
+
+
+@settings(RANDOM, max_examples=150)
+@given(problems())
+def test_elimination_order_is_the_first_reducible_node_each_time(problem):
+    _, _, unary, edges = problem
+    assert [record[1] for record in minimize(unary, edges).log] == scan_order(unary, edges)
+
+
 @settings(RANDOM, max_examples=60)
 @given(problems(shapes=tuple(name for name, (_, sp) in SHAPES.items() if not sp)))
 def test_variable_elimination_is_exact(problem):
