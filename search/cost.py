@@ -147,7 +147,7 @@ class CostModel:
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
-        self._grids: dict[tuple, tuple] = {}  # (dims, shape) -> config_grid and its configs
+        self._geometries: dict[tuple, tuple] = {}  # (dims, shape, kept) -> configs, part table and grid
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
@@ -210,12 +210,12 @@ class CostModel:
         space = self._spaces.get(key)
         if space is None:
             if configs is None:
-                configs, parts, needs = self._fitting_configs(layer)
+                configs, parts, grid, needs = self._fitting_configs(layer)
             else:
                 configs = list(configs)
                 parts = part_table(layer.shape, configs)
+                grid = transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices)
                 needs = [Needs(layer.op, j, parts) for j in range(len(layer.inputs))]
-            grid = transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices)
             space = self._spaces[key] = LayerSpace(key, configs, parts, needs, grid)
         return space
 
@@ -235,14 +235,9 @@ class CostModel:
     def _fitting_configs(self, layer):
         """The search space of `layer` (as `search.space.layer_configs` gives it), built from arrays:
         every config's parts and needs at once, dropping those whose largest part does not fit."""
-        op, shape = layer.op, layer.shape
-        grid_key = (op.dims, shape)
-        if grid_key not in self._grids:
-            degrees, first = config_grid(op.dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
-            configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
-            self._grids[grid_key] = degrees, first, configs
-        degrees, first, configs = self._grids[grid_key]
-        parts, needs = self._regions(op, shape, degrees, first)
+        op = layer.op
+        configs, parts, grid = self._geometry(op.dims, layer.shape)
+        needs = [Needs(op, j, parts) for j in range(len(op.in_shapes))]
         memory = min((d.memory for d in self.machine.devices if d.memory), default=None)
         if memory is not None:
             fits = self._largest_part_bytes(op, parts, needs) <= memory
@@ -250,18 +245,29 @@ class CostModel:
                 if not fits.any():  # its message names the layer and the smallest need
                     layer_configs(layer, self.machine.num_devices, self.powers_of_two, self.placement, memory,
                                   self.itemsize)
-                degrees, first = degrees[fits], first[fits]
-                configs = [c for c, fit in zip(configs, fits.tolist()) if fit]
-                parts, needs = self._regions(op, shape, degrees, first)
-        return configs, parts, needs
+                configs, parts, grid = self._geometry(op.dims, layer.shape, fits)
+                needs = [Needs(op, j, parts) for j in range(len(op.in_shapes))]
+        return configs, parts, grid, needs
 
-    @staticmethod
-    def _regions(op, shape, degrees, first):
-        sizes = np.prod(degrees, axis=1)
-        config = np.repeat(np.arange(len(degrees)), sizes)
-        device = first[config] + np.arange(len(config)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        parts = grid_parts(shape, degrees[:, : len(shape)], device)
-        return parts, [Needs(op, j, parts) for j in range(len(op.in_shapes))]
+    def _geometry(self, dims, shape, keep=None):
+        """The configs splitting `dims` of a tensor of `shape` (those `keep` says), with their part
+        table and grid: the same for every layer with this output shape."""
+        key = (dims, shape, None if keep is None else keep.tobytes())
+        if key not in self._geometries:
+            if (dims, shape) not in self._geometries:
+                degrees, first = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
+                configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
+                self._geometries[(dims, shape)] = degrees, first, configs
+            degrees, first, configs = self._geometries[(dims, shape)]
+            if keep is not None:
+                degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
+            sizes = np.prod(degrees, axis=1)
+            config = np.repeat(np.arange(len(degrees)), sizes)
+            device = first[config] + np.arange(len(config)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            parts = grid_parts(shape, degrees[:, : len(shape)], device)
+            grid = transfer.Grid(parts, shape, self.links.node, self.machine.num_devices)
+            self._geometries[key] = configs, parts, grid
+        return self._geometries[key]
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
@@ -292,7 +298,9 @@ class CostModel:
 
     def _edge(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> np.ndarray:
         itemsize = 8 if producer.is_input and producer.op.dtype == "int64" else self.itemsize
-        key = (u.key, v.key, j, backward, itemsize)
+        # t_x depends on the ops only through the consumer's needs: e.g. every batch norm reading a
+        # convolution of one output shape has the same table
+        key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
         table = self._edges.get(key)
         if table is None:
             table = self._edges[key] = self.transfer_costs(u, v, v.needs[j], itemsize, backward)

@@ -15,12 +15,12 @@ nothing), or a config splits channels unevenly, the plan is lowered and measured
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from search.cost import channel_params
 from search.regions import Needs, part_table
 from taskrt.memory import KINDS, DeviceMemory
-from taskrt.plan import chunk_bounds
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TRANSIENT = range(len(KINDS))
 
@@ -41,11 +41,16 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
     present = np.zeros(devices, dtype=bool)  # devices the plan has tasks or data on
     read = {name: np.zeros(len(parts[2]), dtype=bool) for name, (parts, _) in layers.items()}  # by a consumer part
     takes_dy = {}  # per part of a needed layer: whether its backward tasks read its output gradient
+    moves = {name: [] for name in layers}  # per producer: the pieces its consumers' parts on other devices read
+    per_channel = {}
     for layer in graph:
         (lo, hi, device), needs = layers[layer.name]
         volume = np.prod(hi - lo, axis=1)
         if layer.param_shapes:
-            _parameters(layer, strategy[layer.name], lo, hi, device, itemsize, memory)
+            if layer.op not in per_channel:
+                per_channel[layer.op] = channel_params(layer.op)
+            _shards(lo[:, 1], hi[:, 1], device, per_channel[layer.op], itemsize,
+                    strategy[layer.name].sync == "allreduce", memory)
         if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
             present[device] = True
             if layer.kind != "softmax_cross_entropy":
@@ -54,10 +59,15 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
         backward = np.full(len(device), layer.kind == "softmax_cross_entropy"
                            or (layer.name in needed and bool(layer.param_shapes) and not layer.op.reduces_statistics))
         for j, src in enumerate(layer.inputs):
-            meets = _meets(layers[src][0], needs[j])
+            (p_lo, p_hi, p_device), (n_lo, n_hi) = layers[src][0], needs[j]
+            piece_lo, piece_hi = np.maximum(p_lo[:, None], n_lo[None]), np.minimum(p_hi[:, None], n_hi[None])
+            meets = (piece_lo < piece_hi).all(axis=2)  # (producer parts, consumer parts)
             read[src] |= meets.any(axis=1)
             if src in needed and layer.name in needed:  # its input gradient goes to a producer part's backward
                 backward |= (meets & takes_dy[src][:, None]).any(axis=0)
+            p, q = np.nonzero(meets & (p_device[:, None] != device[None]))
+            if len(p):
+                moves[src].append(np.concatenate([p[:, None], piece_lo[p, q], piece_hi[p, q], device[q, None]], axis=1))
         if layer.name in needed:  # batch norm's gradient sums read it in every part
             takes_dy[layer.name] = backward | layer.op.reduces_statistics
         if backward.any():  # part_footprint(...).transient: its input tiles, its output and output gradient
@@ -66,17 +76,14 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
         return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
-    reads = {name: [] for name in layers}  # per producer: (device, need lo, need hi) of its consumers' parts
-    for layer in graph:
-        for j, src in enumerate(layer.inputs):
-            reads[src].append((layers[layer.name][0][2], *layers[layer.name][1][j]))
     for layer in graph:
         size = _itemsize(layer, itemsize)
         (lo, hi, device), _ = layers[layer.name]
         if layer.is_input and read[layer.name].any():  # the data tiles
             present[device] = True
             np.add.at(memory[:, ACTIVATIONS], device, np.prod(hi - lo, axis=1) * size)
-        _forward_values(layers[layer.name][0], reads[layer.name], size, memory)
+        if moves[layer.name]:
+            _forward_values(layers[layer.name][0], moves[layer.name], size, memory)
     return {d: DeviceMemory(*map(int, memory[d])) for d in np.flatnonzero(present).tolist()}
 
 
@@ -90,51 +97,46 @@ def _regions(layer, config):
         (n.table.lo, n.table.hi) for n in (Needs(layer.op, j, parts) for j in range(len(layer.inputs)))]
 
 
-def _meets(producer, need) -> np.ndarray:
-    """(producer parts, consumer parts): whether a producer tile meets a consumer part's need."""
-    (lo, hi, _), (n_lo, n_hi) = producer, need
-    return (np.maximum(lo[:, None], n_lo[None]) < np.minimum(hi[:, None], n_hi[None])).all(axis=2)
+@numba.njit(cache=True)
+def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, memory):
+    """Each part's device holds its shard's weights and gradient; the shard's state lives on its
+    first device ("ps") or in one chunk per replica ("allreduce": taskrt.plan.chunk_bounds), and the owner of
+    each chunk receives the other replicas' gradients of it."""
+    parts = len(device)
+    done = np.zeros(parts, dtype=np.bool_)
+    members = np.empty(parts, dtype=np.int64)
+    for p in range(parts):
+        nbytes = per_channel * (c_hi[p] - c_lo[p]) * itemsize
+        memory[device[p], PARAMETERS] += nbytes
+        memory[device[p], GRADIENTS] += nbytes
+    for p in range(parts):
+        if done[p]:
+            continue
+        replicas = 0
+        for q in range(p, parts):
+            if not done[q] and c_lo[q] == c_lo[p] and c_hi[q] == c_hi[p]:
+                done[q] = True
+                members[replicas] = device[q]
+                replicas += 1
+        size = per_channel * (c_hi[p] - c_lo[p])
+        chunks = min(replicas, size) if allreduce else 1
+        for i in range(chunks):
+            chunk = (size // chunks + (1 if i < size % chunks else 0)) * itemsize
+            memory[members[i], OPTIMIZER] += chunk
+            memory[members[i], GRADIENTS] += (replicas - 1) * chunk
+            if chunks > 1:  # a master chunk beside the gathered copy
+                memory[members[i], PARAMETERS] += chunk
 
 
-def _parameters(layer, config, lo, hi, device, itemsize, memory):
-    """Shards (parts with the same channel block), as taskrt.lowering.plan_shards and plan_memory."""
-    per_channel = channel_params(layer.op)
-    shards: dict[tuple[int, int], list[int]] = {}
-    for c0, c1, d in zip(lo[:, 1].tolist(), hi[:, 1].tolist(), device.tolist()):
-        shards.setdefault((c0, c1), []).append(d)
-    for (c0, c1), devices in shards.items():
-        size = per_channel * (c1 - c0)
-        nbytes = size * itemsize
-        np.add.at(memory[:, PARAMETERS], devices, nbytes)  # the weights it computes with
-        np.add.at(memory[:, GRADIENTS], devices, nbytes)  # its own gradient
-        if config.sync == "ps" or len(devices) == 1:
-            chunks = [(0, size, devices[0])]
-        else:
-            chunks = [(a, b, d) for (a, b), d in zip(chunk_bounds(size, len(devices)), devices)]
-        for a, b, d in chunks:
-            chunk = (b - a) * itemsize
-            memory[d, OPTIMIZER] += chunk
-            if len(chunks) > 1:  # a master chunk beside the gathered copy
-                memory[d, PARAMETERS] += chunk
-            memory[d, GRADIENTS] += (len(devices) - 1) * (nbytes if len(chunks) == 1 else chunk)
-
-
-def _forward_values(producer, reads, itemsize, memory):
-    """What forward moves out of one layer's tiles, for its consumers' parts `reads` ((device,
-    need lo, need hi) rows per consumer input): a tile a part on another device needs whole, or
-    else the slice of it the part needs, cut on the tile's device.  A slice is cut once, and a
-    value travels once to each other device that reads it (taskrt.lowering.pieces and route)."""
+def _forward_values(producer, moves, itemsize, memory):
+    """What forward moves out of one layer's tiles: `moves` rows (tile, piece lo, piece hi,
+    reading device) for its consumers' parts on other devices.  A tile a part needs whole
+    travels as it is, otherwise the slice of it the part needs is cut on the tile's device; a
+    slice is cut once, and a value travels once to each device reading it (taskrt.lowering
+    pieces and route)."""
     lo, hi, device = producer
-    values = []  # (tile, piece lo, piece hi, reading device)
-    for to, n_lo, n_hi in reads:
-        piece_lo, piece_hi = np.maximum(lo[:, None], n_lo[None]), np.minimum(hi[:, None], n_hi[None])
-        p, q = np.nonzero((piece_lo < piece_hi).all(axis=2) & (device[:, None] != to[None]))
-        if len(p):
-            values.append(np.concatenate([p[:, None], piece_lo[p, q], piece_hi[p, q], to[q, None]], axis=1))
-    if not values:
-        return
     rank = lo.shape[1]
-    moved = np.unique(np.concatenate(values), axis=0)  # each (value, reading device) once
+    moved = np.unique(np.concatenate(moves), axis=0)  # each (value, reading device) once
     tile, piece_lo, piece_hi, to = moved[:, 0], moved[:, 1 : 1 + rank], moved[:, 1 + rank : -1], moved[:, -1]
     nbytes = np.prod(piece_hi - piece_lo, axis=1) * itemsize
     np.add.at(memory[:, ACTIVATIONS], to, nbytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from ops import Concat, Conv2d, Flatten, Linear, Op, Pool2d, SoftmaxCrossEntropy
@@ -45,20 +46,39 @@ class PartTable:
     def slots(self, size) -> Slots:
         """The blocks of the configs along each dimension of a tensor of shape `size`, as slots."""
         if getattr(self, "_slots", None) is None:
-            first = np.zeros_like(self.degrees)
-            lo, hi = [], []
-            for d, extent in enumerate(size):
-                degrees = np.unique(self.degrees[:, d])
-                starts, a, b = block_slots(extent, degrees)
-                first[:, d] = starts[np.searchsorted(degrees, self.degrees[:, d])]
-                lo.append(a)
-                hi.append(b)
-            width = max(len(a) for a in lo)
-            slot_lo, slot_hi = np.zeros((len(lo), width), dtype=np.int64), np.zeros((len(lo), width), dtype=np.int64)
-            for d, (a, b) in enumerate(zip(lo, hi)):
-                slot_lo[d, : len(a)], slot_hi[d, : len(b)] = a, b
-            self._slots = Slots(first, slot_lo, slot_hi, [len(a) for a in lo], first[self.config] + self.block)
+            counts, first, lo, hi = _slots(np.asarray(size, dtype=np.int64), self.degrees)
+            self._slots = Slots(first, lo, hi, counts.tolist(), first[self.config] + self.block)
         return self._slots
+
+
+@numba.njit(cache=True)
+def _slots(size, degrees):
+    """Slots along each dimension: per degree used (ascending), its blocks (as `block_slots`)."""
+    configs, rank = degrees.shape
+    top = degrees.max() + 1
+    start = np.full((rank, top), -1, dtype=np.int64)  # first slot of each degree used
+    counts = np.zeros(rank, dtype=np.int64)
+    for d in range(rank):
+        for a in range(configs):
+            start[d, degrees[a, d]] = 0
+        for g in range(1, top):
+            if start[d, g] == 0:
+                start[d, g] = counts[d]
+                counts[d] += g
+    lo = np.zeros((rank, counts.max()), dtype=np.int64)
+    hi = np.zeros((rank, counts.max()), dtype=np.int64)
+    for d in range(rank):
+        for g in range(1, top):
+            if start[d, g] >= 0:
+                q, r = size[d] // g, size[d] % g
+                for b in range(g):
+                    lo[d, start[d, g] + b] = b * q + min(b, r)
+                    hi[d, start[d, g] + b] = lo[d, start[d, g] + b] + q + (1 if b < r else 0)
+    first = np.empty((configs, rank), dtype=np.int64)
+    for a in range(configs):
+        for d in range(rank):
+            first[a, d] = start[d, degrees[a, d]]
+    return counts, first, lo, hi
 
 
 @dataclass
@@ -86,24 +106,43 @@ def part_table(shape, configs) -> PartTable:
 
 def grid_parts(shape, degrees: np.ndarray, device: np.ndarray) -> PartTable:
     """The parts of configs given as (configs, rank) degrees and every part's device, in config order."""
-    rank = len(shape)
-    sizes = np.prod(degrees, axis=1)
-    starts = np.zeros(len(degrees), dtype=np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    config = np.repeat(np.arange(len(degrees)), sizes)
-    index = np.arange(len(config)) - starts[config]  # row-major part index within its config
-    trailing = np.ones_like(degrees)
-    for d in range(rank - 2, -1, -1):
-        trailing[:, d] = trailing[:, d + 1] * degrees[:, d + 1]
-    deg = degrees[config]
-    block = (index[:, None] // trailing[config]) % deg
-    size = np.array(shape, dtype=np.int64)[None, :]
-    q, r = size // deg, size % deg  # blocks as equal as possible, the first r one larger
-    lo = block * q + np.minimum(block, r)
-    hi = lo + q + (block < r)
+    starts, config, block, lo, hi = _grid_parts(np.asarray(shape, dtype=np.int64), degrees)
     table = PartTable(lo, hi, np.asarray(device, dtype=np.int64), starts, block, degrees)
     table.config = config
     return table
+
+
+@numba.njit(cache=True)
+def _grid_parts(shape, degrees):
+    """Parts numbered row-major over each config's grid of blocks, blocks as equal as possible
+    (the first ones one larger), as ParallelConfig.parts."""
+    configs, rank = degrees.shape
+    starts = np.zeros(configs, dtype=np.int64)
+    total = 0
+    for a in range(configs):
+        starts[a] = total
+        size = 1
+        for d in range(rank):
+            size *= degrees[a, d]
+        total += size
+    config = np.empty(total, dtype=np.int64)
+    block = np.empty((total, rank), dtype=np.int64)
+    lo = np.empty((total, rank), dtype=np.int64)
+    hi = np.empty((total, rank), dtype=np.int64)
+    for a in range(configs):
+        end = starts[a + 1] if a + 1 < configs else total
+        for row in range(starts[a], end):
+            config[row] = a
+            rest = row - starts[a]
+            for d in range(rank - 1, -1, -1):
+                g = degrees[a, d]
+                b = rest % g
+                rest //= g
+                q, r = shape[d] // g, shape[d] % g
+                block[row, d] = b
+                lo[row, d] = b * q + min(b, r)
+                hi[row, d] = lo[row, d] + q + (1 if b < r else 0)
+    return starts, config, block, lo, hi
 
 
 def block_slots(size: int, degrees) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -247,18 +286,45 @@ class Needs:
         for e, (a, b) in self.constant.items():
             self.by_slot.constant_lo[e], self.by_slot.constant_hi[e], self.by_slot.has_constant[e] = a, b, True
         # each part's need: every input dimension from its block along the dimension driving it
-        lo = np.tile(base_lo, (len(parts.device), 1))
-        hi = np.tile(base_hi, (len(parts.device), 1))
-        empty = np.zeros(len(parts.device), dtype=bool)
-        for d in range(rank_out):
-            slot = slots.part[:, d]
-            answered = slice(bounds[d], bounds[d + 1])
-            empty |= ~reads[answered][slot]
-            for e in (e for e, dd in driver.items() if dd == d):
-                lo[:, e], hi[:, e] = in_lo[answered][slot, e], in_hi[answered][slot, e]
-        lo[empty] = 0
-        hi[empty] = 0
+        driven_by = np.full(rank, -1, dtype=np.int64)
+        for e, d in driver.items():
+            driven_by[e] = d
+        lo, hi = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi, driven_by, base_lo,
+                              base_hi)
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees)
+        self.table.config = parts.config
+
+    def key(self) -> bytes:
+        """What the needs of every part follow from, given the parts' blocks: equal keys, equal needs."""
+        if getattr(self, "_key", None) is None:
+            b = self.by_slot
+            self._key = b"".join(np.ascontiguousarray(a).tobytes() + bytes(str(a.shape), "ascii") for a in (
+                b.reads, b.lo, b.hi, b.drives, b.constant_lo, b.constant_hi, b.has_constant))
+        return self._key
+
+
+@numba.njit(cache=True)
+def _needs_table(part_slot, reads, slot_lo, slot_hi, driven_by, base_lo, base_hi):
+    """Each part's need from the answers per slot: zeros where a block along some output
+    dimension reads nothing; otherwise each input dimension from the part's block along the
+    dimension driving it, or the constant range."""
+    parts, rank_out = part_slot.shape
+    rank = len(base_lo)
+    lo = np.zeros((parts, rank), dtype=np.int64)
+    hi = np.zeros((parts, rank), dtype=np.int64)
+    for p in range(parts):
+        reading = True
+        for d in range(rank_out):
+            reading = reading and reads[d, part_slot[p, d]] > 0
+        if not reading:
+            continue
+        for e in range(rank):
+            d = driven_by[e]
+            if d < 0:
+                lo[p, e], hi[p, e] = base_lo[e], base_hi[e]
+            else:
+                lo[p, e], hi[p, e] = slot_lo[d, part_slot[p, d], e], slot_hi[d, part_slot[p, d], e]
+    return lo, hi
 
 
 @dataclass

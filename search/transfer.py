@@ -36,7 +36,13 @@ class Links:
     nic_inv_bandwidth: float = 0.0  # seconds per byte through a node's shared network interface (0: none)
 
     def node_classes(self):
-        """(intra, inter) inverse bandwidth and latency, if links depend only on same-node-or-not."""
+        """(intra, inter) inverse bandwidth and latency, if links depend only on same-node-or-not
+        (worked out once: links do not change)."""
+        if not hasattr(self, "_classes"):
+            self._classes = self._node_classes()
+        return self._classes
+
+    def _node_classes(self):
         same = self.node[:, None] == self.node[None, :]
         off = ~np.eye(len(self.node), dtype=bool)
         out = []
