@@ -32,10 +32,11 @@ class PartTable:
     starts: np.ndarray  # first row of each config (for np.*.reduceat)
     block: np.ndarray  # (parts, rank): block index of the part along each dimension
     degrees: np.ndarray | None = None  # (configs, rank): blocks per dimension of each config
+    config: np.ndarray | None = None  # (parts,): the config of each part
 
     def __post_init__(self):
-        # config index of each row
-        self.config = np.repeat(np.arange(len(self.starts)), np.diff(np.append(self.starts, len(self.device))))
+        if self.config is None:
+            self.config = np.repeat(np.arange(len(self.starts)), np.diff(np.append(self.starts, len(self.device))))
         if self.degrees is None:
             self.degrees = np.maximum.reduceat(self.block, self.starts, axis=0) + 1
 
@@ -107,9 +108,7 @@ def part_table(shape, configs) -> PartTable:
 def grid_parts(shape, degrees: np.ndarray, device: np.ndarray) -> PartTable:
     """The parts of configs given as (configs, rank) degrees and every part's device, in config order."""
     starts, config, block, lo, hi = _grid_parts(np.asarray(shape, dtype=np.int64), degrees)
-    table = PartTable(lo, hi, np.asarray(device, dtype=np.int64), starts, block, degrees)
-    table.config = config
-    return table
+    return PartTable(lo, hi, np.asarray(device, dtype=np.int64), starts, block, degrees, config)
 
 
 @numba.njit(cache=True)
@@ -251,48 +250,28 @@ class Needs:
         rank_out, rank = len(out_shape), len(op.in_shapes[j])
         self.out_shape = out_shape
         slots = parts.slots(out_shape)
-        counts = slots.count
         # one probe per slot: the whole output except that slot's block along its dimension; row 0 is whole
-        probe_lo = np.zeros((1 + sum(counts), rank_out), dtype=np.int64)
-        probe_hi = np.tile(np.array(out_shape, dtype=np.int64), (len(probe_lo), 1))
-        bounds = np.concatenate([[1], 1 + np.cumsum(counts)])
-        for d in range(rank_out):
-            probe_lo[bounds[d] : bounds[d + 1], d] = slots.lo[d, : counts[d]]
-            probe_hi[bounds[d] : bounds[d + 1], d] = slots.hi[d, : counts[d]]
+        probe_lo, probe_hi = _probes(np.array(out_shape, dtype=np.int64), np.array(slots.count), slots.lo, slots.hi)
         reads, in_lo, in_hi = input_ranges(op, j, probe_lo, probe_hi)
-        base_lo, base_hi = in_lo[0], in_hi[0]
-        varies = reads[:, None] & ((in_lo != base_lo) | (in_hi != base_hi))
-        driver: dict[int, int] = {}
-        for d in range(rank_out):
-            for e in np.flatnonzero(varies[bounds[d] : bounds[d + 1]].any(axis=0)).tolist():
-                if driver.setdefault(e, d) != d:
-                    raise NotSeparable(f"{op.kind}: input {j} dimension {e} depends on output dimensions "
-                                       f"{driver[e]} and {d}")
-        self.driver = driver
-        self.constant = {e: (int(base_lo[e]), int(base_hi[e])) for e in range(rank) if e not in driver}
         # per output dimension and slot: the answer (backward costs in search.transfer read these)
-        width = max(counts)
+        width = slots.lo.shape[1]
         self.by_slot = BySlot(np.zeros((rank_out, width)), np.zeros((rank_out, width, rank), dtype=np.int64),
                               np.zeros((rank_out, width, rank), dtype=np.int64),
-                              np.zeros((rank_out, rank), dtype=np.bool_), np.zeros(rank, dtype=np.int64),
-                              np.zeros(rank, dtype=np.int64), np.zeros(rank, dtype=np.bool_))
-        for d in range(rank_out):
-            rows = slice(bounds[d], bounds[d + 1])
-            self.by_slot.reads[d, : counts[d]] = reads[rows]
-            for e in (e for e, dd in driver.items() if dd == d):
-                self.by_slot.drives[d, e] = True
-                self.by_slot.lo[d, : counts[d], e] = np.where(reads[rows], in_lo[rows, e], 0)
-                self.by_slot.hi[d, : counts[d], e] = np.where(reads[rows], in_hi[rows, e], 0)
-        for e, (a, b) in self.constant.items():
-            self.by_slot.constant_lo[e], self.by_slot.constant_hi[e], self.by_slot.has_constant[e] = a, b, True
-        # each part's need: every input dimension from its block along the dimension driving it
+                              np.zeros((rank_out, rank), dtype=np.bool_), in_lo[0].copy(), in_hi[0].copy(),
+                              np.zeros(rank, dtype=np.bool_))
         driven_by = np.full(rank, -1, dtype=np.int64)
-        for e, d in driver.items():
-            driven_by[e] = d
-        lo, hi = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi, driven_by, base_lo,
-                              base_hi)
-        self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees)
-        self.table.config = parts.config
+        b = self.by_slot
+        clash = _answers(reads, in_lo, in_hi, np.array(slots.count), driven_by, b.reads, b.lo, b.hi, b.drives,
+                         b.constant_lo, b.constant_hi, b.has_constant)
+        if clash[0] >= 0:
+            raise NotSeparable(f"{op.kind}: input {j} dimension {clash[0]} depends on output dimensions "
+                               f"{clash[1]} and {clash[2]}")
+        self.driver = {e: int(d) for e, d in enumerate(driven_by.tolist()) if d >= 0}
+        self.constant = {e: (int(in_lo[0, e]), int(in_hi[0, e])) for e in range(rank) if e not in self.driver}
+        # each part's need: every input dimension from its block along the dimension driving it
+        lo, hi = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi, driven_by,
+                              in_lo[0], in_hi[0])
+        self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees, parts.config)
 
     def key(self) -> bytes:
         """What the needs of every part follow from, given the parts' blocks: equal keys, equal needs."""
@@ -301,6 +280,53 @@ class Needs:
             self._key = b"".join(np.ascontiguousarray(a).tobytes() + bytes(str(a.shape), "ascii") for a in (
                 b.reads, b.lo, b.hi, b.drives, b.constant_lo, b.constant_hi, b.has_constant))
         return self._key
+
+
+@numba.njit(cache=True)
+def _probes(out_shape, counts, slot_lo, slot_hi):
+    rank = len(out_shape)
+    probe_lo = np.zeros((1 + counts.sum(), rank), dtype=np.int64)
+    probe_hi = np.empty((1 + counts.sum(), rank), dtype=np.int64)
+    probe_hi[:] = out_shape
+    row = 1
+    for d in range(rank):
+        for s in range(counts[d]):
+            probe_lo[row, d], probe_hi[row, d] = slot_lo[d, s], slot_hi[d, s]
+            row += 1
+    return probe_lo, probe_hi
+
+
+@numba.njit(cache=True)
+def _answers(reads, in_lo, in_hi, counts, driven_by, slot_reads, slot_lo, slot_hi, drives, constant_lo, constant_hi,
+             has_constant):
+    """Sort the probes' answers (row 0: the whole output) into BySlot's arrays and find each input
+    dimension's driver: the output dimension along whose blocks its range varies.  Returns
+    (input dimension, output dimension, output dimension) of a clash, or -1s."""
+    rank_out, rank = len(counts), in_lo.shape[1]
+    row = 1
+    for d in range(rank_out):
+        for s in range(counts[d]):
+            slot_reads[d, s] = 1.0 if reads[row] else 0.0
+            for e in range(rank):
+                if reads[row] and (in_lo[row, e] != in_lo[0, e] or in_hi[row, e] != in_hi[0, e]):
+                    if driven_by[e] >= 0 and driven_by[e] != d:
+                        return np.array([e, driven_by[e], d])
+                    driven_by[e] = d
+            row += 1
+    row = 1
+    for d in range(rank_out):
+        for s in range(counts[d]):
+            for e in range(rank):
+                if driven_by[e] == d and reads[row]:
+                    slot_lo[d, s, e], slot_hi[d, s, e] = in_lo[row, e], in_hi[row, e]
+            row += 1
+    for e in range(rank):
+        if driven_by[e] >= 0:
+            drives[driven_by[e], e] = True
+            constant_lo[e], constant_hi[e] = 0, 0
+        else:
+            has_constant[e] = True
+    return np.array([-1, -1, -1])
 
 
 @numba.njit(cache=True)

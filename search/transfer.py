@@ -111,10 +111,11 @@ class Grid:
 
     Per dimension, one slot per (degree, block index) with the block's interval (slots of a
     degree in block order, degrees ascending: `search.regions.block_slots`); `part_slot` is
-    each part's slot along each dimension.  Per receiving device r, dimension e and config a,
-    `index[r, e, :, a]` holds five slot positions: the config's first slot, the bounds of the
-    box of blocks its parts on r's node hold, the end of its blocks, and the block of its part
-    on r itself (the slot count, a slot of zeros, if none)."""
+    each part's slot along each dimension.  For a receiving device r, a dimension e and a
+    config a, five slot positions say what the config looks like from r: the config's first
+    slot, the bounds of the box of blocks its parts on r's node hold, the end of its blocks, and
+    the block of its part on r itself (the slot count, a slot of zeros, if none).  Few of these
+    tuples differ: `tuples[e]` lists the distinct ones and `tuple_of[r, e, a]` points into it."""
 
     def __init__(self, table: PartTable, shape, node: np.ndarray, num_devices: int):
         self.table = table
@@ -122,16 +123,48 @@ class Grid:
         slots = table.slots(shape)
         self.slots = slots.lo, slots.hi
         self.part_slot = slots.part
-        # unsigned: numba indexes with it without checking for negative indices
-        self.index = np.empty((num_devices, len(shape), 5, len(self.degrees)), dtype=np.uint32)
+        rank, configs = len(shape), len(self.degrees)
+        index = np.empty((num_devices, rank, configs, 5), dtype=np.int64)
         self.ok = _grid_index(table.block, table.device, table.starts, slots.first, self.degrees, node,
-                              slots.lo.shape[1], self.index)
+                              slots.lo.shape[1], index)
+        if not self.ok:
+            return
+        self.tuple_of, self.tuples = _distinct_tuples(index)
+
+
+@numba.njit(cache=True)
+def _distinct_tuples(index):
+    """Per dimension, the distinct slot tuples of index (receivers, rank, configs, 5) and which
+    one each (receiver, config) has; unsigned, so numba indexes with it without checking for
+    negative indices."""
+    devices, rank, configs, _ = index.shape
+    tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
+    tuples = np.zeros((rank, devices * configs, 5), dtype=np.int64)
+    count = 0
+    key = np.empty(devices * configs, dtype=np.int64)
+    for e in range(rank):
+        for r in range(devices):
+            for a in range(configs):
+                k = 0
+                for i in range(5):  # the five slot positions, each below 2**12, as one number
+                    k |= index[r, e, a, i] << (12 * i)
+                key[r * configs + a] = k
+        order = np.argsort(key)
+        distinct = -1
+        for n in range(len(order)):
+            if n == 0 or key[order[n]] != key[order[n - 1]]:
+                distinct += 1
+                tuples[e, distinct] = index[order[n] // configs, e, order[n] % configs]
+            tuple_of[order[n] // configs, e, order[n] % configs] = distinct
+        count = max(count, distinct + 1)
+    return tuple_of, tuples[:, :count].copy()
 
 
 @numba.njit(cache=True)
 def _grid_index(block, device, starts, first, degrees, node, none, index):
-    """Fill Grid.index; False if some config is not on a contiguous block of devices or the
-    parts of some config on one node do not form a box of blocks."""
+    """Fill the five slot positions of each (receiver, dimension, config); False if some config
+    is not on a contiguous block of devices or the parts of some config on one node do not form
+    a box of blocks."""
     configs, rank = degrees.shape
     parts, devices = len(device), len(node)
     nodes = node.max() + 1
@@ -165,11 +198,11 @@ def _grid_index(block, device, starts, first, degrees, node, none, index):
             here = device[r0] <= r < device[r0] + r1 - r0  # the config's part on r, if any
             for e in range(rank):
                 f = first[a, e]
-                index[r, e, 0, a] = f
-                index[r, e, 1, a] = f + box_lo[k, e]
-                index[r, e, 2, a] = f + box_hi[k, e]
-                index[r, e, 3, a] = f + degrees[a, e]
-                index[r, e, 4, a] = f + block[r0 + r - device[r0], e] if here else none
+                index[r, e, a, 0] = f
+                index[r, e, a, 1] = f + box_lo[k, e]
+                index[r, e, a, 2] = f + box_hi[k, e]
+                index[r, e, a, 3] = f + degrees[a, e]
+                index[r, e, a, 4] = f + block[r0 + r - device[r0], e] if here else none
     return True
 
 
@@ -194,34 +227,48 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     u_lo, u_hi = u.slots
     forward = np.empty((len(u.degrees), len(v.degrees)))
     empty = (consumer.hi <= consumer.lo).any(axis=1)
-    _forward(u.index, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, empty, driver, need.lo, need.hi,
-             need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic, forward)
+    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, empty, driver, need.lo,
+             need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic, forward)
     if not backward:
         return forward
     producer = u.table
     gradients = np.empty_like(forward)
-    _backward(v.index, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi, need.has_constant,
-              u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node, weights, itemsize, nic,
-              gradients)
+    _backward(v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi,
+              need.has_constant, u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node, weights,
+              itemsize, nic, gradients)
     return forward + gradients
 
 
 @numba.njit(cache=True)
-def _cumulative(values, cum_vol, cum_cnt):
-    """Running sums along the last axis of `values` (its last slot, the zero slot, left out):
-    of the values and of how many are positive."""
-    for e in range(values.shape[0]):
-        for i in range(values.shape[1]):
-            cum_vol[e, i, 0] = 0.0
-            cum_cnt[e, i, 0] = 0.0
-            for s in range(values.shape[2] - 1):
-                cum_vol[e, i, s + 1] = cum_vol[e, i, s] + values[e, i, s]
-                cum_cnt[e, i, s + 1] = cum_cnt[e, i, s] + (1.0 if values[e, i, s] > 0 else 0.0)
+def _box_tables(tuples, values, with_total):
+    """For each dimension e, row i of `values` (one receiver's values per slot along e; the last
+    slot, the zero slot, left out of the sums) and distinct slot tuple t (Grid.tuples): the sum
+    of the values over the box, the count of positive ones in it, the count over all blocks, the
+    receiver's own value and, `with_total`, the sum over all blocks."""
+    rank, rows, width = values.shape
+    sums = np.zeros((rank, rows, tuples.shape[1], 5))
+    cum_vol = np.empty(width)
+    cum_cnt = np.empty(width)
+    for e in range(rank):
+        for i in range(rows):
+            cum_vol[0], cum_cnt[0] = 0.0, 0.0
+            for s in range(width - 1):
+                cum_vol[s + 1] = cum_vol[s] + values[e, i, s]
+                cum_cnt[s + 1] = cum_cnt[s] + (1.0 if values[e, i, s] > 0 else 0.0)
+            for t in range(tuples.shape[1]):
+                first, box_lo, box_hi, top, mine = tuples[e, t]
+                sums[e, i, t, 0] = cum_vol[box_hi] - cum_vol[box_lo]
+                sums[e, i, t, 1] = cum_cnt[box_hi] - cum_cnt[box_lo]
+                sums[e, i, t, 2] = cum_cnt[top] - cum_cnt[first]
+                sums[e, i, t, 3] = values[e, i, mine]
+                if with_total:
+                    sums[e, i, t, 4] = cum_vol[top] - cum_vol[first]
+    return sums
 
 
 @numba.njit(cache=True)
-def _forward(index, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi, constant_lo,
-             constant_hi, node, weights, itemsize, nic, out):
+def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
+             constant_lo, constant_hi, node, weights, itemsize, nic, out):
     """out[a, b]: the time for consumer config b's parts to receive their needs from producer
     config a.  Per receiving part, the bytes and messages from the producer's parts on its node
     (a box of blocks: a product of 1-D sums), from all parts (its whole need), minus the part on
@@ -233,7 +280,7 @@ def _forward(index, slot_lo, slot_hi, part_slot, device, starts, empty, driver, 
     per (e, block) rather than per part."""
     rank, slots = slot_lo.shape
     width = need_lo.shape[1]
-    configs, parts = index.shape[3], len(device)
+    configs, parts = tuple_of.shape[2], len(device)
     overlap = np.zeros((rank, width, slots + 1))  # the last slot: none (no part on the receiver)
     extent = np.zeros((rank, width))
     for e in range(rank):
@@ -243,12 +290,11 @@ def _forward(index, slot_lo, slot_hi, part_slot, device, starts, empty, driver, 
             extent[e, i] = max(hi - lo, 0)
             for s in range(slots):
                 overlap[e, i, s] = max(min(slot_hi[e, s], hi) - max(slot_lo[e, s], lo), 0)
-    cum_vol = np.empty((rank, width, slots + 1))
-    cum_cnt = np.empty((rank, width, slots + 1))
-    _cumulative(overlap, cum_vol, cum_cnt)
+    sums = _box_tables(tuples, overlap, False)
     rows = np.empty(rank, dtype=np.int64)
     node_vol, node_cnt = np.empty(configs), np.empty(configs)
     total_cnt, local_vol = np.empty(configs), np.empty(configs)
+    total_vol = np.empty(configs)
     slowest = np.empty(configs)
     inter = np.zeros((node.max() + 1, configs))  # bytes into each node's interface
     for b in range(len(starts)):
@@ -263,7 +309,7 @@ def _forward(index, slot_lo, slot_hi, part_slot, device, starts, empty, driver, 
                 rows[e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
                 need *= extent[e, rows[e]]
             r = device[q]
-            _box_sums(index[r], rows, cum_vol, cum_cnt, overlap, node_vol, node_cnt, total_cnt, local_vol)
+            _box_products(tuple_of[r], rows, sums, False, node_vol, node_cnt, total_cnt, local_vol, total_vol)
             k = node[r]
             for a in range(configs):
                 local_cnt = 1.0 if local_vol[a] > 0 else 0.0
@@ -279,8 +325,8 @@ def _forward(index, slot_lo, slot_hi, part_slot, device, starts, empty, driver, 
 
 
 @numba.njit(cache=True)
-def _backward(index, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo, slot_hi,
-              part_slot, device, starts, node, weights, itemsize, nic, out):
+def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo,
+              slot_hi, part_slot, device, starts, node, weights, itemsize, nic, out):
     """out[a, b]: the time for producer config a's parts to receive their output gradients
     from consumer config b: the same sums over the consumer's parts, whose contributions are
     products over its output dimensions.  A producer part's share of a consumer block along
@@ -288,7 +334,7 @@ def _backward(index, reads, drive, need_lo, need_hi, constant_lo, constant_hi, h
     so these are computed once per (d, producer block)."""
     rank_out, width, rank_in = need_lo.shape
     slots = slot_lo.shape[1]
-    configs, parts = index.shape[3], len(device)
+    configs, parts = tuple_of.shape[2], len(device)
     factor = np.zeros((rank_out, slots, width + 1))  # the last consumer slot: none
     for d in range(rank_out):
         e = drive[d]
@@ -298,9 +344,7 @@ def _backward(index, reads, drive, need_lo, need_hi, constant_lo, constant_hi, h
                 if e >= 0:
                     g *= max(min(slot_hi[e, i], need_hi[d, s, e]) - max(slot_lo[e, i], need_lo[d, s, e]), 0)
                 factor[d, i, s] = g
-    cum_vol = np.empty((rank_out, slots, width + 1))
-    cum_cnt = np.empty((rank_out, slots, width + 1))
-    _cumulative(factor, cum_vol, cum_cnt)
+    sums = _box_tables(tuples, factor, True)
     rows = np.empty(rank_out, dtype=np.int64)
     node_vol, node_cnt = np.empty(configs), np.empty(configs)
     total_cnt, local_vol = np.empty(configs), np.empty(configs)
@@ -321,13 +365,7 @@ def _backward(index, reads, drive, need_lo, need_hi, constant_lo, constant_hi, h
             present = 1.0 if scale > 0 else 0.0
             for d in range(rank_out):
                 rows[d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
-            _box_sums(index[r], rows, cum_vol, cum_cnt, factor, node_vol, node_cnt, total_cnt, local_vol)
-            total_vol[:] = 1.0
-            for d in range(rank_out):
-                cum = cum_vol[d, rows[d]]
-                top, first = index[r, d, 3], index[r, d, 0]
-                for a in range(configs):
-                    total_vol[a] *= cum[top[a]] - cum[first[a]]
+            _box_products(tuple_of[r], rows, sums, True, node_vol, node_cnt, total_cnt, local_vol, total_vol)
             k = node[r]
             for a in range(configs):
                 local_cnt = present if local_vol[a] > 0 else 0.0
@@ -345,19 +383,21 @@ def _backward(index, reads, drive, need_lo, need_hi, constant_lo, constant_hi, h
 
 
 @numba.njit(cache=True)
-def _box_sums(index, rows, cum_vol, cum_cnt, values, node_vol, node_cnt, total_cnt, local_vol):
-    """Per config (columns of `index`, one receiving device): the products over dimensions e of
-    the 1-D sums (row `rows[e]` of the tables) over the box on the receiver's node, the count
-    over all blocks, and the value of the receiver's own block."""
+def _box_products(tuple_of, rows, sums, with_total, node_vol, node_cnt, total_cnt, local_vol, total_vol):
+    """Per config (one receiving device): the products over dimensions e of the box sums of
+    row `rows[e]` (`_box_tables`) for the config's tuple along e."""
     node_vol[:] = 1.0
     node_cnt[:] = 1.0
     total_cnt[:] = 1.0
     local_vol[:] = 1.0
-    for e in range(index.shape[0]):
-        first, box_lo, box_hi, top, mine = index[e, 0], index[e, 1], index[e, 2], index[e, 3], index[e, 4]
-        cum, count, value = cum_vol[e, rows[e]], cum_cnt[e, rows[e]], values[e, rows[e]]
-        for a in range(index.shape[2]):
-            node_vol[a] *= cum[box_hi[a]] - cum[box_lo[a]]
-            node_cnt[a] *= count[box_hi[a]] - count[box_lo[a]]
-            total_cnt[a] *= count[top[a]] - count[first[a]]
-            local_vol[a] *= value[mine[a]]
+    total_vol[:] = 1.0
+    for e in range(tuple_of.shape[0]):
+        table, which = sums[e, rows[e]], tuple_of[e]
+        for a in range(tuple_of.shape[1]):
+            x = table[which[a]]
+            node_vol[a] *= x[0]
+            node_cnt[a] *= x[1]
+            total_cnt[a] *= x[2]
+            local_vol[a] *= x[3]
+            if with_total:
+                total_vol[a] *= x[4]
