@@ -151,6 +151,7 @@ class CostModel:
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
+        self._per_channel: dict = {}  # op -> channel_params(op)
         self._edges: dict[tuple, np.ndarray] = {}
 
     # ---- runtime overhead -------------------------------------------------------------------
@@ -275,8 +276,13 @@ class CostModel:
         volume = np.prod(np.maximum(parts.hi[first] - parts.lo[first], 0), axis=1)
         inputs = sum((np.prod(np.maximum(n.table.hi[first] - n.table.lo[first], 0), axis=1) for n in needs),
                      np.zeros_like(volume))
-        params = param_volumes(op, parts.lo[first], parts.hi[first])
+        params = self.channel_params(op) * ((parts.hi[first, 1] - parts.lo[first, 1]) if parts.lo.shape[1] > 1 else 1)
         return self.itemsize * (3 * params + 2 * (inputs + volume))
+
+    def channel_params(self, op) -> int:
+        if op not in self._per_channel:
+            self._per_channel[op] = channel_params(op)
+        return self._per_channel[op]
 
     def _config(self, degrees, first, sync="ps") -> ParallelConfig:
         key = (degrees, first, sync)
@@ -291,8 +297,10 @@ class CostModel:
         if space.cheaper is None:
             methods = self.sync_methods(layer, space.parts)
             ps, allreduce = methods["ps"], methods["allreduce"]
-            configs = [c if a >= p else self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
-                       for c, p, a in zip(space.configs, ps.tolist(), allreduce.tolist())]
+            configs = list(space.configs)
+            for i in np.flatnonzero(allreduce < ps).tolist():
+                c = configs[i]
+                configs[i] = self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
             space.cheaper = (configs, np.minimum(ps, allreduce))
         return space.cheaper
 
@@ -342,7 +350,7 @@ class CostModel:
             hops = (2 if layer.name in needed else 1) * (1 + layer.op.statistics_hops)
             if self.estimated:  # a formula per part: no need to find the distinct ones
                 fwd, bwd = roofline_parts(layer.op, shapes, self._peak[table.device], self._bandwidth[table.device],
-                                          self.itemsize)
+                                          self.itemsize, self.channel_params(layer.op))
                 times = fwd + bwd * backward
                 out[layer.name] = self._compute[key] = np.maximum.reduceat(times, table.starts) + hops * self.hop
                 continue
@@ -515,8 +523,9 @@ class CostModel:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
         # parts reading the same parameters (same channel block of the same config) form a shard
         ps, allreduce, replicated = _sync_times(
-            table.starts, table.device, table.lo[:, 1], table.hi[:, 1], channel_params(layer.op), self.inv_bandwidth,
-            self.latency, self.links.node, int(self.links.node.max()) + 1, self.links.nic_inv_bandwidth, self.itemsize)
+            table.starts, table.device, table.lo[:, 1], table.hi[:, 1], self.channel_params(layer.op),
+            self.inv_bandwidth, self.latency, self.links.node, int(self.links.node.max()) + 1,
+            self.links.nic_inv_bandwidth, self.itemsize)
         return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
                 "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
 
@@ -554,11 +563,6 @@ def channel_params(op) -> int:
     channel range and nothing else varies (tests/test_search.py checks it for every op kind)."""
     rank = len(op.out_shape)
     return sum(r.volume for r in op.param_rects(Rect((0,) * rank, (1,) * rank)).values())
-
-
-def param_volumes(op, lo, hi) -> np.ndarray:
-    """Parameters read by parts with output Rects lo, hi (rows): `channel_params` per channel."""
-    return channel_params(op) * ((hi[:, 1] - lo[:, 1]) if lo.shape[1] > 1 else np.ones(len(lo), dtype=np.int64))
 
 
 @numba.njit(cache=True)
@@ -706,19 +710,19 @@ def measure_synchronization(items, repeats, dtype):
     return out
 
 
-def roofline_parts(op, shapes, peak, bandwidth, itemsize) -> tuple[np.ndarray, np.ndarray]:
+def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None) -> tuple[np.ndarray, np.ndarray]:
     """Roofline estimates (forward, backward) for many parts of one op at once:
     max(FLOPs / peak, bytes / memory bandwidth) from the device kind's data sheet.
 
     `shapes`: the parts' output tile shapes, then each input's tile shapes (rows); `peak` and
-    `bandwidth`: of each part's device kind.  FLOPs and parameter volumes of every op grow
-    linearly with the output tile (parameters with its channel extent), so one unit tile gives
-    the rates."""
+    `bandwidth`: of each part's device kind; `per_channel`: `channel_params(op)`, if known.
+    FLOPs and parameter volumes of every op grow linearly with the output tile (parameters with
+    its channel extent), so one unit tile gives the rates."""
     out = shapes[0]
     volume = np.prod(out, axis=1).astype(np.float64)
     unit = Rect((0,) * out.shape[1], (1,) * out.shape[1])
     inputs = sum(np.prod(s, axis=1).astype(np.float64) for s in shapes[1:])
-    params = channel_params(op) * (out[:, 1] if out.shape[1] > 1 else 1)
+    params = (channel_params(op) if per_channel is None else per_channel) * (out[:, 1] if out.shape[1] > 1 else 1)
     moved = (inputs + volume + params) * itemsize
     forward = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
     backward = np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)

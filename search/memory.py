@@ -45,34 +45,29 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
     per_channel = {}
     for layer in graph:
         (lo, hi, device), needs = layers[layer.name]
-        volume = np.prod(hi - lo, axis=1)
         if layer.param_shapes:
             if layer.op not in per_channel:
                 per_channel[layer.op] = channel_params(layer.op)
             _shards(lo[:, 1], hi[:, 1], device, per_channel[layer.op], itemsize,
                     strategy[layer.name].sync == "allreduce", memory)
         if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
-            present[device] = True
-            if layer.kind != "softmax_cross_entropy":
-                np.add.at(memory[:, ACTIVATIONS], device, volume * itemsize)
+            _outputs(lo, hi, device, 0 if layer.kind == "softmax_cross_entropy" else itemsize, memory, present)
         # which parts run a backward task some output needs (the loss's parts always do)
         backward = np.full(len(device), layer.kind == "softmax_cross_entropy"
                            or (layer.name in needed and bool(layer.param_shapes) and not layer.op.reduces_statistics))
+        inputs = np.zeros(len(device), dtype=np.int64)  # elements of its input tiles
         for j, src in enumerate(layer.inputs):
             (p_lo, p_hi, p_device), (n_lo, n_hi) = layers[src][0], needs[j]
-            piece_lo, piece_hi = np.maximum(p_lo[:, None], n_lo[None]), np.minimum(p_hi[:, None], n_hi[None])
-            meets = (piece_lo < piece_hi).all(axis=2)  # (producer parts, consumer parts)
-            read[src] |= meets.any(axis=1)
-            if src in needed and layer.name in needed:  # its input gradient goes to a producer part's backward
-                backward |= (meets & takes_dy[src][:, None]).any(axis=0)
-            p, q = np.nonzero(meets & (p_device[:, None] != device[None]))
-            if len(p):
-                moves[src].append(np.concatenate([p[:, None], piece_lo[p, q], piece_hi[p, q], device[q, None]], axis=1))
+            # its input gradient goes to a producer part's backward
+            gradient = takes_dy[src] if src in needed and layer.name in needed else None
+            pieces = _reads(p_lo, p_hi, p_device, n_lo, n_hi, device, read[src], gradient, backward, inputs)
+            if len(pieces):
+                moves[src].append(pieces)
         if layer.name in needed:  # batch norm's gradient sums read it in every part
             takes_dy[layer.name] = backward | layer.op.reduces_statistics
         if backward.any():  # part_footprint(...).transient: its input tiles, its output and output gradient
-            inputs = sum((np.prod(np.maximum(n_hi - n_lo, 0), axis=1) for n_lo, n_hi in needs), np.zeros_like(volume))
-            np.maximum.at(memory[:, TRANSIENT], device[backward], ((inputs + volume) * itemsize)[backward])
+            working = (inputs + np.prod(hi - lo, axis=1)) * itemsize
+            np.maximum.at(memory[:, TRANSIENT], device[backward], working[backward])
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
         return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
@@ -95,6 +90,51 @@ def _regions(layer, config):
     parts = part_table(layer.shape, [config])
     return (parts.lo, parts.hi, parts.device), [
         (n.table.lo, n.table.hi) for n in (Needs(layer.op, j, parts) for j in range(len(layer.inputs)))]
+
+
+@numba.njit(cache=True)
+def _outputs(lo, hi, device, itemsize, memory, present):
+    """Each part's output, kept for backward (`itemsize` 0: not counted), on its device."""
+    for p in range(len(device)):
+        volume = 1
+        for e in range(lo.shape[1]):
+            volume *= hi[p, e] - lo[p, e]
+        memory[device[p], ACTIVATIONS] += volume * itemsize
+        present[device[p]] = True
+
+
+@numba.njit(cache=True)
+def _reads(lo, hi, device, need_lo, need_hi, to, read, gradient, backward, inputs):
+    """One edge under the strategy: mark the producer parts some consumer part reads (`read`),
+    the consumer parts whose input gradient a producer part's backward takes (`backward`, given
+    which producer parts take one: `gradient`), add each consumer part's input volume to
+    `inputs`, and return the pieces parts on other devices read: (producer part, piece lo, piece
+    hi, reading device) rows."""
+    parts, consumers, rank = len(device), len(to), lo.shape[1]
+    pieces = np.empty((parts * consumers, 2 + 2 * rank), dtype=np.int64)
+    count = 0
+    for q in range(consumers):
+        volume = 1
+        for e in range(rank):
+            volume *= max(need_hi[q, e] - need_lo[q, e], 0)
+        inputs[q] += volume
+        for p in range(parts):
+            meets = True
+            for e in range(rank):
+                meets = meets and max(lo[p, e], need_lo[q, e]) < min(hi[p, e], need_hi[q, e])
+            if not meets:
+                continue
+            read[p] = True
+            if gradient is not None and gradient[p]:
+                backward[q] = True
+            if device[p] != to[q]:
+                pieces[count, 0] = p
+                for e in range(rank):
+                    pieces[count, 1 + e] = max(lo[p, e], need_lo[q, e])
+                    pieces[count, 1 + rank + e] = min(hi[p, e], need_hi[q, e])
+                pieces[count, 1 + 2 * rank] = to[q]
+                count += 1
+    return pieces[:count]
 
 
 @numba.njit(cache=True)

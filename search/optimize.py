@@ -57,7 +57,8 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation:
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
-    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy, cost_model.itemsize, cost_model)
+    # every layer has a valid config here: no need to validate the strategy again
+    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, cost_model.regions))
     return strategy
 
 
@@ -66,7 +67,10 @@ def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None 
     accounting of the plan, counted without lowering it (search.memory), from `cost_model`'s
     region tables when given."""
     regions = cost_model.regions if cost_model is not None else None
-    memory = step_memory(graph, strategy.validated(graph), itemsize, regions)
+    return _json(step_memory(graph, strategy.validated(graph), itemsize, regions))
+
+
+def _json(memory) -> dict:
     return {str(d): m.to_dict() for d, m in memory.items()}
 
 
