@@ -147,7 +147,8 @@ class CostModel:
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
-        self._geometries: dict[tuple, tuple] = {}  # (dims, shape, kept) -> configs, part table and grid
+        self._grids: dict[tuple, tuple] = {}  # (dims, shape) -> config_grid and its configs
+        self._geometries: dict[tuple, Geometry] = {}  # (dims, shape, kept) -> Geometry
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
@@ -211,13 +212,13 @@ class CostModel:
         space = self._spaces.get(key)
         if space is None:
             if configs is None:
-                configs, parts, grid, needs = self._fitting_configs(layer)
+                geometry, needs = self._fitting_configs(layer)
             else:
-                configs = list(configs)
                 parts = part_table(layer.shape, configs)
-                grid = transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices)
+                geometry = Geometry(list(configs), parts,
+                                    transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices))
                 needs = [Needs(layer.op, j, parts) for j in range(len(layer.inputs))]
-            space = self._spaces[key] = LayerSpace(key, configs, parts, needs, grid)
+            space = self._spaces[key] = LayerSpace(key, geometry, needs)
         return space
 
     def regions(self, layer, config):
@@ -225,8 +226,8 @@ class CostModel:
         (lo, hi) rows (zero rows: reads nothing), from the layer's search space when the config is
         in it (search.memory.step_memory takes this)."""
         space = self.layer_space(layer)
-        i = space.index().get((config.n, config.c, config.h, config.w, config.devices))
-        if i is None or not config.is_even:
+        i = self._index(space.geometry).get(config)
+        if i is None:
             space, i = self.layer_space(layer, [config]), 0
         parts = space.parts
         rows = slice(parts.starts[i], parts.starts[i + 1] if i + 1 < len(parts.starts) else len(parts.device))
@@ -237,38 +238,52 @@ class CostModel:
         """The search space of `layer` (as `search.space.layer_configs` gives it), built from arrays:
         every config's parts and needs at once, dropping those whose largest part does not fit."""
         op = layer.op
-        configs, parts, grid = self._geometry(op.dims, layer.shape)
-        needs = [Needs(op, j, parts) for j in range(len(op.in_shapes))]
+        geometry = self._geometry(op.dims, layer.shape)
+        needs = [Needs(op, j, geometry.parts) for j in range(len(op.in_shapes))]
         memory = min((d.memory for d in self.machine.devices if d.memory), default=None)
         if memory is not None:
-            fits = self._largest_part_bytes(op, parts, needs) <= memory
+            fits = self._largest_part_bytes(op, geometry.parts, needs) <= memory
             if not fits.all():
                 if not fits.any():  # its message names the layer and the smallest need
                     layer_configs(layer, self.machine.num_devices, self.powers_of_two, self.placement, memory,
                                   self.itemsize)
-                configs, parts, grid = self._geometry(op.dims, layer.shape, fits)
-                needs = [Needs(op, j, parts) for j in range(len(op.in_shapes))]
-        return configs, parts, grid, needs
+                geometry = self._geometry(op.dims, layer.shape, fits)
+                needs = [Needs(op, j, geometry.parts) for j in range(len(op.in_shapes))]
+        return geometry, needs
 
-    def _geometry(self, dims, shape, keep=None):
+    def _geometry(self, dims, shape, keep=None) -> Geometry:
         """The configs splitting `dims` of a tensor of `shape` (those `keep` says), with their part
         table and grid: the same for every layer with this output shape."""
         key = (dims, shape, None if keep is None else keep.tobytes())
         if key not in self._geometries:
-            if (dims, shape) not in self._geometries:
+            if (dims, shape) not in self._grids:
                 degrees, first = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
                 configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
-                self._geometries[(dims, shape)] = degrees, first, configs
-            degrees, first, configs = self._geometries[(dims, shape)]
+                self._grids[(dims, shape)] = degrees, first, configs
+            degrees, first, configs = self._grids[(dims, shape)]
             if keep is not None:
                 degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
             sizes = np.prod(degrees, axis=1)
             config = np.repeat(np.arange(len(degrees)), sizes)
             device = first[config] + np.arange(len(config)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
             parts = grid_parts(shape, degrees[:, : len(shape)], device)
-            grid = transfer.Grid(parts, shape, self.links.node, self.machine.num_devices)
-            self._geometries[key] = configs, parts, grid
+            self._geometries[key] = Geometry(configs, parts,
+                                             transfer.Grid(parts, shape, self.links.node, self.machine.num_devices))
         return self._geometries[key]
+
+    def _allreduce(self, geometry) -> list[ParallelConfig]:
+        """The geometry's configs with sync "allreduce"."""
+        if geometry.allreduce is None:
+            geometry.allreduce = [self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
+                                  for c in geometry.configs]
+        return geometry.allreduce
+
+    def _index(self, geometry) -> dict:
+        """Position of each of the geometry's configs, with either sync method."""
+        if geometry.index is None:
+            geometry.index = {c: i for configs in (geometry.configs, self._allreduce(geometry))
+                              for i, c in enumerate(configs) if c.is_even}
+        return geometry.index
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
@@ -297,10 +312,11 @@ class CostModel:
         if space.cheaper is None:
             methods = self.sync_methods(layer, space.parts)
             ps, allreduce = methods["ps"], methods["allreduce"]
-            configs = list(space.configs)
-            for i in np.flatnonzero(allreduce < ps).tolist():
-                c = configs[i]
-                configs[i] = self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
+            if (allreduce < ps).any():
+                configs = [a if cheaper else p for p, a, cheaper in
+                           zip(space.configs, self._allreduce(space.geometry), (allreduce < ps).tolist())]
+            else:
+                configs = space.configs
             space.cheaper = (configs, np.minimum(ps, allreduce))
         return space.cheaper
 
@@ -532,6 +548,11 @@ class CostModel:
     # ---- t_x --------------------------------------------------------------------------------
     def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
         """(configs of u) x (configs of v): see search.transfer."""
+        if backward and u.grid is v.grid and needs.reads_own_part:
+            # Same configs on both sides and each part reads its own Rect (batch norm, relu): the
+            # gradients retrace the activations' paths, so backward of (a, b) is forward of (b, a).
+            forward = self.transfer_costs(u, v, needs, itemsize, False)
+            return forward + forward.T
         fast = transfer.separable(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
         if fast is not None:
             return fast
@@ -539,23 +560,38 @@ class CostModel:
 
 
 @dataclass
-class LayerSpace:
-    """A layer's configs with their part table, needs (one per input) and block grid: everything
-    the tables need of a layer besides its op, so layers with the same op and configs share it."""
+class Geometry:
+    """Configs splitting a layer's output, with their part table and block grid: the same for
+    every layer with the same output shape (a convolution, its batch norm and its relu)."""
 
-    key: tuple  # (op, the configs given, or None for the search space)
     configs: list[ParallelConfig]
     parts: PartTable
-    needs: list[Needs]
     grid: transfer.Grid
-    cheaper: tuple | None = None  # the configs with the cheaper sync method, and its t_s
-    _index: dict | None = None
+    allreduce: list[ParallelConfig] | None = None  # the configs with sync "allreduce", once needed
+    index: dict | None = None  # position of each config, with either sync method
 
-    def index(self) -> dict:
-        """Position of each config by its split and devices (whatever its sync method)."""
-        if self._index is None:
-            self._index = {(c.n, c.c, c.h, c.w, c.devices): i for i, c in enumerate(self.configs)}
-        return self._index
+
+@dataclass
+class LayerSpace:
+    """A layer's configs with their geometry and needs (one per input): everything the tables
+    need of a layer besides its op, so layers with the same op and configs share it."""
+
+    key: tuple  # (op, the configs given, or None for the search space)
+    geometry: Geometry
+    needs: list[Needs]
+    cheaper: tuple | None = None  # the configs with the cheaper sync method, and its t_s
+
+    @property
+    def configs(self) -> list[ParallelConfig]:
+        return self.geometry.configs
+
+    @property
+    def parts(self) -> PartTable:
+        return self.geometry.parts
+
+    @property
+    def grid(self) -> transfer.Grid:
+        return self.geometry.grid
 
 
 def channel_params(op) -> int:

@@ -272,6 +272,7 @@ class Needs:
         lo, hi = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi, driven_by,
                               in_lo[0], in_hi[0])
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees, parts.config)
+        self.reads_own_part = rank == rank_out and np.array_equal(lo, parts.lo) and np.array_equal(hi, parts.hi)
 
     def key(self) -> bytes:
         """What the needs of every part follow from, given the parts' blocks: equal keys, equal needs."""

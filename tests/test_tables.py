@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ops.rect import Rect
-from search import CostModel, regions
+from search import CostModel, regions, transfer
 from search.cost import channel_params
 from search.regions import Needs, input_ranges, part_table
 from search.space import layer_configs, part_memory
@@ -128,3 +128,22 @@ def test_space_from_arrays_drops_what_does_not_fit():
     machine.devices = [dataclasses.replace(d, memory=floor - 1) for d in machine.devices]
     with pytest.raises(ValueError, match="no config fits"):
         CostModel(machine, cache=False).tables(g)
+
+
+@pytest.mark.parametrize("graph", ["inception_block", "resnet50", "lenet5"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_cost_model_edges_equal_the_general_transfer_tables(graph, nodes):
+    """Whatever shortcut the cost model takes for an edge (the separable kernels, one table
+    shared by equal edges, backward as forward transposed where each part reads its own Rect),
+    the table is what search.transfer.general computes from the part tables."""
+    g = GRAPHS[graph]()
+    cm = CostModel(Machine.simulated(nodes, 4), cache=False)
+    tables, needed = cm.tables(g), g.needs_backward()
+    shortcuts = 0
+    for src, dst, j, matrix in tables.edges:
+        u, v = cm.layer_space(g[src]), cm.layer_space(g[dst])
+        itemsize = 8 if g[src].is_input and g[src].op.dtype == "int64" else 4
+        expected = transfer.general(u.parts, v.needs[j].table, cm.links, itemsize, src in needed)
+        np.testing.assert_allclose(matrix, expected, rtol=1e-12, atol=1e-18, err_msg=f"{src} -> {dst}")
+        shortcuts += u.grid is v.grid and v.needs[j].reads_own_part and src in needed
+    assert shortcuts > 0 or graph != "resnet50"  # its batch norms and relus take the transposed shortcut
