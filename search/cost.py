@@ -263,10 +263,7 @@ class CostModel:
             degrees, first, configs = self._grids[(dims, shape)]
             if keep is not None:
                 degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
-            sizes = np.prod(degrees, axis=1)
-            config = np.repeat(np.arange(len(degrees)), sizes)
-            device = first[config] + np.arange(len(config)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-            parts = grid_parts(shape, degrees[:, : len(shape)], device)
+            parts = grid_parts(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first=first)
             self._geometries[key] = Geometry(configs, parts,
                                              transfer.Grid(parts, shape, self.links.node, self.machine.num_devices))
         return self._geometries[key]

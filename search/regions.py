@@ -105,16 +105,19 @@ def part_table(shape, configs) -> PartTable:
     return grid_parts(shape, degrees, device)
 
 
-def grid_parts(shape, degrees: np.ndarray, device: np.ndarray) -> PartTable:
-    """The parts of configs given as (configs, rank) degrees and every part's device, in config order."""
-    starts, config, block, lo, hi = _grid_parts(np.asarray(shape, dtype=np.int64), degrees)
-    return PartTable(lo, hi, np.asarray(device, dtype=np.int64), starts, block, degrees, config)
+def grid_parts(shape, degrees: np.ndarray, device: np.ndarray | None = None, first=None) -> PartTable:
+    """The parts of configs given as (configs, rank) degrees, in config order, on the devices given
+    for every part, or else on each config's block of devices from `first`."""
+    first = np.zeros(len(degrees), dtype=np.int64) if first is None else first
+    starts, config, block, lo, hi, on = _grid_parts(np.asarray(shape, dtype=np.int64), degrees, first)
+    device = on if device is None else np.asarray(device, dtype=np.int64)
+    return PartTable(lo, hi, device, starts, block, degrees, config)
 
 
 @numba.njit(cache=True)
-def _grid_parts(shape, degrees):
+def _grid_parts(shape, degrees, first):
     """Parts numbered row-major over each config's grid of blocks, blocks as equal as possible
-    (the first ones one larger), as ParallelConfig.parts."""
+    (the first ones one larger), part i of a config on device first + i, as ParallelConfig.parts."""
     configs, rank = degrees.shape
     starts = np.zeros(configs, dtype=np.int64)
     total = 0
@@ -125,6 +128,7 @@ def _grid_parts(shape, degrees):
             size *= degrees[a, d]
         total += size
     config = np.empty(total, dtype=np.int64)
+    device = np.empty(total, dtype=np.int64)
     block = np.empty((total, rank), dtype=np.int64)
     lo = np.empty((total, rank), dtype=np.int64)
     hi = np.empty((total, rank), dtype=np.int64)
@@ -132,6 +136,7 @@ def _grid_parts(shape, degrees):
         end = starts[a + 1] if a + 1 < configs else total
         for row in range(starts[a], end):
             config[row] = a
+            device[row] = first[a] + row - starts[a]
             rest = row - starts[a]
             for d in range(rank - 1, -1, -1):
                 g = degrees[a, d]
@@ -141,7 +146,7 @@ def _grid_parts(shape, degrees):
                 block[row, d] = b
                 lo[row, d] = b * q + min(b, r)
                 hi[row, d] = lo[row, d] + q + (1 if b < r else 0)
-    return starts, config, block, lo, hi
+    return starts, config, block, lo, hi, device
 
 
 def block_slots(size: int, degrees) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from math import prod
 
+import numba
 import numpy as np
 
 from ops.rect import Rect
@@ -45,17 +46,36 @@ def config_grid(dims, shape, num_devices: int, powers_of_two: bool = True, place
     `layer_configs`' order: (configs, 4) degrees over (n, c, h, w) and each config's first device."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    choices = np.array(degree_choices(num_devices, powers_of_two), dtype=np.int64)
-    per_dim = [choices[choices <= shape[dims.index(dim)]] if dim in dims else np.ones(1, dtype=np.int64)
-               for dim in DIMS]
-    degrees = np.stack([g.ravel() for g in np.meshgrid(*per_dim, indexing="ij")], axis=1)
-    degrees = degrees[np.prod(degrees, axis=1) <= num_devices]
-    total = np.prod(degrees, axis=1)
-    if placement == "first":
-        return degrees, np.zeros(len(degrees), dtype=np.int64)
-    count = num_devices // total  # blocks [k*P, (k+1)*P) that fit
-    config = np.repeat(np.arange(len(degrees)), count)
-    return degrees[config], (np.arange(len(config)) - np.repeat(np.cumsum(count) - count, count)) * total[config]
+    limits = np.array([shape[dims.index(dim)] if dim in dims else 1 for dim in DIMS], dtype=np.int64)  # largest degree
+    return _grid(np.array(degree_choices(num_devices, powers_of_two), dtype=np.int64), limits, num_devices,
+                 placement == "first")
+
+
+@numba.njit(cache=True)
+def _grid(choices, limits, num_devices, first_only):
+    """Degree tuples over (n, c, h, w) in lexicographic order, each degree a choice no larger
+    than its limit, the product at most the device count; one row per aligned block of devices
+    [k*P, (k+1)*P), or only the first (`first_only`)."""
+    rows = []
+    for n in choices:
+        for c in choices:
+            for h in choices:
+                for w in choices:
+                    degrees = (n, c, h, w)
+                    fits = n * c * h * w <= num_devices
+                    for d in range(4):
+                        fits = fits and degrees[d] <= limits[d]
+                    if fits:
+                        total = n * c * h * w
+                        for start in range(0, num_devices - total + 1, total):
+                            rows.append((n, c, h, w, start))
+                            if first_only:
+                                break
+    out = np.empty((len(rows), 4), dtype=np.int64)
+    first = np.empty(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, 0], out[i, 1], out[i, 2], out[i, 3], first[i] = row
+    return out, first
 
 
 def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement: str = "first",

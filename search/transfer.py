@@ -136,27 +136,35 @@ class Grid:
 def _distinct_tuples(index):
     """Per dimension, the distinct slot tuples of index (receivers, rank, configs, 5) and which
     one each (receiver, config) has; unsigned, so numba indexes with it without checking for
-    negative indices."""
+    negative indices.  Tuples are told apart by a hash table of their five slot positions
+    (each below 2**12) packed into one number."""
     devices, rank, configs, _ = index.shape
     tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
     tuples = np.zeros((rank, devices * configs, 5), dtype=np.int64)
+    mask = 1
+    while mask < 4 * devices * configs:
+        mask *= 2
+    mask -= 1
+    table_key = np.empty(mask + 1, dtype=np.int64)
+    table_id = np.empty(mask + 1, dtype=np.int64)
     count = 0
-    key = np.empty(devices * configs, dtype=np.int64)
     for e in range(rank):
+        table_key[:] = -1
+        distinct = 0
         for r in range(devices):
             for a in range(configs):
-                k = 0
-                for i in range(5):  # the five slot positions, each below 2**12, as one number
-                    k |= index[r, e, a, i] << (12 * i)
-                key[r * configs + a] = k
-        order = np.argsort(key)
-        distinct = -1
-        for n in range(len(order)):
-            if n == 0 or key[order[n]] != key[order[n - 1]]:
-                distinct += 1
-                tuples[e, distinct] = index[order[n] // configs, e, order[n] % configs]
-            tuple_of[order[n] // configs, e, order[n] % configs] = distinct
-        count = max(count, distinct + 1)
+                key = 0
+                for i in range(5):
+                    key |= index[r, e, a, i] << (12 * i)
+                h = (key ^ (key >> 13) ^ (key >> 29) ^ (key >> 47)) & mask
+                while table_key[h] != -1 and table_key[h] != key:
+                    h = (h + 1) & mask
+                if table_key[h] == -1:
+                    table_key[h], table_id[h] = key, distinct
+                    tuples[e, distinct] = index[r, e, a]
+                    distinct += 1
+                tuple_of[r, e, a] = table_id[h]
+        count = max(count, distinct)
     return tuple_of, tuples[:, :count].copy()
 
 
