@@ -221,16 +221,21 @@ class CostModel:
             space = self._spaces[key] = LayerSpace(key, geometry, needs)
         return space
 
-    def regions(self, layer, config):
+    def regions(self, layer, config, position=None):
         """The parts of `layer` under `config` as (lo, hi, device) rows, and each input's needs as
         (lo, hi) rows (zero rows: reads nothing), from the layer's search space when the config is
-        in it (search.memory.step_memory takes this)."""
+        in it, at `position` if known (search.memory.step_memory takes this)."""
         space = self.layer_space(layer)
-        i = self._index(space.geometry).get(config)
-        if i is None:
-            space, i = self.layer_space(layer, [config]), 0
+        if position is None:
+            geometry = space.geometry
+            if geometry.index is None:
+                geometry.index = {(c.n, c.c, c.h, c.w, c.devices): i for i, c in enumerate(geometry.configs)}
+            position = geometry.index.get((config.n, config.c, config.h, config.w, config.devices))
+            if position is None or not config.is_even:
+                space, position = self.layer_space(layer, [config]), 0
         parts = space.parts
-        rows = slice(parts.starts[i], parts.starts[i + 1] if i + 1 < len(parts.starts) else len(parts.device))
+        rows = slice(parts.starts[position],
+                     parts.starts[position + 1] if position + 1 < len(parts.starts) else len(parts.device))
         return (parts.lo[rows], parts.hi[rows], parts.device[rows]), [(n.table.lo[rows], n.table.hi[rows])
                                                                       for n in space.needs]
 
@@ -268,19 +273,14 @@ class CostModel:
                                              transfer.Grid(parts, shape, self.links.node, self.machine.num_devices))
         return self._geometries[key]
 
-    def _allreduce(self, geometry) -> list[ParallelConfig]:
-        """The geometry's configs with sync "allreduce"."""
+    def _allreduce(self, geometry, i) -> ParallelConfig:
+        """The geometry's config i with sync "allreduce"."""
         if geometry.allreduce is None:
-            geometry.allreduce = [self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
-                                  for c in geometry.configs]
-        return geometry.allreduce
-
-    def _index(self, geometry) -> dict:
-        """Position of each of the geometry's configs, with either sync method."""
-        if geometry.index is None:
-            geometry.index = {c: i for configs in (geometry.configs, self._allreduce(geometry))
-                              for i, c in enumerate(configs) if c.is_even}
-        return geometry.index
+            geometry.allreduce = [None] * len(geometry.configs)
+        if geometry.allreduce[i] is None:
+            c = geometry.configs[i]
+            geometry.allreduce[i] = self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
+        return geometry.allreduce[i]
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
@@ -309,11 +309,12 @@ class CostModel:
         if space.cheaper is None:
             methods = self.sync_methods(layer, space.parts)
             ps, allreduce = methods["ps"], methods["allreduce"]
-            if (allreduce < ps).any():
-                configs = [a if cheaper else p for p, a, cheaper in
-                           zip(space.configs, self._allreduce(space.geometry), (allreduce < ps).tolist())]
-            else:
-                configs = space.configs
+            configs = space.configs
+            cheaper = np.flatnonzero(allreduce < ps).tolist()
+            if cheaper:
+                configs = list(configs)
+                for i in cheaper:
+                    configs[i] = self._allreduce(space.geometry, i)
             space.cheaper = (configs, np.minimum(ps, allreduce))
         return space.cheaper
 
@@ -564,8 +565,8 @@ class Geometry:
     configs: list[ParallelConfig]
     parts: PartTable
     grid: transfer.Grid
-    allreduce: list[ParallelConfig] | None = None  # the configs with sync "allreduce", once needed
-    index: dict | None = None  # position of each config, with either sync method
+    allreduce: list | None = None  # each config with sync "allreduce", once needed
+    index: dict | None = None  # position of each config by its split and devices
 
 
 @dataclass

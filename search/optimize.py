@@ -61,7 +61,9 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
     counted = time.perf_counter()
     # every layer has a valid config here: no need to validate the strategy again
-    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, cost_model.regions))
+    regions = cost_model.regions if check_by_simulation else (
+        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
+    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions))
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
     return strategy
 
