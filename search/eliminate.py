@@ -133,17 +133,34 @@ def minimize(unary: dict, edges: list) -> Result:
 def min_plus(a, b):
     """(min, +) matrix product: out[u, w] = min over v of a[u, v] + b[v, w].
 
-    The inner loop runs along rows of b, so it streams memory and vectorizes."""
+    Four rows of out at a time: each row of b, streamed from memory, updates all four, and the
+    loop along it vectorizes."""
     rows, inner = a.shape
     cols = b.shape[1]
     out = np.full((rows, cols), np.inf)
-    for u in range(rows):
+    for u in range(0, rows - rows % 4, 4):
+        o0, o1, o2, o3 = out[u], out[u + 1], out[u + 2], out[u + 3]
+        for v in range(inner):
+            x0, x1, x2, x3 = a[u, v], a[u + 1, v], a[u + 2, v], a[u + 3, v]
+            row = b[v]
+            for w in range(cols):
+                y = row[w]
+                if x0 + y < o0[w]:
+                    o0[w] = x0 + y
+                if x1 + y < o1[w]:
+                    o1[w] = x1 + y
+                if x2 + y < o2[w]:
+                    o2[w] = x2 + y
+                if x3 + y < o3[w]:
+                    o3[w] = x3 + y
+    for u in range(rows - rows % 4, rows):
+        o = out[u]
         for v in range(inner):
             x = a[u, v]
+            row = b[v]
             for w in range(cols):
-                y = x + b[v, w]
-                if y < out[u, w]:
-                    out[u, w] = y
+                if x + row[w] < o[w]:
+                    o[w] = x + row[w]
     return out
 
 
