@@ -17,6 +17,11 @@
   `Machine.task_overhead`); each layer pays it per task on its path (forward, backward, update,
   and for replicated weights the gradient extraction and weight fetch).  Zero for simulated
   machines unless given: the paper's runtime assumption.
+
+A layer's tables depend only on its op and configs, its configs, parts and grid only on its
+output shape, and an edge's t_x only on its two grids and what the consumer reads per block, so
+a CostModel computes each once (a network's repeated layers share them, and so does a second
+search with the same CostModel).  Nothing is kept between CostModels.
 """
 
 from __future__ import annotations
@@ -315,7 +320,7 @@ class CostModel:
                 configs = list(configs)
                 for i in cheaper:
                     configs[i] = self._allreduce(space.geometry, i)
-            space.cheaper = (configs, np.minimum(ps, allreduce))
+            space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
         return space.cheaper
 
     def _edge(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> np.ndarray:
@@ -325,7 +330,7 @@ class CostModel:
         key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
         table = self._edges.get(key)
         if table is None:
-            table = self._edges[key] = self.transfer_costs(u, v, v.needs[j], itemsize, backward)
+            table = self._edges[key] = _read_only(self.transfer_costs(u, v, v.needs[j], itemsize, backward))
         return table
 
     def breakdown(self, graph, strategy) -> Breakdown:
@@ -366,7 +371,8 @@ class CostModel:
                 fwd, bwd = roofline_parts(layer.op, shapes, self._peak[table.device], self._bandwidth[table.device],
                                           self.itemsize, self.channel_params(layer.op))
                 times = fwd + bwd * backward
-                out[layer.name] = self._compute[key] = np.maximum.reduceat(times, table.starts) + hops * self.hop
+                out[layer.name] = self._compute[key] = _read_only(np.maximum.reduceat(times, table.starts)
+                                                                  + hops * self.hop)
                 continue
             kinds = np.array([self.kind_index[d] for d in table.device])
             rows = np.concatenate([kinds[:, None], *shapes], axis=1)
@@ -379,7 +385,7 @@ class CostModel:
         self._measure_missing(missing)
         for name, (key, keys, inverse, backward, starts, hops) in plans.items():
             times = np.array([sum(self._times[k][: 2 if backward else 1]) for k in keys])[inverse]
-            out[name] = self._compute[key] = np.maximum.reduceat(times, starts) + hops * self.hop
+            out[name] = self._compute[key] = _read_only(np.maximum.reduceat(times, starts) + hops * self.hop)
         return {layer.name: out[layer.name] for layer in graph}
 
     def _lookup(self, kind, op, rect, need_dx, missing) -> tuple:
@@ -590,6 +596,12 @@ class LayerSpace:
     @property
     def grid(self) -> transfer.Grid:
         return self.geometry.grid
+
+
+def _read_only(table: np.ndarray) -> np.ndarray:
+    """A table the cost model hands out to several layers or searches: nobody may change it."""
+    table.setflags(write=False)
+    return table
 
 
 def channel_params(op) -> int:

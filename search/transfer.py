@@ -12,8 +12,11 @@ Two ways to compute the same table:
 - `separable`: when links only depend on "same node or not" and every config sits on a
   contiguous block of devices (the search space), the parts on one node form a box in
   block-index space, and the volume a receiver gets from a box is a product over dimensions of
-  one-dimensional sums.  This avoids the (producer parts x consumer parts) matrix; tests check
-  it equals `general`.
+  one-dimensional sums.  A receiver's range along a dimension is one of its blocks, and what a
+  config looks like from a receiver along a dimension is one of few slot tuples (Grid), so the
+  sums are tabulated per (dimension, block, tuple) and each (receiver, config) multiplies one
+  entry per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
+  matrix; tests check it equals `general`.
 """
 
 from __future__ import annotations

@@ -147,3 +147,21 @@ def test_cost_model_edges_equal_the_general_transfer_tables(graph, nodes):
         np.testing.assert_allclose(matrix, expected, rtol=1e-12, atol=1e-18, err_msg=f"{src} -> {dst}")
         shortcuts += u.grid is v.grid and v.needs[j].reads_own_part and src in needed
     assert shortcuts > 0 or graph != "resnet50"  # its batch norms and relus take the transposed shortcut
+
+
+def test_an_output_dimension_driving_two_input_dimensions_takes_the_general_path():
+    g = models.lenet5(batch=8)
+    layer = g["conv1"]  # input (8, 1, 32, 32), output (8, 6, 28, 28)
+
+    def both(op, out):  # input rows and columns both follow the output's rows
+        return [Rect((out.lo[0], 0, out.lo[2], out.lo[2]), (out.hi[0], 1, out.hi[2] + 4, out.hi[2] + 4))]
+
+    cm = CostModel(Machine.simulated(2, 2), cache=False)
+    with mock.patch.dict(regions.RULES, clear=True), mock.patch.object(type(layer.op), "input_rects", both):
+        space, image = cm.layer_space(layer), cm.layer_space(g["image"])
+        assert space.needs[0].driver == {0: 0, 2: 2, 3: 2}
+        assert transfer.separable(image.grid, space.grid, space.needs[0].table, space.needs[0], cm.links, 4,
+                                  False) is None
+        edge = next(m for src, dst, _, m in cm.tables(g).edges if dst == "conv1")
+        np.testing.assert_allclose(edge, transfer.general(image.parts, space.needs[0].table, cm.links, 4, False),
+                                   rtol=1e-12)
