@@ -40,7 +40,7 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, PartTable, grid_parts, part_table
 from search.space import config_grid, layer_configs, search_space
-from taskrt.config import ParallelConfig
+from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
@@ -152,7 +152,7 @@ class CostModel:
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
-        self._grids: dict[tuple, tuple] = {}  # (dims, shape) -> config_grid and its configs
+        self._grids: dict[tuple, tuple] = {}  # largest degree per dimension -> config_grid and its configs
         self._geometries: dict[tuple, Geometry] = {}  # (dims, shape, kept) -> Geometry
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
@@ -266,11 +266,13 @@ class CostModel:
         table and grid: the same for every layer with this output shape."""
         key = (dims, shape, None if keep is None else keep.tobytes())
         if key not in self._geometries:
-            if (dims, shape) not in self._grids:
+            # the configs depend on each dimension's size only up to the device count
+            limits = tuple(min(shape[dims.index(dim)], self.machine.num_devices) if dim in dims else 1 for dim in DIMS)
+            if limits not in self._grids:
                 degrees, first = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
                 configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
-                self._grids[(dims, shape)] = degrees, first, configs
-            degrees, first, configs = self._grids[(dims, shape)]
+                self._grids[limits] = degrees, first, configs
+            degrees, first, configs = self._grids[limits]
             if keep is not None:
                 degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
             parts = grid_parts(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first=first)
@@ -291,8 +293,7 @@ class CostModel:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
         first = parts.starts
         volume = np.prod(np.maximum(parts.hi[first] - parts.lo[first], 0), axis=1)
-        inputs = sum((np.prod(np.maximum(n.table.hi[first] - n.table.lo[first], 0), axis=1) for n in needs),
-                     np.zeros_like(volume))
+        inputs = sum((n.volume[first] for n in needs), np.zeros_like(volume))
         params = self.channel_params(op) * ((parts.hi[first, 1] - parts.lo[first, 1]) if parts.lo.shape[1] > 1 else 1)
         return self.itemsize * (3 * params + 2 * (inputs + volume))
 

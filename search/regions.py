@@ -274,8 +274,8 @@ class Needs:
         self.driver = {e: int(d) for e, d in enumerate(driven_by.tolist()) if d >= 0}
         self.constant = {e: (int(in_lo[0, e]), int(in_hi[0, e])) for e in range(rank) if e not in self.driver}
         # each part's need: every input dimension from its block along the dimension driving it
-        lo, hi = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi, driven_by,
-                              in_lo[0], in_hi[0])
+        lo, hi, self.volume = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi,
+                                           driven_by, in_lo[0], in_hi[0])
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees, parts.config)
         self.reads_own_part = rank == rank_out and np.array_equal(lo, parts.lo) and np.array_equal(hi, parts.hi)
 
@@ -344,19 +344,22 @@ def _needs_table(part_slot, reads, slot_lo, slot_hi, driven_by, base_lo, base_hi
     rank = len(base_lo)
     lo = np.zeros((parts, rank), dtype=np.int64)
     hi = np.zeros((parts, rank), dtype=np.int64)
+    volume = np.zeros(parts, dtype=np.int64)
     for p in range(parts):
         reading = True
         for d in range(rank_out):
             reading = reading and reads[d, part_slot[p, d]] > 0
         if not reading:
             continue
+        volume[p] = 1
         for e in range(rank):
             d = driven_by[e]
             if d < 0:
                 lo[p, e], hi[p, e] = base_lo[e], base_hi[e]
             else:
                 lo[p, e], hi[p, e] = slot_lo[d, part_slot[p, d], e], slot_hi[d, part_slot[p, d], e]
-    return lo, hi
+            volume[p] *= max(hi[p, e] - lo[p, e], 0)
+    return lo, hi, volume
 
 
 @dataclass

@@ -397,18 +397,24 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
 def _box_products(tuple_of, rows, sums, with_total, node_vol, node_cnt, total_cnt, local_vol, total_vol):
     """Per config (one receiving device): the products over dimensions e of the box sums of
     row `rows[e]` (`_box_tables`) for the config's tuple along e."""
-    node_vol[:] = 1.0
-    node_cnt[:] = 1.0
-    total_cnt[:] = 1.0
-    local_vol[:] = 1.0
-    total_vol[:] = 1.0
-    for e in range(tuple_of.shape[0]):
+    table, which = sums[0, rows[0]], tuple_of[0]
+    for a in range(tuple_of.shape[1]):
+        x = table[which[a]]
+        node_vol[a], node_cnt[a], total_cnt[a], local_vol[a], total_vol[a] = x[0], x[1], x[2], x[3], x[4]
+    for e in range(1, tuple_of.shape[0]):
         table, which = sums[e, rows[e]], tuple_of[e]
-        for a in range(tuple_of.shape[1]):
-            x = table[which[a]]
-            node_vol[a] *= x[0]
-            node_cnt[a] *= x[1]
-            total_cnt[a] *= x[2]
-            local_vol[a] *= x[3]
-            if with_total:
+        if with_total:
+            for a in range(tuple_of.shape[1]):
+                x = table[which[a]]
+                node_vol[a] *= x[0]
+                node_cnt[a] *= x[1]
+                total_cnt[a] *= x[2]
+                local_vol[a] *= x[3]
                 total_vol[a] *= x[4]
+        else:
+            for a in range(tuple_of.shape[1]):
+                x = table[which[a]]
+                node_vol[a] *= x[0]
+                node_cnt[a] *= x[1]
+                total_cnt[a] *= x[2]
+                local_vol[a] *= x[3]
