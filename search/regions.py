@@ -339,7 +339,7 @@ def _answers(reads, in_lo, in_hi, counts, driven_by, slot_reads, slot_lo, slot_h
 def _needs_table(part_slot, reads, slot_lo, slot_hi, driven_by, base_lo, base_hi):
     """Each part's need from the answers per slot: zeros where a block along some output
     dimension reads nothing; otherwise each input dimension from the part's block along the
-    dimension driving it, or the constant range."""
+    dimension driving it, or the constant range; and the need's volume."""
     parts, rank_out = part_slot.shape
     rank = len(base_lo)
     lo = np.zeros((parts, rank), dtype=np.int64)
