@@ -175,14 +175,53 @@ def _forward_values(producer, moves, itemsize, memory):
     slice is cut once, and a value travels once to each device reading it (taskrt.lowering
     pieces and route)."""
     lo, hi, device = producer
+    _moved(np.concatenate(moves) if len(moves) > 1 else moves[0], lo, hi, device, itemsize, memory)
+
+
+@numba.njit(cache=True)
+def _moved(moves, lo, hi, device, itemsize, memory):
     rank = lo.shape[1]
-    moved = np.unique(np.concatenate(moves), axis=0)  # each (value, reading device) once
-    tile, piece_lo, piece_hi, to = moved[:, 0], moved[:, 1 : 1 + rank], moved[:, 1 + rank : -1], moved[:, -1]
-    nbytes = np.prod(piece_hi - piece_lo, axis=1) * itemsize
-    np.add.at(memory[:, ACTIVATIONS], to, nbytes)
-    sliced = ~((piece_lo == lo[tile]).all(axis=1) & (piece_hi == hi[tile]).all(axis=1))
-    _, once = np.unique(moved[sliced, :-1], axis=0, return_index=True)  # a slice is cut once for all readers
-    np.add.at(memory[:, ACTIVATIONS], device[tile[sliced][once]], nbytes[sliced][once])
+    travels = _first_of_each(moves, moves.shape[1])  # each (value, reading device) once
+    cut = _first_of_each(moves, moves.shape[1] - 1)  # each value once, whichever device reads it
+    for m in range(len(moves)):
+        p = moves[m, 0]
+        nbytes = itemsize
+        whole = True
+        for e in range(rank):
+            nbytes *= moves[m, 1 + rank + e] - moves[m, 1 + e]
+            whole = whole and moves[m, 1 + e] == lo[p, e] and moves[m, 1 + rank + e] == hi[p, e]
+        if travels[m]:
+            memory[moves[m, 1 + 2 * rank], ACTIVATIONS] += nbytes
+        if cut[m] and not whole:
+            memory[device[p], ACTIVATIONS] += nbytes
+
+
+@numba.njit(cache=True)
+def _first_of_each(rows, columns):
+    """Whether each row is the first with its first `columns` entries (a hash table of rows)."""
+    size = 1
+    while size < 4 * len(rows):
+        size *= 2
+    table = np.full(size, -1, dtype=np.int64)
+    first = np.zeros(len(rows), dtype=np.bool_)
+    for m in range(len(rows)):
+        h = 0
+        for c in range(columns):
+            h = (h * 1000003) ^ rows[m, c]
+        h &= size - 1
+        while True:
+            other = table[h]
+            if other < 0:
+                table[h] = m
+                first[m] = True
+                break
+            same = True
+            for c in range(columns):
+                same = same and rows[other, c] == rows[m, c]
+            if same:
+                break
+            h = (h + 1) & (size - 1)
+    return first
 
 
 def _lowered(graph, strategy, itemsize):
