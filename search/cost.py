@@ -17,6 +17,11 @@
   `Machine.task_overhead`); each layer pays it per task on its path (forward, backward, update,
   and for replicated weights the gradient extraction and weight fetch).  Zero for simulated
   machines unless given: the paper's runtime assumption.
+
+A layer's tables depend only on its op and configs, its configs, parts and grid only on its
+output shape, and an edge's t_x only on its two grids and what the consumer reads per block, so
+a CostModel computes each once (a network's repeated layers share them, and so does a second
+search with the same CostModel).  Nothing is kept between CostModels.
 """
 
 from __future__ import annotations
@@ -24,20 +29,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from ops.rect import Rect
 from search import transfer
-from search.regions import Needs, part_table
-from search.space import search_space
-from taskrt.config import ParallelConfig
+from search.regions import Needs, PartTable, grid_parts, part_table
+from search.space import config_grid, layer_configs, search_space
+from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
-from taskrt.plan import chunk_bounds
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 
@@ -138,9 +144,21 @@ class CostModel:
         self.memory_bandwidth = self.calibration["memory_bandwidth"]
         self.kinds = sorted({d.kind for d in machine.devices})
         self.kind_index = {d.id: self.kinds.index(d.kind) for d in machine.devices}
+        # each device's data sheet (the roofline of simulated devices)
+        self._peak = np.array([DEVICE_KINDS[d.kind]["flops"] if self.estimated else 0.0 for d in machine.devices])
+        self._bandwidth = np.array([DEVICE_KINDS[d.kind]["memory_bandwidth"] if self.estimated else 0.0
+                                    for d in machine.devices])
         self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
-        self._volumes: dict[tuple, int] = {}
         self._sync_times: dict[tuple, float] = {}
+        # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
+        # network's repeated layers (and a second search with this model) compute them once.
+        self._grids: dict[tuple, tuple] = {}  # largest degree per dimension -> config_grid and its configs
+        self._geometries: dict[tuple, Geometry] = {}  # (dims, shape, kept) -> Geometry
+        self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
+        self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
+        self._compute: dict[tuple, np.ndarray] = {}
+        self._per_channel: dict = {}  # op -> channel_params(op)
+        self._edges: dict[tuple, np.ndarray] = {}
 
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
@@ -161,6 +179,8 @@ class CostModel:
         return search_space(graph, self.machine, self.powers_of_two, self.placement, self.itemsize)
 
     def tables(self, graph, configs=None) -> Tables:
+        """t_c, t_s and t_x over every layer's configs: `configs` (name -> list), by default the
+        search space, where each config takes the cheaper sync method."""
         clock = [time.perf_counter()]
 
         def lap() -> float:
@@ -168,33 +188,151 @@ class CostModel:
             return clock[-1] - clock[-2]
 
         choose_sync = configs is None  # the space: each config gets the cheaper sync method
-        configs = dict(configs or self.space(graph))
         needed = graph.needs_backward()
-        parts = {layer.name: part_table(layer.shape, configs[layer.name]) for layer in graph}
-        needs = {(layer.name, j): Needs(layer.op, j, parts[layer.name], configs[layer.name])
-                 for layer in graph for j in range(len(layer.inputs))}
+        spaces = {layer.name: self.layer_space(layer, None if configs is None else configs[layer.name])
+                  for layer in graph}
         seconds = {"space and regions": lap()}
-        compute = self.compute_costs(graph, parts, needs, needed)
+        compute = self.compute_costs(graph, spaces, needed)
         seconds["compute"] = lap()
-        sync = {}
+        sync, chosen = {}, {}
         for layer in graph:
-            methods = self.sync_methods(layer, parts[layer.name])
+            space = spaces[layer.name]
             if choose_sync:
-                ps, allreduce = methods["ps"], methods["allreduce"]
-                sync[layer.name] = np.minimum(ps, allreduce)
-                configs[layer.name] = [replace(c, sync="allreduce" if a < p else "ps")
-                                       for c, p, a in zip(configs[layer.name], ps, allreduce)]
+                chosen[layer.name], sync[layer.name] = self._cheaper_sync(layer, space)
             else:
-                sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(configs[layer.name])])
+                methods = self.sync_methods(layer, space.parts)
+                chosen[layer.name] = space.configs
+                sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(space.configs)])
         seconds["sync"] = lap()
-        grids = {name: transfer.Grid(table, graph[name].shape, self.links.node, self.machine.num_devices)
-                 for name, table in parts.items()}
-        edges = [(src, layer.name, j, self.transfer_costs(graph, src, layer.name, grids[src], grids[layer.name],
-                                                          needs[(layer.name, j)], needed))
+        edges = [(src, layer.name, j, self._edge(graph[src], spaces[src], spaces[layer.name], j, src in needed))
                  for layer in graph for j, src in enumerate(layer.inputs)]
         seconds["edges"] = lap()
         notes = ["t_c estimated by roofline (simulated machine)"] if self.estimated else []
-        return Tables(configs, compute, sync, edges, self.estimated, notes, seconds)
+        return Tables(chosen, compute, sync, edges, self.estimated, notes, seconds)
+
+    def layer_space(self, layer, configs=None) -> LayerSpace:
+        """`layer`'s configs (by default its search space: `search.space.layer_configs`) with their
+        part table, grid and needs, shared by every layer with the same op and configs."""
+        key = (layer.op, None if configs is None else tuple(configs))
+        space = self._spaces.get(key)
+        if space is None:
+            if configs is None:
+                geometry, needs = self._fitting_configs(layer)
+            else:
+                parts = part_table(layer.shape, configs)
+                geometry = Geometry(list(configs), parts,
+                                    transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices))
+                needs = [Needs(layer.op, j, parts) for j in range(len(layer.inputs))]
+            space = self._spaces[key] = LayerSpace(key, geometry, needs)
+        return space
+
+    def regions(self, layer, config, position=None):
+        """The parts of `layer` under `config` as (lo, hi, device) rows, and each input's needs as
+        (lo, hi) rows (zero rows: reads nothing), from the layer's search space when the config is
+        in it, at `position` if known (search.memory.step_memory takes this)."""
+        space = self.layer_space(layer)
+        if position is None:
+            geometry = space.geometry
+            if geometry.index is None:
+                geometry.index = {(c.n, c.c, c.h, c.w, c.devices): i for i, c in enumerate(geometry.configs)}
+            position = geometry.index.get((config.n, config.c, config.h, config.w, config.devices))
+            if position is None or not config.is_even:
+                space, position = self.layer_space(layer, [config]), 0
+        parts = space.parts
+        rows = slice(parts.starts[position],
+                     parts.starts[position + 1] if position + 1 < len(parts.starts) else len(parts.device))
+        return (parts.lo[rows], parts.hi[rows], parts.device[rows]), [(n.table.lo[rows], n.table.hi[rows])
+                                                                      for n in space.needs]
+
+    def _fitting_configs(self, layer):
+        """The search space of `layer` (as `search.space.layer_configs` gives it), built from arrays:
+        every config's parts and needs at once, dropping those whose largest part does not fit."""
+        op = layer.op
+        geometry = self._geometry(op.dims, layer.shape)
+        needs = [Needs(op, j, geometry.parts) for j in range(len(op.in_shapes))]
+        memory = min((d.memory for d in self.machine.devices if d.memory), default=None)
+        if memory is not None:
+            fits = self._largest_part_bytes(op, geometry.parts, needs) <= memory
+            if not fits.all():
+                if not fits.any():  # its message names the layer and the smallest need
+                    layer_configs(layer, self.machine.num_devices, self.powers_of_two, self.placement, memory,
+                                  self.itemsize)
+                geometry = self._geometry(op.dims, layer.shape, fits)
+                needs = [Needs(op, j, geometry.parts) for j in range(len(op.in_shapes))]
+        return geometry, needs
+
+    def _geometry(self, dims, shape, keep=None) -> Geometry:
+        """The configs splitting `dims` of a tensor of `shape` (those `keep` says), with their part
+        table and grid: the same for every layer with this output shape."""
+        key = (dims, shape, None if keep is None else keep.tobytes())
+        if key not in self._geometries:
+            # the configs depend on each dimension's size only up to the device count
+            limits = tuple(min(shape[dims.index(dim)], self.machine.num_devices) if dim in dims else 1 for dim in DIMS)
+            if limits not in self._grids:
+                degrees, first = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
+                configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
+                self._grids[limits] = degrees, first, configs
+            degrees, first, configs = self._grids[limits]
+            if keep is not None:
+                degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
+            parts = grid_parts(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first=first)
+            self._geometries[key] = Geometry(configs, parts,
+                                             transfer.Grid(parts, shape, self.links.node, self.machine.num_devices))
+        return self._geometries[key]
+
+    def _allreduce(self, geometry, i) -> ParallelConfig:
+        """The geometry's config i with sync "allreduce"."""
+        if geometry.allreduce is None:
+            geometry.allreduce = [None] * len(geometry.configs)
+        if geometry.allreduce[i] is None:
+            c = geometry.configs[i]
+            geometry.allreduce[i] = self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
+        return geometry.allreduce[i]
+
+    def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
+        """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
+        first = parts.starts
+        volume = np.prod(np.maximum(parts.hi[first] - parts.lo[first], 0), axis=1)
+        inputs = sum((n.volume[first] for n in needs), np.zeros_like(volume))
+        params = self.channel_params(op) * ((parts.hi[first, 1] - parts.lo[first, 1]) if parts.lo.shape[1] > 1 else 1)
+        return self.itemsize * (3 * params + 2 * (inputs + volume))
+
+    def channel_params(self, op) -> int:
+        if op not in self._per_channel:
+            self._per_channel[op] = channel_params(op)
+        return self._per_channel[op]
+
+    def _config(self, degrees, first, sync="ps") -> ParallelConfig:
+        key = (degrees, first, sync)
+        config = self._configs.get(key)
+        if config is None:
+            config = self._configs[key] = ParallelConfig(*degrees, devices=tuple(range(first, first + prod(degrees))),
+                                                         sync=sync)
+        return config
+
+    def _cheaper_sync(self, layer, space):
+        """The space's configs, each with the cheaper sync method, and their t_s."""
+        if space.cheaper is None:
+            methods = self.sync_methods(layer, space.parts)
+            ps, allreduce = methods["ps"], methods["allreduce"]
+            configs = space.configs
+            cheaper = np.flatnonzero(allreduce < ps).tolist()
+            if cheaper:
+                configs = list(configs)
+                for i in cheaper:
+                    configs[i] = self._allreduce(space.geometry, i)
+            space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
+        return space.cheaper
+
+    def _edge(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> np.ndarray:
+        itemsize = 8 if producer.is_input and producer.op.dtype == "int64" else self.itemsize
+        # t_x depends on the ops only through the consumer's needs: e.g. every batch norm reading a
+        # convolution of one output shape has the same table
+        key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
+        table = self._edges.get(key)
+        if table is None:
+            table = self._edges[key] = _read_only(self.transfer_costs(u, v, v.needs[j], itemsize, backward))
+        return table
 
     def breakdown(self, graph, strategy) -> Breakdown:
         """Predicted cost of `strategy` under the model, layer by layer."""
@@ -208,25 +346,34 @@ class CostModel:
                          {n: float(v[0]) for n, v in tables.sync.items()}, t_x, self.estimated)
 
     # ---- t_c --------------------------------------------------------------------------------
-    def compute_costs(self, graph, parts, needs, needed) -> dict[str, np.ndarray]:
+    def compute_costs(self, graph, spaces, needed) -> dict[str, np.ndarray]:
         """Per layer, per config: the slowest part's forward (+ backward when the layer needs it),
         plus its tasks' overhead.
 
         Parts are timed by signature (device kind, op, tile shapes): equal parts share one timing,
         found in the cache, estimated (simulated machine) or measured on a device."""
-        plans, missing = {}, {}
+        plans, missing, out = {}, {}, {}
         for layer in graph:
-            table = parts[layer.name]
+            space = spaces[layer.name]
+            table = space.parts
             if layer.is_input:
+                out[layer.name] = np.zeros(len(table.starts))
                 continue
             backward = layer.name in needed or layer.kind == "softmax_cross_entropy"
             need_dx = tuple(src in needed for src in layer.inputs)
-            shapes = [table.shape] + [needs[(layer.name, j)].table.shape for j in range(len(layer.inputs))]
+            key = (space.key, backward, need_dx, layer.name in needed)
+            if key in self._compute:
+                out[layer.name] = self._compute[key]
+                continue
+            shapes = [table.shape] + [needs.table.shape for needs in space.needs]
             # each direction's dependent tasks: the part's, and batch norm's statistics reduction before it
             hops = (2 if layer.name in needed else 1) * (1 + layer.op.statistics_hops)
             if self.estimated:  # a formula per part: no need to find the distinct ones
-                fwd, bwd = roofline_parts(layer.op, shapes, self.kinds, self.kind_index, table.device, self.itemsize)
-                plans[layer.name] = (None, fwd + bwd * backward, table.starts, hops)
+                fwd, bwd = roofline_parts(layer.op, shapes, self._peak[table.device], self._bandwidth[table.device],
+                                          self.itemsize, self.channel_params(layer.op))
+                times = fwd + bwd * backward
+                out[layer.name] = self._compute[key] = _read_only(np.maximum.reduceat(times, table.starts)
+                                                                  + hops * self.hop)
                 continue
             kinds = np.array([self.kind_index[d] for d in table.device])
             rows = np.concatenate([kinds[:, None], *shapes], axis=1)
@@ -234,21 +381,13 @@ class CostModel:
             keys = []
             for row, index in zip(unique.tolist(), first.tolist()):
                 rect = Rect(tuple(table.lo[index].tolist()), tuple(table.hi[index].tolist()))
-                key = self._lookup(self.kinds[row[0]], layer.op, rect, need_dx, missing)
-                keys.append(key)
-            plans[layer.name] = (keys, (inverse.ravel(), backward), table.starts, hops)
+                keys.append(self._lookup(self.kinds[row[0]], layer.op, rect, need_dx, missing))
+            plans[layer.name] = (key, keys, inverse.ravel(), backward, table.starts, hops)
         self._measure_missing(missing)
-        out = {}
-        for layer in graph:
-            if layer.is_input:
-                out[layer.name] = np.zeros(len(parts[layer.name].starts))
-                continue
-            keys, times, starts, hops = plans[layer.name]
-            if keys is not None:
-                inverse, backward = times
-                times = np.array([sum(self._times[k][: 2 if backward else 1]) for k in keys])[inverse]
-            out[layer.name] = np.maximum.reduceat(times, starts) + hops * self.hop
-        return out
+        for name, (key, keys, inverse, backward, starts, hops) in plans.items():
+            times = np.array([sum(self._times[k][: 2 if backward else 1]) for k in keys])[inverse]
+            out[name] = self._compute[key] = _read_only(np.maximum.reduceat(times, starts) + hops * self.hop)
+        return {layer.name: out[layer.name] for layer in graph}
 
     def _lookup(self, kind, op, rect, need_dx, missing) -> tuple:
         """The timing key of a part; its (forward, backward) seconds go into `_times` from the
@@ -276,7 +415,7 @@ class CostModel:
         if self.estimated:
             shapes = [np.array([rect.shape])] + [np.array([r.shape if r else (0,) * len(s)])
                                                  for r, s in zip(op.input_rects(rect), op.in_shapes)]
-            fwd, bwd = roofline_parts(op, shapes, [kind], {0: 0}, np.array([0]), self.itemsize)
+            fwd, bwd = roofline_parts(op, shapes, self._peak[device], self._bandwidth[device], self.itemsize)
             return float(fwd[0]), float(bwd[0])
         missing = {}
         key = self._lookup(kind, op, rect, tuple(need_dx), missing)
@@ -403,76 +542,152 @@ class CostModel:
         configs = len(table.starts)
         if not layer.param_shapes:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
-        config = table.config
         # parts reading the same parameters (same channel block of the same config) form a shard
-        shard_of = np.unique(np.stack([config, table.lo[:, 1], table.hi[:, 1]], axis=1), axis=0,
-                             return_inverse=True)[1].ravel()
-        first = np.full(shard_of.max() + 1, -1)
-        for row in range(len(shard_of) - 1, -1, -1):
-            first[shard_of[row]] = row
-        server = table.device[first[shard_of]]
-        extents, which = np.unique(np.stack([table.lo[:, 1], table.hi[:, 1]], axis=1), axis=0, return_inverse=True)
-        volume = np.array([self._shard_volume(layer, lo, hi) for lo, hi in extents.tolist()])[which.ravel()]
-        device = table.device
-        nbytes = volume * self.itemsize
-        gradients_in = nbytes * self.inv_bandwidth[device, server] + self.latency[device, server]
-        weights_out = nbytes * self.inv_bandwidth[server, device] + self.latency[server, device]
-        per_shard = np.maximum(np.bincount(shard_of, weights=gradients_in), np.bincount(shard_of, weights=weights_out))
-        replicas = np.bincount(shard_of)
-        shard_config = config[first]
-        replicated = np.zeros(configs, dtype=bool)
-        np.logical_or.at(replicated, shard_config, replicas > 1)
-        ps = np.zeros(configs)
-        np.maximum.at(ps, shard_config, per_shard)
-        node = self.links.node
-        nodes = node.max() + 1
-        # bytes into each node's interface per config (what leaves a node equals what enters another:
-        # every sync message is answered by one of the same size, so in and out agree per node)
-        ps_nic, allreduce_nic = np.zeros((configs, nodes)), np.zeros((configs, nodes))
-        across = node[device] != node[server]
-        np.add.at(ps_nic, (config[across], node[server][across]), nbytes[across])  # gradients to the server
-        np.add.at(ps_nic, (config[across], node[device][across]), nbytes[across])  # weights to the replica
-        allreduce = np.zeros(configs)
-        for shard in np.flatnonzero(replicas > 1):
-            rows = np.flatnonzero(shard_of == shard)  # in part order: the order of the chunks
-            devices, size = device[rows], int(volume[rows[0]])
-            bounds = chunk_bounds(size, len(rows))
-            chunk = np.zeros(len(rows))
-            chunk[: len(bounds)] = [hi - lo for lo, hi in bounds]
-            seconds = self.inv_bandwidth[np.ix_(devices, devices)] * self.itemsize  # per element, row -> column
-            lat = self.latency[np.ix_(devices, devices)]
-            has = chunk > 0
-            incoming = (chunk * seconds.sum(axis=0) + seconds.T @ chunk  # gradients of its chunk, the others' chunks
-                        + has * lat.sum(axis=0) + lat.T @ has)
-            outgoing = chunk * seconds.sum(axis=1) + seconds @ chunk + has * lat.sum(axis=1) + lat @ has
-            busy = np.maximum(incoming, outgoing)
-            allreduce[shard_config[shard]] = max(allreduce[shard_config[shard]], busy.max())
-            other = node[devices][:, None] != node[devices][None, :]  # sender (row) and receiver on different nodes
-            received = (other * (chunk[:, None] + chunk[None, :])).sum(axis=0) * self.itemsize  # its chunk, theirs
-            np.add.at(allreduce_nic[shard_config[shard]], node[devices], received)
-        nic = self.links.nic_inv_bandwidth
-        ps = np.maximum(ps, ps_nic.max(axis=1) * nic)
-        allreduce = np.maximum(allreduce, allreduce_nic.max(axis=1) * nic)
+        ps, allreduce, replicated = _sync_times(
+            table.starts, table.device, table.lo[:, 1], table.hi[:, 1], self.channel_params(layer.op),
+            self.inv_bandwidth, self.latency, self.links.node, int(self.links.node.max()) + 1,
+            self.links.nic_inv_bandwidth, self.itemsize)
         return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
                 "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
 
-    def _shard_volume(self, layer, c0, c1) -> int:
-        key = (layer.name, int(c0), int(c1))
-        if key not in self._volumes:
-            rect = Rect.full(layer.shape).replace(1, int(c0), int(c1))
-            self._volumes[key] = sum(r.volume for r in layer.op.param_rects(rect).values())
-        return self._volumes[key]
-
     # ---- t_x --------------------------------------------------------------------------------
-    def transfer_costs(self, graph, src, dst, producer: transfer.Grid, consumer: transfer.Grid, needs: Needs,
-                       needed) -> np.ndarray:
-        """(configs of src) x (configs of dst): see search.transfer."""
-        itemsize = 8 if graph[src].is_input and graph[src].op.dtype == "int64" else self.itemsize
-        backward = src in needed
-        fast = transfer.separable(producer, consumer, needs.table, needs, self.links, itemsize, backward)
+    def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
+        """(configs of u) x (configs of v): see search.transfer."""
+        if backward and u.grid is v.grid and needs.reads_own_part:
+            # Same configs on both sides and each part reads its own Rect (batch norm, relu): the
+            # gradients retrace the activations' paths, so backward of (a, b) is forward of (b, a).
+            forward = self.transfer_costs(u, v, needs, itemsize, False)
+            return forward + forward.T
+        fast = transfer.separable(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
         if fast is not None:
             return fast
-        return transfer.general(producer.table, needs.table, self.links, itemsize, backward)
+        return transfer.general(u.parts, needs.table, self.links, itemsize, backward)
+
+
+@dataclass
+class Geometry:
+    """Configs splitting a layer's output, with their part table and block grid: the same for
+    every layer with the same output shape (a convolution, its batch norm and its relu)."""
+
+    configs: list[ParallelConfig]
+    parts: PartTable
+    grid: transfer.Grid
+    allreduce: list | None = None  # each config with sync "allreduce", once needed
+    index: dict | None = None  # position of each config by its split and devices
+
+
+@dataclass
+class LayerSpace:
+    """A layer's configs with their geometry and needs (one per input): everything the tables
+    need of a layer besides its op, so layers with the same op and configs share it."""
+
+    key: tuple  # (op, the configs given, or None for the search space)
+    geometry: Geometry
+    needs: list[Needs]
+    cheaper: tuple | None = None  # the configs with the cheaper sync method, and its t_s
+
+    @property
+    def configs(self) -> list[ParallelConfig]:
+        return self.geometry.configs
+
+    @property
+    def parts(self) -> PartTable:
+        return self.geometry.parts
+
+    @property
+    def grid(self) -> transfer.Grid:
+        return self.geometry.grid
+
+
+def _read_only(table: np.ndarray) -> np.ndarray:
+    """A table the cost model hands out to several layers or searches: nobody may change it."""
+    table.setflags(write=False)
+    return table
+
+
+def channel_params(op) -> int:
+    """Parameters a part reads per channel of its output: every op's parameter Rects span its
+    channel range and nothing else varies (tests/test_search.py checks it for every op kind)."""
+    rank = len(op.out_shape)
+    return sum(r.volume for r in op.param_rects(Rect((0,) * rank, (1,) * rank)).values())
+
+
+@numba.njit(cache=True)
+def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize):
+    """Per config, without the tasks' overhead: the parameter server's time, the all-reduce's, and
+    whether any shard is replicated (see CostModel.sync_methods).  A config's parts with the same
+    channel block form a shard, served by its first part's device."""
+    configs, parts = len(starts), len(device)
+    ps, allreduce = np.zeros(configs), np.zeros(configs)
+    replicated = np.zeros(configs, dtype=np.bool_)
+    shard_of = np.empty(parts, dtype=np.int64)
+    first = np.empty(parts, dtype=np.int64)
+    members = np.empty(parts, dtype=np.int64)
+    chunk = np.empty(parts)
+    ps_nic, allreduce_nic = np.zeros(nodes), np.zeros(nodes)
+    for a in range(configs):
+        r0, r1 = starts[a], starts[a + 1] if a + 1 < configs else parts
+        shards = 0
+        for r in range(r0, r1):
+            s = 0
+            while s < shards and not (c_lo[first[s]] == c_lo[r] and c_hi[first[s]] == c_hi[r]):
+                s += 1
+            if s == shards:
+                first[s] = r
+                shards += 1
+            shard_of[r] = s
+        ps_nic[:] = 0.0
+        allreduce_nic[:] = 0.0
+        for s in range(shards):
+            server = device[first[s]]
+            volume = per_channel * (c_hi[first[s]] - c_lo[first[s]])
+            nbytes = volume * itemsize
+            gradients_in, weights_out, replicas = 0.0, 0.0, 0
+            for r in range(first[s], r1):
+                if shard_of[r] != s:
+                    continue
+                d = device[r]
+                gradients_in += nbytes * inv_bandwidth[d, server] + latency[d, server]
+                weights_out += nbytes * inv_bandwidth[server, d] + latency[server, d]
+                if node[d] != node[server]:  # gradients to the server, weights back
+                    ps_nic[node[server]] += nbytes
+                    ps_nic[node[d]] += nbytes
+                members[replicas] = d
+                replicas += 1
+            ps[a] = max(ps[a], max(gradients_in, weights_out))
+            if replicas == 1:
+                continue
+            replicated[a] = True
+            # all-reduce: replica i owns chunk i of the flat shard (taskrt.plan.chunk_bounds)
+            owners = min(replicas, volume)
+            for i in range(replicas):
+                chunk[i] = volume // owners + (1 if i < volume % owners else 0) if i < owners else 0.0
+            for k in range(replicas):
+                dk = members[k]
+                has_k = 1.0 if chunk[k] > 0 else 0.0
+                in_seconds, in_chunks, in_latency, in_has = 0.0, 0.0, 0.0, 0.0
+                out_seconds, out_chunks, out_latency, out_has = 0.0, 0.0, 0.0, 0.0
+                received = 0.0
+                for i in range(replicas):
+                    di = members[i]
+                    has_i = 1.0 if chunk[i] > 0 else 0.0
+                    in_seconds += inv_bandwidth[di, dk] * itemsize
+                    in_chunks += inv_bandwidth[di, dk] * itemsize * chunk[i]
+                    in_latency += latency[di, dk]
+                    in_has += latency[di, dk] * has_i
+                    out_seconds += inv_bandwidth[dk, di] * itemsize
+                    out_chunks += inv_bandwidth[dk, di] * itemsize * chunk[i]
+                    out_latency += latency[dk, di]
+                    out_has += latency[dk, di] * has_i
+                    if node[di] != node[dk]:  # its chunk of their gradients, their chunks of the weights
+                        received += chunk[i] + chunk[k]
+                incoming = chunk[k] * in_seconds + in_chunks + has_k * in_latency + in_has
+                outgoing = chunk[k] * out_seconds + out_chunks + has_k * out_latency + out_has
+                allreduce[a] = max(allreduce[a], max(incoming, outgoing))
+                allreduce_nic[node[dk]] += received * itemsize
+        ps[a] = max(ps[a], ps_nic.max() * nic)
+        allreduce[a] = max(allreduce[a], allreduce_nic.max() * nic)
+    return ps, allreduce, replicated
 
 
 # ---- part timing (runs on a device) ---------------------------------------------------------
@@ -542,22 +757,20 @@ def measure_synchronization(items, repeats, dtype):
     return out
 
 
-def roofline_parts(op, shapes, kinds, kind_index, device, itemsize) -> tuple[np.ndarray, np.ndarray]:
+def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None) -> tuple[np.ndarray, np.ndarray]:
     """Roofline estimates (forward, backward) for many parts of one op at once:
     max(FLOPs / peak, bytes / memory bandwidth) from the device kind's data sheet.
 
-    `shapes`: the parts' output tile shapes, then each input's tile shapes (rows).  FLOPs and
-    parameter volumes of every op grow linearly with the output tile (parameters with its
-    channel extent), so one unit tile gives the rates."""
+    `shapes`: the parts' output tile shapes, then each input's tile shapes (rows); `peak` and
+    `bandwidth`: of each part's device kind; `per_channel`: `channel_params(op)`, if known.
+    FLOPs and parameter volumes of every op grow linearly with the output tile (parameters with
+    its channel extent), so one unit tile gives the rates."""
     out = shapes[0]
     volume = np.prod(out, axis=1).astype(np.float64)
     unit = Rect((0,) * out.shape[1], (1,) * out.shape[1])
     inputs = sum(np.prod(s, axis=1).astype(np.float64) for s in shapes[1:])
-    params = sum(r.volume for r in op.param_rects(unit).values()) * (out[:, 1] if out.shape[1] > 1 else 1)
+    params = (channel_params(op) if per_channel is None else per_channel) * (out[:, 1] if out.shape[1] > 1 else 1)
     moved = (inputs + volume + params) * itemsize
-    spec = [DEVICE_KINDS[k] for k in kinds]
-    peak = np.array([spec[kind_index[d]]["flops"] for d in device])
-    bandwidth = np.array([spec[kind_index[d]]["memory_bandwidth"] for d in device])
     forward = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
     backward = np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)
     return forward, backward

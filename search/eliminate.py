@@ -14,6 +14,7 @@ The problem: choose one config index per node to minimize
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -72,10 +73,15 @@ def minimize(unary: dict, edges: list) -> Result:
     """`unary`: name -> costs per config; `edges`: (u, v, matrix configs(u) x configs(v))."""
     g = _Graph(unary, edges)
     log = []  # undo records, in elimination order
-    while True:
-        v = next((n for n in g.unary if len(g.adj[n]) <= 2), None)
-        if v is None:
-            break
+    # The first node (in node order) with at most two neighbours goes next.  Eliminating a node
+    # never adds to a neighbour's degree, so a node that qualifies stays qualified: a heap of
+    # the qualified ones by node order finds it without scanning the graph.
+    ready = [g.order[n] for n in g.unary if len(g.adj[n]) <= 2]
+    heapq.heapify(ready)
+    queued = set(ready)
+    names = list(g.unary)
+    while ready:
+        v = names[heapq.heappop(ready)]
         neighbours = sorted(g.adj[v], key=g.order.get)
         own = g.unary[v]
         # Each record keeps the (never modified) arrays it minimized over, so undoing it finds
@@ -83,11 +89,13 @@ def minimize(unary: dict, edges: list) -> Result:
         # needs only the minimum, not the argmin table.
         if len(neighbours) == 0:
             log.append(("free", v, own))
+            g.remove(v)
         elif len(neighbours) == 1:
             (u,) = neighbours
             edge = g.matrix(u, v)
             g.unary[u] = g.unary[u] + (edge + own[None, :]).min(axis=1)
             log.append(("leaf", v, u, edge, own))
+            g.remove(v)
         else:
             u, w = neighbours
             left, right = g.matrix(u, v), g.matrix(v, w)
@@ -95,8 +103,10 @@ def minimize(unary: dict, edges: list) -> Result:
             g.remove(v)
             log.append(("node", v, u, w, left, own, right))
             g.add_edge(u, w, merged)
-            continue
-        g.remove(v)
+        for u in neighbours:  # each lost v (and may have gained the other)
+            if g.order[u] not in queued and len(g.adj[u]) <= 2:
+                queued.add(g.order[u])
+                heapq.heappush(ready, g.order[u])
     reduced_nodes, reduced_edges = len(g.unary), len(g.pair)
     eliminations = len(log)
     if not g.unary:
@@ -123,17 +133,34 @@ def minimize(unary: dict, edges: list) -> Result:
 def min_plus(a, b):
     """(min, +) matrix product: out[u, w] = min over v of a[u, v] + b[v, w].
 
-    The inner loop runs along rows of b, so it streams memory and vectorizes."""
+    Four rows of out at a time: each row of b, streamed from memory, updates all four, and the
+    loop along it vectorizes."""
     rows, inner = a.shape
     cols = b.shape[1]
     out = np.full((rows, cols), np.inf)
-    for u in range(rows):
+    for u in range(0, rows - rows % 4, 4):
+        o0, o1, o2, o3 = out[u], out[u + 1], out[u + 2], out[u + 3]
+        for v in range(inner):
+            x0, x1, x2, x3 = a[u, v], a[u + 1, v], a[u + 2, v], a[u + 3, v]
+            row = b[v]
+            for w in range(cols):
+                y = row[w]
+                if x0 + y < o0[w]:
+                    o0[w] = x0 + y
+                if x1 + y < o1[w]:
+                    o1[w] = x1 + y
+                if x2 + y < o2[w]:
+                    o2[w] = x2 + y
+                if x3 + y < o3[w]:
+                    o3[w] = x3 + y
+    for u in range(rows - rows % 4, rows):
+        o = out[u]
         for v in range(inner):
             x = a[u, v]
+            row = b[v]
             for w in range(cols):
-                y = x + b[v, w]
-                if y < out[u, w]:
-                    out[u, w] = y
+                if x + row[w] < o[w]:
+                    o[w] = x + row[w]
     return out
 
 

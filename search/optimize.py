@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from search.cost import Breakdown, CostModel
 from search.eliminate import minimize
+from search.memory import step_memory
 from taskrt.strategy import Strategy
 
 
@@ -14,8 +15,9 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
-    the total, how far eliminations reduced the graph, how long the search took, and the memory
-    per device of a step by kind (`memory_per_device`, bytes).  Replicated weights take the
+    the total, how far eliminations reduced the graph, how long the search took (building the
+    tables, eliminating, counting memory), and the memory per device of a step by kind
+    (`memory_per_device`, bytes).  Replicated weights take the
     cheaper of the parameter server and the all-reduce per layer (each config's `sync`).
 
     Equation 1 adds layers up, so it cannot see one layer's synchronization overlapping another's
@@ -48,7 +50,8 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
         "estimated": tables.estimated,
         "per_layer_s": {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
                         for n in graph.layers},
-        "search": {"tables_s": built - started, "optimize_s": finished - built, "configs": sum(
+        "search": {"tables_s": built - started, "tables_parts_s": tables.seconds, "optimize_s": finished - built,
+                   "configs": sum(
             len(c) for c in tables.configs.values()), "reduced_nodes": result.reduced_nodes,
             "reduced_edges": result.reduced_edges, "eliminations": result.eliminations, "method": result.method},
         "machine": machine.description,
@@ -56,17 +59,25 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation:
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
-    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy, cost_model.itemsize)
+    counted = time.perf_counter()
+    # every layer has a valid config here: no need to validate the strategy again
+    regions = cost_model.regions if check_by_simulation else (
+        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
+    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions))
+    strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
     return strategy
 
 
-def memory_per_device(graph, strategy, itemsize=4) -> dict:
-    """JSON-ready bytes per device of a training step under `strategy`, by kind (taskrt.memory)."""
-    from taskrt.lowering import lower
-    from taskrt.memory import plan_memory
+def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
+    """JSON-ready bytes per device of a training step under `strategy`, by kind: taskrt.memory's
+    accounting of the plan, counted without lowering it (search.memory), from `cost_model`'s
+    region tables when given."""
+    regions = cost_model.regions if cost_model is not None else None
+    return _json(step_memory(graph, strategy.validated(graph), itemsize, regions))
 
-    plan = lower(graph, strategy.validated(graph), itemsize=itemsize)
-    return {str(d): m.to_dict() for d, m in plan_memory(plan, itemsize).items()}
+
+def _json(memory) -> dict:
+    return {str(d): m.to_dict() for d, m in memory.items()}
 
 
 SIMULATION_MARGIN = 0.05  # on a real cluster: how much faster by simulation a change must be to be taken

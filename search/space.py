@@ -10,8 +10,10 @@ contiguous block of devices.  Configs whose parts do not fit in a device's memor
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import product
 from math import prod
+
+import numba
+import numpy as np
 
 from ops.rect import Rect
 from taskrt.config import DIMS, ParallelConfig, blocks
@@ -39,6 +41,43 @@ def _block_memory(op, extent, itemsize) -> int:
     return part_footprint(op, Rect((0,) * len(extent), extent), itemsize).total
 
 
+def config_grid(dims, shape, num_devices: int, powers_of_two: bool = True, placement: str = "first"):
+    """Every config of a layer that splits `dims` of its output `shape`, as arrays in
+    `layer_configs`' order: (configs, 4) degrees over (n, c, h, w) and each config's first device."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    limits = np.array([shape[dims.index(dim)] if dim in dims else 1 for dim in DIMS], dtype=np.int64)  # largest degree
+    return _grid(np.array(degree_choices(num_devices, powers_of_two), dtype=np.int64), limits, num_devices,
+                 placement == "first")
+
+
+@numba.njit(cache=True)
+def _grid(choices, limits, num_devices, first_only):
+    """Degree tuples over (n, c, h, w) in lexicographic order, each degree a choice no larger
+    than its limit, the product at most the device count; one row per aligned block of devices
+    [k*P, (k+1)*P), or only the first (`first_only`)."""
+    rows = []
+    for n in choices:
+        for c in choices:
+            for h in choices:
+                for w in choices:
+                    degrees = (n, c, h, w)
+                    fits = n * c * h * w <= num_devices
+                    for d in range(4):
+                        fits = fits and degrees[d] <= limits[d]
+                    if fits:
+                        total = n * c * h * w
+                        for start in range(0, num_devices - total + 1, total):
+                            rows.append((n, c, h, w, start))
+                            if first_only:
+                                break
+    out = np.empty((len(rows), 4), dtype=np.int64)
+    first = np.empty(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, 0], out[i, 1], out[i, 2], out[i, 3], first[i] = row
+    return out, first
+
+
 def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement: str = "first",
                   memory: float | None = None, itemsize: int = 4) -> list[ParallelConfig]:
     """Every config of `layer` on `num_devices` devices.
@@ -46,24 +85,9 @@ def layer_configs(layer, num_devices: int, powers_of_two: bool = True, placement
     placement "first": the parts use devices 0..P-1 (under the additive cost model a block
     elsewhere only adds transfers); "aligned": every block [k*P, (k+1)*P).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    choices = degree_choices(num_devices, powers_of_two)
-    per_dim = []
-    for dim in DIMS:
-        if dim in layer.dims:
-            size = layer.shape[layer.dims.index(dim)]
-            per_dim.append([d for d in choices if d <= size])
-        else:
-            per_dim.append([1])
-    configs = []
-    for degrees in product(*per_dim):
-        total = prod(degrees)
-        if total > num_devices:
-            continue
-        starts = [0] if placement == "first" else range(0, num_devices - total + 1, total)
-        for start in starts:
-            configs.append(ParallelConfig(*degrees, devices=tuple(range(start, start + total))))
+    degrees, first = config_grid(layer.dims, layer.shape, num_devices, powers_of_two, placement)
+    configs = [ParallelConfig(*d, devices=tuple(range(s, s + prod(d))))
+               for d, s in zip(degrees.tolist(), first.tolist())]
     if memory is not None:
         fitting = [c for c in configs if part_memory(layer, c, itemsize) <= memory]
         if not fitting:

@@ -12,8 +12,11 @@ Two ways to compute the same table:
 - `separable`: when links only depend on "same node or not" and every config sits on a
   contiguous block of devices (the search space), the parts on one node form a box in
   block-index space, and the volume a receiver gets from a box is a product over dimensions of
-  one-dimensional sums.  This avoids the (producer parts x consumer parts) matrix; tests check
-  it equals `general`.
+  one-dimensional sums.  A receiver's range along a dimension is one of its blocks, and what a
+  config looks like from a receiver along a dimension is one of few slot tuples (Grid), so the
+  sums are tabulated per (dimension, block, tuple) and each (receiver, config) multiplies one
+  entry per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
+  matrix; tests check it equals `general`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import numba
 import numpy as np
 
 from search.regions import PartTable, overlap_volumes
-from taskrt.config import blocks
 
 
 @dataclass
@@ -37,7 +39,13 @@ class Links:
     nic_inv_bandwidth: float = 0.0  # seconds per byte through a node's shared network interface (0: none)
 
     def node_classes(self):
-        """(intra, inter) inverse bandwidth and latency, if links depend only on same-node-or-not."""
+        """(intra, inter) inverse bandwidth and latency, if links depend only on same-node-or-not
+        (worked out once: links do not change)."""
+        if not hasattr(self, "_classes"):
+            self._classes = self._node_classes()
+        return self._classes
+
+    def _node_classes(self):
         same = self.node[:, None] == self.node[None, :]
         off = ~np.eye(len(self.node), dtype=bool)
         out = []
@@ -104,67 +112,109 @@ def _segments(table: PartTable) -> np.ndarray:
 class Grid:
     """The configs of one layer as block grids, built once per layer for every edge it is on.
 
-    Per dimension, one slot per (degree, block index) with the block's interval.  Per receiving
-    device r, config a and dimension e, `index[r, a, e]` holds five slot positions: the config's
-    first slot, the bounds of the box of blocks its parts on r's node hold, the end of its
-    blocks, and the block of its part on r itself (-1: none)."""
+    Per dimension, one slot per (degree, block index) with the block's interval (slots of a
+    degree in block order, degrees ascending: `search.regions.block_slots`); `part_slot` is
+    each part's slot along each dimension.  For a receiving device r, a dimension e and a
+    config a, five slot positions say what the config looks like from r: the config's first
+    slot, the bounds of the box of blocks its parts on r's node hold, the end of its blocks, and
+    the block of its part on r itself (the slot count, a slot of zeros, if none).  Few of these
+    tuples differ: `tuples[e]` lists the distinct ones and `tuple_of[r, e, a]` points into it."""
 
     def __init__(self, table: PartTable, shape, node: np.ndarray, num_devices: int):
         self.table = table
-        rank, configs = table.block.shape[1], len(table.starts)
-        config = table.config
-        self.degrees = np.maximum.reduceat(table.block, table.starts, axis=0) + 1
-        expected = table.device[table.starts][config] + np.arange(len(config)) - table.starts[config]
-        self.ok = bool(np.array_equal(expected, table.device))  # every config on a contiguous block of devices
+        self.degrees = table.degrees
+        slots = table.slots(shape)
+        self.slots = slots.lo, slots.hi
+        self.part_slot = slots.part
+        rank, configs = len(shape), len(self.degrees)
+        index = np.empty((num_devices, rank, configs, 5), dtype=np.int64)
+        self.ok = _grid_index(table.block, table.device, table.starts, slots.first, self.degrees, node,
+                              slots.lo.shape[1], index)
         if not self.ok:
             return
-        nodes = int(node.max()) + 1
-        group = config * nodes + node[table.device]
-        lo = np.full((configs * nodes, rank), np.iinfo(np.int64).max)
-        hi = np.full((configs * nodes, rank), -1)
-        np.minimum.at(lo, group, table.block)
-        np.maximum.at(hi, group, table.block + 1)
-        count = np.bincount(group, minlength=configs * nodes)
-        lo[count == 0], hi[count == 0] = 0, 0
-        if not np.array_equal(np.prod(hi - lo, axis=1), count):
-            self.ok = False  # some node's parts do not form a box
-            return
-        box_lo, box_hi = lo.reshape(configs, nodes, rank), hi.reshape(configs, nodes, rank)
-        local = np.full((configs, num_devices, rank), -1, dtype=np.int64)
-        local[config, table.device] = table.block
-        self.first_slot = np.zeros((configs, rank), dtype=np.int64)
-        self.groups, slot_lo, slot_hi = [], [], []
-        for d in range(rank):
-            lo_d, hi_d, groups = [], [], []
-            for degree in np.unique(self.degrees[:, d]).tolist():
-                self.first_slot[self.degrees[:, d] == degree, d] = len(lo_d)
-                groups.append((len(lo_d), degree))
-                for a, b in blocks(shape[d], degree):
-                    lo_d.append(a)
-                    hi_d.append(b)
-            self.groups.append(groups)
-            slot_lo.append(lo_d)
-            slot_hi.append(hi_d)
-        self.slots = _slot_arrays(slot_lo, slot_hi)
-        k = node[np.arange(num_devices)]  # node of each receiving device
-        first = np.broadcast_to(self.first_slot[None], (num_devices, configs, rank))
-        self.index = np.ascontiguousarray(np.stack([
-            first,
-            first + box_lo[:, k, :].transpose(1, 0, 2),
-            first + box_hi[:, k, :].transpose(1, 0, 2),
-            first + self.degrees[None],
-            np.where(local >= 0, self.first_slot[:, None, :] + local, -1).transpose(1, 0, 2),
-        ], axis=-1), dtype=np.int64)  # (devices, configs, rank, 5)
+        self.tuple_of, self.tuples = _distinct_tuples(index)
 
 
-def _slot_arrays(slot_lo, slot_hi):
-    """Per dimension the slot intervals, padded to one (rank, slots) array each for lo and hi."""
-    rows = max(len(x) for x in slot_lo)
-    lo = np.zeros((len(slot_lo), rows), dtype=np.int64)
-    hi = np.zeros_like(lo)
-    for e, (a, b) in enumerate(zip(slot_lo, slot_hi)):
-        lo[e, : len(a)], hi[e, : len(b)] = a, b
-    return lo, hi
+@numba.njit(cache=True)
+def _distinct_tuples(index):
+    """Per dimension, the distinct slot tuples of index (receivers, rank, configs, 5) and which
+    one each (receiver, config) has; unsigned, so numba indexes with it without checking for
+    negative indices.  Tuples are told apart by a hash table of their five slot positions
+    (each below 2**12) packed into one number."""
+    devices, rank, configs, _ = index.shape
+    tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
+    tuples = np.zeros((rank, devices * configs, 5), dtype=np.int64)
+    mask = 1
+    while mask < 4 * devices * configs:
+        mask *= 2
+    mask -= 1
+    table_key = np.empty(mask + 1, dtype=np.int64)
+    table_id = np.empty(mask + 1, dtype=np.int64)
+    count = 0
+    for e in range(rank):
+        table_key[:] = -1
+        distinct = 0
+        for r in range(devices):
+            for a in range(configs):
+                key = 0
+                for i in range(5):
+                    key |= index[r, e, a, i] << (12 * i)
+                h = (key ^ (key >> 13) ^ (key >> 29) ^ (key >> 47)) & mask
+                while table_key[h] != -1 and table_key[h] != key:
+                    h = (h + 1) & mask
+                if table_key[h] == -1:
+                    table_key[h], table_id[h] = key, distinct
+                    tuples[e, distinct] = index[r, e, a]
+                    distinct += 1
+                tuple_of[r, e, a] = table_id[h]
+        count = max(count, distinct)
+    return tuple_of, tuples[:, :count].copy()
+
+
+@numba.njit(cache=True)
+def _grid_index(block, device, starts, first, degrees, node, none, index):
+    """Fill the five slot positions of each (receiver, dimension, config); False if some config
+    is not on a contiguous block of devices or the parts of some config on one node do not form
+    a box of blocks."""
+    configs, rank = degrees.shape
+    parts, devices = len(device), len(node)
+    nodes = node.max() + 1
+    box_lo = np.empty((nodes, rank), dtype=np.int64)
+    box_hi = np.empty((nodes, rank), dtype=np.int64)
+    count = np.empty(nodes, dtype=np.int64)
+    for a in range(configs):
+        r0, r1 = starts[a], starts[a + 1] if a + 1 < configs else parts
+        box_lo[:] = np.iinfo(np.int64).max
+        box_hi[:] = -1
+        count[:] = 0
+        for row in range(r0, r1):
+            if device[row] != device[r0] + row - r0:
+                return False
+            k = node[device[row]]
+            count[k] += 1
+            for e in range(rank):
+                box_lo[k, e] = min(box_lo[k, e], block[row, e])
+                box_hi[k, e] = max(box_hi[k, e], block[row, e] + 1)
+        for k in range(nodes):
+            volume = 1
+            for e in range(rank):
+                volume *= box_hi[k, e] - box_lo[k, e]
+            if count[k] == 0:
+                box_lo[k, :] = 0
+                box_hi[k, :] = 0
+            elif volume != count[k]:
+                return False
+        for r in range(devices):
+            k = node[r]
+            here = device[r0] <= r < device[r0] + r1 - r0  # the config's part on r, if any
+            for e in range(rank):
+                f = first[a, e]
+                index[r, e, a, 0] = f
+                index[r, e, a, 1] = f + box_lo[k, e]
+                index[r, e, a, 2] = f + box_hi[k, e]
+                index[r, e, a, 3] = f + degrees[a, e]
+                index[r, e, a, 4] = f + block[r0 + r - device[r0], e] if here else none
+    return True
 
 
 def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int,
@@ -173,120 +223,198 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
         return None
+    need = needs.by_slot  # the consumer's needs per output dimension and block, in v's slot order
+    drive = np.full(len(need.reads), -1, dtype=np.int64)  # the input dimension each output dimension drives
+    for e, d in needs.driver.items():
+        if drive[d] >= 0:
+            return None  # one output dimension driving two input dimensions: no product of 1-D sums
+        drive[d] = e
+    driver = np.full(len(need.constant_lo), -1, dtype=np.int64)
+    for e, d in needs.driver.items():
+        driver[e] = d
     (inv_intra, inv_inter), (lat_intra, lat_inter) = classes
     weights = np.array([itemsize * inv_intra, itemsize * inv_inter, lat_intra, lat_inter])
-    slot_lo, slot_hi = u.slots
-    receive = np.zeros((len(consumer.device), len(u.degrees)))
-    inter = np.zeros_like(receive)
-    _forward(u.index, slot_lo, slot_hi, consumer.lo, consumer.hi, consumer.device, weights, receive, inter)
-    forward = np.maximum(np.maximum.reduceat(receive, consumer.starts, axis=0),
-                         _nic_time(inter, consumer, links, itemsize)).T
+    nic = links.nic_inv_bandwidth
+    u_lo, u_hi = u.slots
+    forward = np.empty((len(u.degrees), len(v.degrees)))
+    empty = (consumer.hi <= consumer.lo).any(axis=1)
+    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, empty, driver, need.lo,
+             need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic, forward)
     if not backward:
         return forward
-    # the consumer's needs per output dimension and block (slot), over the input dimensions
-    rank_in, rank_out = consumer.lo.shape[1], v.degrees.shape[1]
-    slots = max(sum(g for _, g in groups) for groups in v.groups)
-    reads = np.zeros((rank_out, slots))
-    need_lo = np.zeros((rank_out, slots, rank_in), dtype=np.int64)
-    need_hi = np.zeros_like(need_lo)
-    drives = np.zeros((rank_out, rank_in), dtype=np.bool_)
-    for d in range(rank_out):
-        r, ranges = needs.block_ranges(d, v.groups[d])
-        reads[d, : len(r)] = r
-        for e, (a, b) in ranges.items():
-            drives[d, e] = True
-            need_lo[d, : len(a), e], need_hi[d, : len(b), e] = a, b
-    constant_lo = np.zeros(rank_in, dtype=np.int64)
-    constant_hi = np.zeros(rank_in, dtype=np.int64)
-    has_constant = np.zeros(rank_in, dtype=np.bool_)
-    for e, (a, b) in needs.constant.items():
-        constant_lo[e], constant_hi[e], has_constant[e] = a, b, True
     producer = u.table
-    back = np.zeros((len(producer.device), len(v.degrees)))
-    inter = np.zeros_like(back)
-    _backward(v.index, reads, need_lo, need_hi, drives, constant_lo, constant_hi, has_constant, producer.lo,
-              producer.hi, producer.device, weights, back, inter)
-    return forward + np.maximum(np.maximum.reduceat(back, producer.starts, axis=0),
-                                _nic_time(inter, producer, links, itemsize))
+    gradients = np.empty_like(forward)
+    _backward(v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi,
+              need.has_constant, u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node, weights,
+              itemsize, nic, gradients)
+    return forward + gradients
 
 
-def _forward_py(index, slot_lo, slot_hi, need_lo, need_hi, device, weights, out, inter):
-    """For each consumer part (receiver) and producer config: bytes and messages from the
-    producer's parts on the receiver's node (a box of blocks: a product of 1-D sums), from all
-    parts (the receiver's whole need), minus the part on the receiver's own device.  `out` is
-    (consumer parts, producer configs)."""
+@numba.njit(cache=True)
+def _box_tables(tuples, values, with_total):
+    """For each dimension e, row i of `values` (one receiver's values per slot along e; the last
+    slot, the zero slot, left out of the sums) and distinct slot tuple t (Grid.tuples): the sum
+    of the values over the box, the count of positive ones in it, the count over all blocks, the
+    receiver's own value and, `with_total`, the sum over all blocks."""
+    rank, rows, width = values.shape
+    sums = np.zeros((rank, rows, tuples.shape[1], 5))
+    cum_vol = np.empty(width)
+    cum_cnt = np.empty(width)
+    for e in range(rank):
+        for i in range(rows):
+            cum_vol[0], cum_cnt[0] = 0.0, 0.0
+            for s in range(width - 1):
+                cum_vol[s + 1] = cum_vol[s] + values[e, i, s]
+                cum_cnt[s + 1] = cum_cnt[s] + (1.0 if values[e, i, s] > 0 else 0.0)
+            for t in range(tuples.shape[1]):
+                first, box_lo, box_hi, top, mine = tuples[e, t]
+                sums[e, i, t, 0] = cum_vol[box_hi] - cum_vol[box_lo]
+                sums[e, i, t, 1] = cum_cnt[box_hi] - cum_cnt[box_lo]
+                sums[e, i, t, 2] = cum_cnt[top] - cum_cnt[first]
+                sums[e, i, t, 3] = values[e, i, mine]
+                if with_total:
+                    sums[e, i, t, 4] = cum_vol[top] - cum_vol[first]
+    return sums
+
+
+@numba.njit(cache=True)
+def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
+             constant_lo, constant_hi, node, weights, itemsize, nic, out):
+    """out[a, b]: the time for consumer config b's parts to receive their needs from producer
+    config a.  Per receiving part, the bytes and messages from the producer's parts on its node
+    (a box of blocks: a product of 1-D sums), from all parts (its whole need), minus the part on
+    its own device; its node's interface carries what comes from other nodes.  A config costs
+    its slowest receiver or busiest interface.
+
+    A part's need along input dimension e is the answer for its block along the output
+    dimension driving e (`driver`, -1: the constant range), so the 1-D sums are computed once
+    per (e, block) rather than per part."""
     rank, slots = slot_lo.shape
-    configs = index.shape[1]
-    cum_vol = np.zeros((rank, slots + 1))
-    cum_cnt = np.zeros((rank, slots + 1))
-    overlap = np.zeros((rank, slots))
-    for q in range(len(device)):
-        r = device[q]
-        need = 1.0
-        for e in range(rank):
-            need *= max(need_hi[q, e] - need_lo[q, e], 0)
+    width = need_lo.shape[1]
+    configs, parts = tuple_of.shape[2], len(device)
+    overlap = np.zeros((rank, width, slots + 1))  # the last slot: none (no part on the receiver)
+    extent = np.zeros((rank, width))
+    for e in range(rank):
+        for i in range(width if driver[e] >= 0 else 1):
+            lo = need_lo[driver[e], i, e] if driver[e] >= 0 else constant_lo[e]
+            hi = need_hi[driver[e], i, e] if driver[e] >= 0 else constant_hi[e]
+            extent[e, i] = max(hi - lo, 0)
             for s in range(slots):
-                o = max(min(slot_hi[e, s], need_hi[q, e]) - max(slot_lo[e, s], need_lo[q, e]), 0)
-                overlap[e, s] = o
-                cum_vol[e, s + 1] = cum_vol[e, s] + o
-                cum_cnt[e, s + 1] = cum_cnt[e, s] + (1.0 if o > 0 else 0.0)
-        for a in range(configs):
-            node_vol = node_cnt = total_cnt = local_vol = 1.0
+                overlap[e, i, s] = max(min(slot_hi[e, s], hi) - max(slot_lo[e, s], lo), 0)
+    sums = _box_tables(tuples, overlap, False)
+    rows = np.empty(rank, dtype=np.int64)
+    node_vol, node_cnt = np.empty(configs), np.empty(configs)
+    total_cnt, local_vol = np.empty(configs), np.empty(configs)
+    total_vol = np.empty(configs)
+    slowest = np.empty(configs)
+    inter = np.zeros((node.max() + 1, configs))  # bytes into each node's interface
+    for b in range(len(starts)):
+        q1 = starts[b + 1] if b + 1 < len(starts) else parts
+        slowest[:] = 0.0
+        inter[:] = 0.0
+        for q in range(starts[b], q1):
+            if empty[q]:
+                continue  # it reads nothing
+            need = 1.0
             for e in range(rank):
-                f, b0, b1, top, mine = index[r, a, e, 0], index[r, a, e, 1], index[r, a, e, 2], index[r, a, e, 3], \
-                    index[r, a, e, 4]
-                node_vol *= cum_vol[e, b1] - cum_vol[e, b0]
-                node_cnt *= cum_cnt[e, b1] - cum_cnt[e, b0]
-                total_cnt *= cum_cnt[e, top] - cum_cnt[e, f]
-                local_vol = local_vol * overlap[e, mine] if mine >= 0 else 0.0
-            local_cnt = 1.0 if local_vol > 0 else 0.0
-            out[q, a] = (weights[0] * (node_vol - local_vol) + weights[1] * (need - node_vol)
-                         + weights[2] * (node_cnt - local_cnt) + weights[3] * (total_cnt - node_cnt))
-            inter[q, a] = need - node_vol
-
-
-def _backward_py(index, reads, need_lo, need_hi, drives, constant_lo, constant_hi, has_constant, part_lo, part_hi,
-                 device, weights, out, inter):
-    """For each producer part (receiving gradients) and consumer config: the same sums over the
-    consumer's parts, whose contributions are products over its output dimensions.  `out` is
-    (producer parts, consumer configs)."""
-    rank_out, slots, rank_in = need_lo.shape
-    configs = index.shape[1]
-    cum_vol = np.zeros((rank_out, slots + 1))
-    cum_cnt = np.zeros((rank_out, slots + 1))
-    factor = np.zeros((rank_out, slots))
-    for p in range(len(device)):
-        r = device[p]
-        scale = 1.0
-        for e in range(rank_in):
-            if has_constant[e]:
-                scale *= max(min(part_hi[p, e], constant_hi[e]) - max(part_lo[p, e], constant_lo[e]), 0)
-        present = 1.0 if scale > 0 else 0.0
-        for d in range(rank_out):
-            for s in range(slots):
-                g = reads[d, s]
-                for e in range(rank_in):
-                    if drives[d, e]:
-                        g *= max(min(part_hi[p, e], need_hi[d, s, e]) - max(part_lo[p, e], need_lo[d, s, e]), 0)
-                factor[d, s] = g
-                cum_vol[d, s + 1] = cum_vol[d, s] + g
-                cum_cnt[d, s + 1] = cum_cnt[d, s] + (1.0 if g > 0 else 0.0)
+                rows[e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
+                need *= extent[e, rows[e]]
+            r = device[q]
+            _box_products(tuple_of[r], rows, sums, False, node_vol, node_cnt, total_cnt, local_vol, total_vol)
+            k = node[r]
+            for a in range(configs):
+                local_cnt = 1.0 if local_vol[a] > 0 else 0.0
+                t = (weights[0] * (node_vol[a] - local_vol[a]) + weights[1] * (need - node_vol[a])
+                     + weights[2] * (node_cnt[a] - local_cnt) + weights[3] * (total_cnt[a] - node_cnt[a]))
+                slowest[a] = max(slowest[a], t)
+                inter[k, a] += need - node_vol[a]
         for a in range(configs):
-            node_vol = node_cnt = total_vol = total_cnt = local_vol = 1.0
+            busiest = 0.0
+            for k in range(inter.shape[0]):
+                busiest = max(busiest, inter[k, a] * itemsize * nic)
+            out[a, b] = max(slowest[a], busiest)
+
+
+@numba.njit(cache=True)
+def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo,
+              slot_hi, part_slot, device, starts, node, weights, itemsize, nic, out):
+    """out[a, b]: the time for producer config a's parts to receive their output gradients
+    from consumer config b: the same sums over the consumer's parts, whose contributions are
+    products over its output dimensions.  A producer part's share of a consumer block along
+    output dimension d depends on its own block along the input dimension d drives (`drive`),
+    so these are computed once per (d, producer block)."""
+    rank_out, width, rank_in = need_lo.shape
+    slots = slot_lo.shape[1]
+    configs, parts = tuple_of.shape[2], len(device)
+    factor = np.zeros((rank_out, slots, width + 1))  # the last consumer slot: none
+    for d in range(rank_out):
+        e = drive[d]
+        for i in range(slots if e >= 0 else 1):
+            for s in range(width):
+                g = reads[d, s]
+                if e >= 0:
+                    g *= max(min(slot_hi[e, i], need_hi[d, s, e]) - max(slot_lo[e, i], need_lo[d, s, e]), 0)
+                factor[d, i, s] = g
+    sums = _box_tables(tuples, factor, True)
+    rows = np.empty(rank_out, dtype=np.int64)
+    node_vol, node_cnt = np.empty(configs), np.empty(configs)
+    total_cnt, local_vol = np.empty(configs), np.empty(configs)
+    total_vol = np.empty(configs)
+    slowest = np.empty(configs)
+    inter = np.zeros((node.max() + 1, configs))
+    for a_u in range(len(starts)):
+        p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
+        slowest[:] = 0.0
+        inter[:] = 0.0
+        for p in range(starts[a_u], p1):
+            r = device[p]
+            scale = 1.0
+            for e in range(rank_in):
+                if has_constant[e]:
+                    i = part_slot[p, e]
+                    scale *= max(min(slot_hi[e, i], constant_hi[e]) - max(slot_lo[e, i], constant_lo[e]), 0)
+            present = 1.0 if scale > 0 else 0.0
             for d in range(rank_out):
-                f, b0, b1, top, mine = index[r, a, d, 0], index[r, a, d, 1], index[r, a, d, 2], index[r, a, d, 3], \
-                    index[r, a, d, 4]
-                node_vol *= cum_vol[d, b1] - cum_vol[d, b0]
-                node_cnt *= cum_cnt[d, b1] - cum_cnt[d, b0]
-                total_vol *= cum_vol[d, top] - cum_vol[d, f]
-                total_cnt *= cum_cnt[d, top] - cum_cnt[d, f]
-                local_vol = local_vol * factor[d, mine] if mine >= 0 else 0.0
-            local_cnt = present if local_vol > 0 else 0.0
-            out[p, a] = (weights[0] * scale * (node_vol - local_vol) + weights[1] * scale * (total_vol - node_vol)
-                         + weights[2] * present * (node_cnt - local_cnt)
-                         + weights[3] * present * (total_cnt - node_cnt))
-            inter[p, a] = scale * (total_vol - node_vol)
+                rows[d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
+            _box_products(tuple_of[r], rows, sums, True, node_vol, node_cnt, total_cnt, local_vol, total_vol)
+            k = node[r]
+            for a in range(configs):
+                local_cnt = present if local_vol[a] > 0 else 0.0
+                t = (weights[0] * scale * (node_vol[a] - local_vol[a])
+                     + weights[1] * scale * (total_vol[a] - node_vol[a])
+                     + weights[2] * present * (node_cnt[a] - local_cnt)
+                     + weights[3] * present * (total_cnt[a] - node_cnt[a]))
+                slowest[a] = max(slowest[a], t)
+                inter[k, a] += scale * (total_vol[a] - node_vol[a])
+        for a in range(configs):
+            busiest = 0.0
+            for k in range(inter.shape[0]):
+                busiest = max(busiest, inter[k, a] * itemsize * nic)
+            out[a_u, a] = max(slowest[a], busiest)
 
 
-_forward = numba.njit(cache=True)(_forward_py)
-_backward = numba.njit(cache=True)(_backward_py)
+@numba.njit(cache=True)
+def _box_products(tuple_of, rows, sums, with_total, node_vol, node_cnt, total_cnt, local_vol, total_vol):
+    """Per config (one receiving device): the products over dimensions e of the box sums of
+    row `rows[e]` (`_box_tables`) for the config's tuple along e."""
+    table, which = sums[0, rows[0]], tuple_of[0]
+    for a in range(tuple_of.shape[1]):
+        x = table[which[a]]
+        node_vol[a], node_cnt[a], total_cnt[a], local_vol[a], total_vol[a] = x[0], x[1], x[2], x[3], x[4]
+    for e in range(1, tuple_of.shape[0]):
+        table, which = sums[e, rows[e]], tuple_of[e]
+        if with_total:
+            for a in range(tuple_of.shape[1]):
+                x = table[which[a]]
+                node_vol[a] *= x[0]
+                node_cnt[a] *= x[1]
+                total_cnt[a] *= x[2]
+                local_vol[a] *= x[3]
+                total_vol[a] *= x[4]
+        else:
+            for a in range(tuple_of.shape[1]):
+                x = table[which[a]]
+                node_vol[a] *= x[0]
+                node_cnt[a] *= x[1]
+                total_cnt[a] *= x[2]
+                local_vol[a] *= x[3]

@@ -1,19 +1,29 @@
 """Memory per device from a plan: parameters, gradients, optimizer state, activations kept for
 backward and the largest backward working set, each checked by hand; the search's per-part
-filter is the same accounting."""
+filter is the same accounting, and so is its count without the plan (search.memory)."""
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import search
+import search.memory
+from search.memory import step_memory
 from search.space import part_memory
 from taskrt import Graph, models
+from taskrt.config import SYNC_METHODS
 from taskrt.config import ParallelConfig as P
 from taskrt.lowering import lower
 from taskrt.machine import Machine
 from taskrt.memory import DeviceMemory, part_footprint, plan_memory, summary
 from taskrt.strategy import Strategy
+from tests.graphs import inception_block, small_lenet
+from tests.strategies import random_strategies
 
 F32 = 4
 
@@ -101,3 +111,87 @@ def test_summary_and_dict():
     assert m.total == 15 and m.to_dict()["total"] == 15
     text = summary({0: DeviceMemory(2**20, 0, 0, 0, 0)})
     assert "parameters" in text and "1.00" in text
+
+
+# ---- the search counts the same memory without lowering the plan (search.memory) -----------------
+
+MEMORY_GRAPHS = {
+    "mlp": mlp,
+    "lenet5": small_lenet,
+    "inception_block": inception_block,
+    "resnet50": lambda: models.resnet50(batch=4, image_size=32, width=1 / 16, num_classes=5),
+    "inception_v3": lambda: models.inception_v3(batch=2, image_size=75, width=1 / 16, num_classes=5),
+}
+
+
+LARGE = ("resnet50", "inception_v3")  # fewer examples: lowering their plans takes a while
+SMALL = [name for name in MEMORY_GRAPHS if name not in LARGE]
+
+
+def check_any_strategy(graph, data):
+    """Any degrees, devices in any order, either sync method (where a part no consumer reads
+    makes the plan drop tasks, step_memory lowers the plan itself)."""
+    g = MEMORY_GRAPHS[graph]()
+    _, strategy = data.draw(random_strategies(g, max_devices=4))
+    strategy = strategy.validated(g)
+    assert step_memory(g, strategy) == plan_memory(lower(g, strategy))
+
+
+def check_search_space_strategy(graph, data):
+    """Strategies from the search space (with either sync method) are counted without lowering."""
+    g = MEMORY_GRAPHS[graph]()
+    cm = search.CostModel(Machine.simulated(2, 2), cache=False)
+    space = {layer.name: cm.layer_space(layer).configs for layer in g}
+    strategy = Strategy({name: dataclasses.replace(data.draw(st.sampled_from(configs), label=name),
+                                                   sync=data.draw(st.sampled_from(SYNC_METHODS)))
+                         for name, configs in space.items()}).validated(g)
+    expected = plan_memory(lower(g, strategy))
+    with mock.patch("search.memory._lowered", side_effect=AssertionError("lowered the plan")):
+        assert step_memory(g, strategy) == expected
+        assert step_memory(g, strategy, regions=cm.regions) == expected
+
+
+@pytest.mark.parametrize("graph", SMALL)
+@settings(deadline=None, derandomize=True, max_examples=25)
+@given(data=st.data())
+def test_step_memory_is_the_plans_memory(graph, data):
+    check_any_strategy(graph, data)
+
+
+@pytest.mark.parametrize("graph", SMALL)
+@settings(deadline=None, derandomize=True, max_examples=15)
+@given(data=st.data())
+def test_step_memory_of_search_space_strategies_counts_without_lowering(graph, data):
+    check_search_space_strategy(graph, data)
+
+
+@pytest.mark.parametrize("graph", LARGE)
+@settings(deadline=None, derandomize=True, max_examples=3,
+          suppress_health_check=[HealthCheck.large_base_example, HealthCheck.data_too_large, HealthCheck.too_slow])
+@given(data=st.data())
+def test_step_memory_on_large_graphs(graph, data):
+    check_any_strategy(graph, data)
+    check_search_space_strategy(graph, data)
+
+
+def test_optimize_reports_the_plans_memory():
+    g = models.inception_v3(batch=8, image_size=75, width=1 / 8, num_classes=10)
+    machine = Machine.simulated(2, 2)
+    strategy = search.optimize(g, machine, search.CostModel(machine, cache=False))
+    expected = plan_memory(lower(g, strategy.validated(g)))
+    assert strategy.meta["memory_per_device"] == {str(d): m.to_dict() for d, m in expected.items()}
+
+
+def test_step_memory_lowers_the_plan_where_it_drops_tasks_or_splits_unevenly():
+    g = Graph("strided")
+    x = g.input("x", (4, 2, 8, 8))
+    y = g.conv2d(x, 4, kernel=3, padding=1, name="conv")
+    z = g.conv2d(y, 4, kernel=1, stride=2, name="strided")  # reads even rows only
+    g.softmax_cross_entropy(g.linear(g.flatten(z, name="flat"), 3, name="fc"), name="loss")
+    rest = {n: P() for n in ("strided", "flat", "fc", "loss")}
+    unread = Strategy({"conv": P(h=8, devices=tuple(range(8))), **rest}).validated(g)  # row 1 alone on device 1
+    uneven = Strategy({"conv": P(c=2, c_sizes=(3, 1)), **rest})
+    for strategy in (unread, uneven.validated(g)):
+        with mock.patch("search.memory._lowered", wraps=search.memory._lowered) as lowered:
+            assert step_memory(g, strategy) == plan_memory(lower(g, strategy))
+        assert lowered.called

@@ -118,6 +118,40 @@ def test_minimize_equals_brute_force_and_depth_first(problem):
         assert same_cost(evaluate(unary, edges, dfs.choice), best)
 
 
+def scan_order(unary, edges) -> list[str]:
+    """The elimination order by definition: again and again, the first node in node order with
+    at most two neighbours (a node with two is replaced by an edge between them)."""
+    adj = {n: set() for n in unary}
+    for u, v, _ in edges:
+        if u != v:
+            adj[u].add(v)
+            adj[v].add(u)
+    order = []
+    while (v := next((n for n in adj if len(adj[n]) <= 2), None)) is not None:
+        neighbours = adj.pop(v)
+        for u in neighbours:
+            adj[u].discard(v)
+            adj[u] |= neighbours - {u}
+        order.append(v)
+    return order
+
+
+@settings(RANDOM, max_examples=150)
+@given(problems())
+def test_elimination_order_is_the_first_reducible_node_each_time(problem):
+    _, _, unary, edges = problem
+    assert [record[1] for record in minimize(unary, edges).log] == scan_order(unary, edges)
+
+
+@pytest.mark.parametrize("rows, inner, cols", [(1, 1, 1), (3, 5, 7), (4, 4, 4), (9, 2, 13), (70, 70, 69)])
+def test_min_plus_is_the_min_plus_product(rows, inner, cols):
+    rng = np.random.default_rng(rows * 100 + cols)
+    a, b = rng.uniform(0, 10, (rows, inner)), rng.integers(0, 4, (inner, cols)).astype(float)  # ties too
+    a[rng.random(a.shape) < 0.2] = np.inf
+    expected = (a[:, :, None] + b[None, :, :]).min(axis=1)
+    np.testing.assert_array_equal(eliminate.min_plus(a, b), expected)
+
+
 @settings(RANDOM, max_examples=60)
 @given(problems(shapes=tuple(name for name, (_, sp) in SHAPES.items() if not sp)))
 def test_variable_elimination_is_exact(problem):
