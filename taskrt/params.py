@@ -12,6 +12,7 @@ from math import prod
 
 import numpy as np
 
+from ops import reuse
 from ops.rect import Rect
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -61,8 +62,13 @@ def shard_sizes(rects: dict[str, Rect]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def pack(arrays: dict, xp=np):
-    """Concatenate a shard's parameters (sorted by name) into one flat array."""
-    return xp.concatenate([arrays[name].ravel() for name in sorted(arrays)])
+    """Concatenate a shard's parameters (sorted by name) into one flat array (for numpy, on reused
+    memory: a fully-connected layer's gradient is as large as its weights)."""
+    parts = [arrays[name].ravel() for name in sorted(arrays)]
+    if xp is not np:
+        return xp.concatenate(parts)
+    out = reuse.empty(sum(p.size for p in parts), np.result_type(*parts))
+    return np.concatenate(parts, out=out)
 
 
 def unpack(flat, layout: list[tuple[str, tuple[int, ...]]]) -> dict:

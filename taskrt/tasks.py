@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops import Op, array_module, sgd_update
+import numpy as np
+
+from ops import Op, array_module, reuse, sgd_update
 from ops.rect import Rect
 from taskrt.params import pack, unpack
 
@@ -173,7 +175,9 @@ def _sum_grads(values, grads):
         parts.append(g if span is None else g[span[0] : span[1]])
     if len(parts) == 1:  # read, never written: no copy (a copy of VGG's fc2 gradient is 67 MB per step)
         return parts[0]
-    total = parts[0] + parts[1]  # a new array: the inputs are other tasks' values
+    xp = array_module(parts[0])
+    out = reuse.empty(parts[0].shape, xp.result_type(*parts)) if xp is np else None
+    total = xp.add(parts[0], parts[1], out=out)  # a new array: the inputs are other tasks' values
     for g in parts[2:]:
         total += g
     return total
