@@ -18,8 +18,12 @@ Plan for the same executor as a training step:
   averaging: the subnets share no parameters).
 
 Parameters live on the home device (device 0) between rounds, as futures; only blocks travel, and
-the plan counts every byte.  `LocalSGDTrainer` is the same round with every site holding the whole
-network and the write-back averaging the sites' copies (Lin et al.'s local SGD).
+the plan counts every byte.  Without a machine (`ISTTrainer(g, None, sites=8, ...)`) the same
+plan runs in this process, the sites one after another (`taskrt.inprocess`): any number of sites
+trained on one core, each task's seconds in `trainer.stats.task_seconds`.
+
+`LocalSGDTrainer` is the same round with every site holding the whole network and the
+write-back averaging the sites' copies (Lin et al.'s local SGD).
 """
 
 from __future__ import annotations

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.ist_task import dp_strategy
+from bench.ist_task import dp_strategy, network
 from taskrt import Machine, lower
 from taskrt.data import bind_inputs
 from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
 from taskrt.params import init_buffers, init_parameters, unpack
 from taskrt.reference import SingleDeviceTrainer
-from tests.test_ist import mlp
 
 
 def test_a_data_parallel_step_in_process_is_the_single_device_step():
-    g = mlp(batch=8)
+    g = network((6, 5, 7, 3), batch=8, norm=True)  # batch norms: their statistics travel too
     machine = Machine.simulated(1, 4)
     plan = lower(g, dp_strategy(g, machine).validated(g, machine), "train", 8)
     params = init_parameters(g, 3, "float64")
