@@ -107,10 +107,14 @@ def run(out="results", quick=False):
         _write(out, result)
 
     ist_time.table1(setting, write=progress)
-    task = speech_like(**setting.task)
-    result["ablation"] = ist_norm.ablation(setting, task, (2,) if quick else (2, 8), 60 if quick else 400,
-                                           setting.first if quick else (0.03, 0.1, 0.3))
+    result["ablation"] = ablation(setting)
     _write(out, result)
+
+
+def ablation(setting, known=()) -> list[dict]:
+    quick = setting is ist_time.QUICK
+    return ist_norm.ablation(setting, speech_like(**setting.task), (2,) if quick else (2, 8), 60 if quick else 400,
+                             setting.first if quick else (0.03, 0.1, 0.3), known=known)
 
 
 def _write(out, result):
@@ -121,3 +125,27 @@ def _write(out, result):
     Path(out, "ist.md").write_text(markdown(result))
     if result["table1"] and result["table1"]["measured"]:
         plot(result, Path(out, "ist.png"))
+
+
+def complete(out="results"):
+    """From out/ist.json: Table 1's simulated rows again (the searches' steps do not change; kernel
+    times measured now), and the ablation's learning rates that it lacks (its curves reused):
+    `python -m bench.ist [DIR]`, minutes instead of hours."""
+    result = json.loads(Path(out, "ist.json").read_text())
+    table = result["table1"]
+    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
+    if table is None or len(table["search"]) < len(setting.devices) * len(ist_time.METHODS):
+        raise SystemExit(f"{out}/ist.json has no complete learning-rate search to simulate from")
+    if table["setting"] != ist_time.setting_dict(setting):
+        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
+    ist_time.simulate_all(table, setting, speech_like(**setting.task))
+    table["resimulated"] = True
+    _write(out, result)
+    result["ablation"] = ablation(setting, known=result["ablation"] or ())
+    _write(out, result)
+
+
+if __name__ == "__main__":
+    import sys
+
+    complete(*sys.argv[1:2])

@@ -139,7 +139,9 @@ def _simulated(t, targets) -> list[str]:
              f"{s['link_latency'] * 1e6:g} us latency, each task its kernel time measured in this process with one "
              "thread (a device is one core of this machine, as a `Machine.local` worker; the seed's m5.2xlarge has "
              "8 vCPUs), no runtime overhead. DP's all-reduce is a ring; local SGD and IST move blocks from and to "
-             "device 0, where the whole network stays between rounds (the seed shards it over all workers).", "",
+             "device 0, where the whole network stays between rounds (the seed shards it over all workers)."
+             + (" Kernel times measured again after the run (`python -m bench.ist`), from the same searches."
+                if t.get("resimulated") else ""), "",
              "This benchmark:", "", head, rule]
     for x in targets:
         cells = [_fmt(rows[(m, n)]["seconds"][str(x)]) if (m, n) in rows else "-" for m in METHODS for n in devices]
@@ -209,8 +211,9 @@ def _ablation(rows, setting) -> list[str]:
              f"IST in this process on the speech-shaped task and network ({'-'.join(map(str, setting['widths']))}), "
              f"batch {setting['site_batch']} per site, J = {setting['local_steps']}: with a batch norm after each "
              "hidden layer (bias-free linear layers), and without normalization (linear layers with a bias, as "
-             "PyTorch's default). Each at the best learning rate of the same grid (best final test accuracy), "
-             "test accuracy of the whole network after the last step:", "",
+             "PyTorch's default). Each at the best learning rate of the same search (best final test accuracy; "
+             f"{', '.join(f'{lr:g}' for lr in rows[0].get('first', ()))} first, then one rung "
+             "further out while the best is at an edge), test accuracy of the whole network after the last step:", "",
              "| sites | network | lr | steps | whole network, statistics recomputed with it | "
              "whole network, the subnets' running statistics | grid (lr: accuracy) |", "|---|---|---|---|---|---|---|"]
     for r in rows:

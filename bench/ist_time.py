@@ -221,52 +221,66 @@ def cloud(n: int, setting: Setting) -> Machine:
 
 
 def group(task) -> tuple:
-    """Tasks of one kind and size: they take the same time (their measurements pool)."""
-    return (task.phase, task.layer, task.nbytes, task.flops)
+    """Tasks that run the same kernels on arrays of the same shapes, whichever site or site count
+    they belong to: their measurements pool."""
+    return (task.phase, "site" if task.phase == "local" else task.layer, task.nbytes, task.flops)
 
 
-def measured_task_seconds(method, sites, setting: Setting, task, repeats=2) -> tuple:
-    """(plan of one step or round, {group: median seconds}) from running the method's plan in this
-    process with one thread: a warm-up, then `repeats` times."""
-    samples: dict[tuple, list] = {}
+def _plan_runner(method, sites, setting: Setting, task):
+    """(the plan to simulate: a DP step or a round of J steps, a function that runs the method's
+    plan once in this process and returns [(task, seconds)])."""
     graph = graph_for(method, setting, sites)
     batches = site_batches(task, sites, setting.site_batch, DATA_SEED)
+    if method == "dp":
+        machine = cloud(sites, setting)
+        plan = lower(graph, dp_strategy(graph, machine).validated(graph, machine), "train", 4)
+        params = init_parameters(graph, SEED)
+        velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+        state, buffers = shard_states(plan, params, velocity), buffer_tiles(plan, init_buffers(graph))
+        step = next(batches)
+        x, y = np.concatenate([x for x, _ in step]), np.concatenate([y for _, y in step])
+        data = data_tiles(plan, bind_inputs(graph, (x, y), np.float32))
+
+        def once():
+            seconds = {}
+            run_plan(plan, state, data, {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}, buffers, seconds)
+            return [(t, seconds[t.key]) for t in plan.tasks]
+
+        return plan, once
+    # a round of 2 local steps has every kind of task a round of J has
+    kind = ISTTrainer if method == "ist" else LocalSGDTrainer
+    trainer = kind(graph, None, local_steps=2, lr=0.01, seed=SEED, sites=sites)
+    m = trainer.partition(0) if method == "ist" else None
+    plan = plan_round(graph, units_of(graph), sites, setting.local_steps, m, 0.01, 4, trainer.mode)
+
+    def once():
+        trainer.round([[step[s] for step in (next(batches), next(batches))] for s in range(sites)])
+        return [(t, trainer.stats.task_seconds[t.key]) for t in trainer.plan.tasks]
+
+    return plan, once
+
+
+def kernel_seconds(configs, setting: Setting, task, repeats=3) -> tuple[dict, dict]:
+    """({(method, sites): plan}, {group: median seconds}): each configuration's plan run in this
+    process with one thread, a warm-up and then `repeats` times, the configurations in turn (a busy
+    moment of the shared machine hits them all), every measurement of a group pooled."""
+    runners = {config: _plan_runner(*config, setting, task) for config in configs}
+    samples: dict[tuple, list] = {}
     with threadpool_limits(1):
-        if method == "dp":
-            machine = cloud(sites, setting)
-            plan = lower(graph, dp_strategy(graph, machine).validated(graph, machine), "train", 4)
-            params = init_parameters(graph, SEED)
-            velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
-            state, buffers = shard_states(plan, params, velocity), buffer_tiles(plan, init_buffers(graph))
-            step = next(batches)
-            arrays = bind_inputs(graph, (np.concatenate([x for x, _ in step]), np.concatenate([y for _, y in step])),
-                                 np.float32)
-            data = data_tiles(plan, arrays)
-            for r in range(repeats + 1):
-                seconds = {}
-                run_plan(plan, state, data, {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}, buffers, seconds)
+        for r in range(repeats + 1):
+            for _, once in runners.values():
+                timed = once()
                 if r:
-                    for t in plan.tasks:
-                        samples.setdefault(group(t), []).append(seconds[t.key])
-        else:
-            # a round of 2 local steps has every kind of task a round of J has
-            kind = ISTTrainer if method == "ist" else LocalSGDTrainer
-            trainer = kind(graph, None, local_steps=2, lr=0.01, seed=SEED, sites=sites)
-            for r in range(repeats + 1):
-                trainer.round([[step[s] for step in (next(batches), next(batches))] for s in range(sites)])
-                if r:
-                    for t in trainer.plan.tasks:
-                        samples.setdefault(group(t), []).append(trainer.stats.task_seconds[t.key])
-            m = trainer.partition(0) if method == "ist" else None
-            plan = plan_round(graph, units_of(graph), sites, setting.local_steps, m, 0.01, 4, trainer.mode)
-    return plan, {k: statistics.median(v) for k, v in samples.items()}
+                    for t, seconds in timed:
+                        samples.setdefault(group(t), []).append(seconds)
+    return {config: plan for config, (plan, _) in runners.items()}, \
+        {k: statistics.median(v) for k, v in samples.items()}
 
 
-def simulated_step(method, sites, setting: Setting, task) -> dict:
-    """Simulated seconds per step of `method` on `sites` devices of `cloud`, and what moves."""
-    plan, seconds = measured_task_seconds(method, sites, setting, task)
-    machine = cloud(sites, setting)
-    sim = simulate(plan, lambda t: seconds[group(t)], machine, Runtime())
+def simulated_step(method, sites, plan, seconds: dict, setting: Setting) -> dict:
+    """Simulated seconds per step of `method` on `sites` devices of `cloud` (its `plan`, each task
+    taking `seconds[group(task)]`), and what moves."""
+    sim = simulate(plan, lambda t: seconds[group(t)], cloud(sites, setting), Runtime())
     steps = 1 if method == "dp" else setting.local_steps
     compute = max(sum(seconds[group(t)] for t in plan.tasks if t.device == d) for d in range(sites))
     return {"method": method, "sites": sites, "step_s": float(sim.step_s) / steps,
@@ -279,7 +293,7 @@ def table1(setting: Setting, log=print, write=lambda result: None) -> dict:
     """Learning-rate searches, the measured runs on local(2) and the simulation; `write(result)`
     is called after each part with what is there so far."""
     task = speech_like(**setting.task)
-    result = {"setting": _setting_dict(setting), "task": {"train": len(task.x_train), "test": len(task.x_test),
+    result = {"setting": setting_dict(setting), "task": {"train": len(task.x_train), "test": len(task.x_test),
                                                           "calibrate": len(task.calibrate), **setting.task},
               "search": {}, "measured": None, "simulated": [], "seed_table_1": _seed_dict()}
     for sites in setting.devices:
@@ -294,19 +308,25 @@ def table1(setting: Setting, log=print, write=lambda result: None) -> dict:
             log("measuring on local(2)")
             result["measured"] = measure_local(setting, task, result["search"])
             write(result)
-    for sites in setting.devices:
-        for method in METHODS:
-            row = simulated_step(method, sites, setting, task)
-            best = result["search"][f"{method}@{sites}"]
-            reached = best["runs"][str(best["lr"])]["reached"]
-            row["lr"] = best["lr"]
-            row["steps"] = {str(t): reached[str(t)][0] if str(t) in reached else None for t in setting.targets}
-            row["seconds"] = {t: (float(s * row["step_s"]) if s is not None else None)
-                              for t, s in row["steps"].items()}
-            result["simulated"].append(row)
-            log(f"  simulated {METHODS[method]} on {sites}: {row['step_s'] * 1e3:.1f} ms/step, {row['seconds']}")
-            write(result)
+    simulate_all(result, setting, task, log)
+    write(result)
     return result
+
+
+def simulate_all(result, setting: Setting, task, log=print) -> None:
+    """result["simulated"]: a row per method and site count, from the steps its search found."""
+    configs = [(method, sites) for sites in setting.devices for method in METHODS]
+    plans, seconds = kernel_seconds(configs, setting, task)
+    result["simulated"] = []
+    for method, sites in configs:
+        row = simulated_step(method, sites, plans[(method, sites)], seconds, setting)
+        best = result["search"][f"{method}@{sites}"]
+        reached = best["runs"][str(best["lr"])]["reached"]
+        row["lr"] = best["lr"]
+        row["steps"] = {str(t): reached[str(t)][0] if str(t) in reached else None for t in setting.targets}
+        row["seconds"] = {t: (float(s * row["step_s"]) if s is not None else None) for t, s in row["steps"].items()}
+        result["simulated"].append(row)
+        log(f"  simulated {METHODS[method]} on {sites}: {row['step_s'] * 1e3:.1f} ms/step, {row['seconds']}")
 
 
 def measure_local(setting: Setting, task, search: dict) -> dict:
@@ -328,7 +348,7 @@ def measure_local(setting: Setting, task, search: dict) -> dict:
         machine.close()
 
 
-def _setting_dict(setting: Setting) -> dict:
+def setting_dict(setting: Setting) -> dict:
     from dataclasses import asdict
 
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(setting).items()}

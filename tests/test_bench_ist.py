@@ -10,7 +10,7 @@ import pytest
 
 from bench import ist_time
 from bench.ist_task import site_batches, speech_like
-from bench.ist_time import QUICK, Curve, next_evaluation, search_lr, simulated_step
+from bench.ist_time import QUICK, Curve, kernel_seconds, next_evaluation, search_lr, simulated_step
 
 
 def test_the_task_is_seeded_standardized_and_has_every_class():
@@ -86,7 +86,8 @@ def test_search_stops_runs_that_cannot_win_and_extends_at_an_edge(monkeypatch):
 @pytest.mark.parametrize("method", ["dp", "ist"])
 def test_simulated_step_moves_the_plans_bytes(method):
     task = speech_like(**QUICK.task)
-    row = simulated_step(method, 2, QUICK, task)
+    plans, seconds = kernel_seconds([(method, 2)], QUICK, task, repeats=1)
+    row = simulated_step(method, 2, plans[(method, 2)], seconds, QUICK)
     assert row["step_s"] > 0 and row["busiest_device_compute_s"] > 0
     if method == "ist":  # each round: site 1's blocks out and back, over J steps
         widths = QUICK.widths
@@ -96,3 +97,23 @@ def test_simulated_step_moves_the_plans_bytes(method):
     else:  # ring all-reduce on 2 devices: 2 (n - 1) P floats, and the batch norms' statistics
         params = sum(a * b for a, b in zip(QUICK.widths[:-1], QUICK.widths[1:])) + 2 * 2 * 256
         assert 2 * params <= row["bytes_per_step"] / 4 <= 1.02 * 2 * params
+
+
+def test_ablation_reuses_known_curves_and_extends_at_an_edge(monkeypatch):
+    """Final accuracy per learning rate rises up to 1.0: the grid's best (0.3) is at its edge, so
+    1.0 is tried, then 3.0 (1.0 is still at the edge), which loses.  Known curves are not rerun."""
+    from bench import ist_norm
+
+    accuracy = {0.1: 0.5, 0.3: 0.7, 1.0: 0.8, 3.0: math.nan}
+    trained = []
+
+    def fake_train(setting, task, sites, lr, shape, steps, every):
+        trained.append((shape["norm"], lr))
+        return [{"steps": steps, "accuracy": accuracy[lr]}]
+
+    monkeypatch.setattr(ist_norm, "_train", fake_train)
+    known = [{"sites": 2, "variant": "batch_norm", "curves": {"0.1": [{"steps": 60, "accuracy": 0.5}]}}]
+    rows = ist_norm.ablation(QUICK, None, (2,), 60, (0.1, 0.3), known=known, log=lambda _: None)
+    assert [(r["variant"], r["lr"]) for r in rows] == [("batch_norm", 1.0), ("no_norm", 1.0)]
+    assert trained == [(True, 0.3), (True, 1.0), (True, 3.0), (False, 0.1), (False, 0.3), (False, 1.0), (False, 3.0)]
+    assert list(rows[0]["curves"]) == ["0.1", "0.3", "1.0", "3.0"]
