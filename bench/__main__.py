@@ -14,7 +14,8 @@
   elastic      the cost of snapshots for elastic recovery, and of recovering from a killed worker
   gholami      Figs. 6 and 7 of seed 001 from its analytic model alone
   gpu          GPU workers against PyTorch on the same GPU (needs a CUDA GPU, cupy and torch)
-  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs
+  ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs;
+               Table 1's time to accuracy (local(2) measured, 2/4/8 devices simulated), the batch-norm ablation
   peer         PyTorch on the CPU stepping the same networks, against in-process, local(1) and local(2)
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
@@ -34,7 +35,7 @@ import time
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
 # not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist, elastic and peer take minutes
-# even with --quick (peer also needs the optional torch)
+# even with --quick (peer also needs the optional torch; ist takes hours without --quick)
 ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer"]
 
 

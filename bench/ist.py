@@ -1,8 +1,9 @@
 """Seed 004 (IST): traffic and FLOPs per gradient step of data parallelism and IST (Sec. 3.4, Fig. 2)
-from the seed's formulas and from the runtime's plans, and planned bytes against the workers'
-transfer logs on local clusters.
+from the seed's formulas and from the runtime's plans, planned bytes against the workers'
+transfer logs, Table 1's time to fixed test accuracies (bench/ist_time.py) and the normalization
+ablation of Sec. 3.3 (bench/ist_norm.py), on a generated speech-shaped task (bench/ist_task.py).
 
-Network of Fig. 2: 1000 - 4000 - 4000 - 4000 - 200 (bias-free linear layers), batch 512, J = 10.
+Fig. 2's network: 1000 - 4000 - 4000 - 4000 - 200 (bias-free linear layers), batch 512, J = 10.
 IST: every site trains on its own batch of 512; data parallelism splits one batch of 512 over the
 sites (the seed's FLOP formulas count it so: DP's FLOPs do not change with n).
 """
@@ -10,13 +11,13 @@ sites (the seed's FLOP formulas count it so: DP's FLOPs do not change with n).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from search.baselines import data_parallel
-from taskrt import Graph, Machine, Strategy, lower
+from bench import ist_norm, ist_time
+from bench.ist_task import dp_strategy, network, speech_like
+from taskrt import Graph, Machine, lower
 from taskrt.ist import ISTTrainer, partition, plan_round, units_of
 
 WIDTHS = (1000, 4000, 4000, 4000, 200)
@@ -24,15 +25,7 @@ BATCH, J = 512, 10
 
 
 def mlp(widths=WIDTHS, batch=BATCH, norm=False) -> Graph:
-    g = Graph("ist_fig2")
-    x = g.input("x", (batch, widths[0]))
-    for i, width in enumerate(widths[1:-1], start=1):
-        x = g.linear(x, width, bias=False, name=f"fc{i}")
-        if norm:
-            x = g.batch_norm(x, name=f"bn{i}")
-        x = g.relu(x, name=f"relu{i}")
-    g.softmax_cross_entropy(g.linear(x, widths[-1], bias=False, name="out"), name="loss")
-    return g
+    return network(widths, batch, norm=norm, name="ist_fig2")
 
 
 def formulas(widths, n, batch, j) -> dict:
@@ -46,12 +39,6 @@ def formulas(widths, n, batch, j) -> dict:
         "ist_flops": 4 * batch * widths[0] * widths[1] + 4 * batch * widths[-2] * widths[-1]
         + 4 * batch * sum(a * b / n for a, b in hidden),
     }
-
-
-def dp_strategy(graph, machine) -> Strategy:
-    dp = data_parallel(graph, machine)
-    return Strategy({name: replace(config, sync="allreduce") for name, config in dp.configs.items()},
-                    name="data parallel, ring all-reduce")
 
 
 def from_plans(widths, n, batch, j) -> dict:
@@ -101,93 +88,64 @@ def measured(devices: int, widths=(100, 400, 400, 400, 20), batch=64, j=2) -> di
         machine.close()
 
 
-def generated_task(features=64, classes=8, samples=4096, seed=0):
-    """Gaussian clusters around random class means, with a nonlinear twist (a tanh of a random
-    projection added), split into training and test halves."""
-    rng = np.random.default_rng(seed)
-    means = rng.standard_normal((classes, features))
-    y = rng.integers(0, classes, samples)
-    x = means[y] + 1.5 * rng.standard_normal((samples, features))
-    x += np.tanh(x @ rng.standard_normal((features, features)) / np.sqrt(features))
-    half = samples // 2
-    return (x[:half], y[:half]), (x[half:], y[half:])
-
-
-def ablation(devices=2, rounds=30, j=5, batch=64, hidden=256, seed=0) -> dict:
-    """IST with and without batch norm on the generated task, evaluated with the whole network."""
-    (xt, yt), (xv, yv) = generated_task(seed=seed)
-    widths = (xt.shape[1], hidden, hidden, int(yt.max()) + 1)
-    machine = Machine.local(devices, probe=False)
-    out = {"devices": devices, "rounds": rounds, "local_steps": j, "batch": batch, "network": list(widths)}
-    try:
-        for norm in (True, False):
-            g = mlp(widths, batch, norm=norm)
-            ist = ISTTrainer(g, machine, local_steps=j, lr=0.05, seed=seed)
-            rng = np.random.default_rng(seed + 1)
-            for _ in range(rounds):
-                data = []
-                for _s in range(devices):
-                    picks = [rng.integers(0, len(xt), batch) for _ in range(j)]
-                    data.append([(xt[p], yt[p]) for p in picks])
-                ist.round(data)
-            key = "batch_norm" if norm else "no_norm"
-            out[f"{key}_accuracy"] = float((ist.predict(xv).argmax(axis=1) == yv).mean())
-            if norm:
-                calibrated = ist.predict(xv, calibrate=xt[:512])
-                out["batch_norm_calibrated_accuracy"] = float((calibrated.argmax(axis=1) == yv).mean())
-    finally:
-        machine.close()
-    return out
-
-
 def run(out="results", quick=False):
-    """Writes results/ist.json and .md after each part, so a part cut short leaves the ones before it."""
+    """Writes results/ist.json, .md and .png after each part, so a part cut short leaves the ones before it."""
     rows = []
     for n in range(2, 9):
         f, p = formulas(WIDTHS, n, BATCH, J), from_plans(WIDTHS, n, BATCH, J)
         rows.append({"n": n, **f, **p})
     result = {"network": list(WIDTHS), "batch": BATCH, "local_steps": J, "rows": rows, "measured": [],
-              "ablation": None}
+              "table1": None, "ablation": None, "quick": quick}
     _write(out, result)
     for d in (2,) if quick else (2, 4):
         result["measured"].append(measured(d))
         _write(out, result)
-    result["ablation"] = ablation(rounds=5 if quick else 30)
+    setting = ist_time.QUICK if quick else ist_time.FULL
+
+    def progress(table):
+        result["table1"] = table
+        _write(out, result)
+
+    ist_time.table1(setting, write=progress)
+    result["ablation"] = ablation(setting)
     _write(out, result)
 
 
+def ablation(setting, known=()) -> list[dict]:
+    quick = setting is ist_time.QUICK
+    return ist_norm.ablation(setting, speech_like(**setting.task), (2,) if quick else (2, 8), 60 if quick else 400,
+                             setting.first if quick else (0.03, 0.1, 0.3), known=known)
+
+
 def _write(out, result):
-    rows, checks, a = result["rows"], result["measured"], result["ablation"]
+    from bench.ist_report import markdown, plot
+
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "ist.json").write_text(json.dumps(result, indent=1))
-    lines = ["# IST (seed 004): traffic and FLOPs per gradient step (Sec. 3.4, Fig. 2)", "",
-             f"Network {'-'.join(map(str, WIDTHS))}, batch {BATCH}, J = {J}; floats received by all sites per "
-             "gradient step. IST from the round's plan: the floats of every site's slices / J. DP from the plan: "
-             "ring all-reduce (reduce-scatter + all-gather) bytes / 4, which is 2 (n-1) P, where the seed's "
-             "formula counts a broadcast of the parameters to every site, n P.", "",
-             "| n | DP formula | DP plan (all-reduce) | IST formula | IST plan | DP FLOPs formula | DP FLOPs plan "
-             "| IST FLOPs formula | IST FLOPs plan |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['n']} | {r['dp_traffic']:,.0f} | {r['dp_traffic_plan']:,.0f} | {r['ist_traffic']:,.1f} | "
-                     f"{r['ist_traffic_plan']:,.1f} | {r['dp_flops']:.4g} | {r['dp_flops_plan']:.4g} | "
-                     f"{r['ist_flops']:.4g} | {r['ist_flops_plan']:.4g} |")
-    lines += ["", "IST plan vs formula: equal where n divides 4000 (the hidden blocks are then 4000/n square); "
-              "otherwise the partition's groups differ by one neuron and the plan counts sum_s |m_s^l| |m_s^(l-1)|.",
-              "", "## Planned bytes against the workers' transfer logs", "",
-              "| devices | network | IST round planned | logged | equal | DP step planned | logged | equal |",
-              "|---|---|---|---|---|---|---|---|"]
-    for c in checks:
-        lines.append(f"| {c['devices']} | {'-'.join(map(str, c['network']))} (batch norm) | {c['ist_planned']:,} | "
-                     f"{c['ist_logged']:,} | {c['ist_equal']} | {c['dp_planned']:,} | {c['dp_logged']:,} | "
-                     f"{c['dp_equal']} |")
-    if a:
-        lines += ["", "## Normalization ablation (Sec. 3.3)", "",
-                  f"IST on `local({a['devices']})`, {a['rounds']} rounds of J = {a['local_steps']}, "
-                  f"batch {a['batch']}, "
-                  f"network {'-'.join(map(str, a['network']))}, generated task (`generated_task`), test accuracy of "
-                  "the whole network:", "",
-                  "| batch norm, running statistics | batch norm, statistics recomputed with the whole network | "
-                  "no normalization |", "|---|---|---|",
-                  f"| {a['batch_norm_accuracy']:.3f} | {a['batch_norm_calibrated_accuracy']:.3f} "
-                  f"| {a['no_norm_accuracy']:.3f} |"]
-    Path(out, "ist.md").write_text("\n".join(lines) + "\n")
+    Path(out, "ist.md").write_text(markdown(result))
+    if result["table1"] and result["table1"]["measured"]:
+        plot(result, Path(out, "ist.png"))
+
+
+def complete(out="results"):
+    """From out/ist.json: Table 1's simulated rows again (the searches' steps do not change; kernel
+    times measured now), and the ablation's learning rates that it lacks (its curves reused):
+    `python -m bench.ist [DIR]`, minutes instead of hours."""
+    result = json.loads(Path(out, "ist.json").read_text())
+    table = result["table1"]
+    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
+    if table is None or len(table["search"]) < len(setting.devices) * len(ist_time.METHODS):
+        raise SystemExit(f"{out}/ist.json has no complete learning-rate search to simulate from")
+    if table["setting"] != ist_time.setting_dict(setting):
+        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
+    ist_time.simulate_all(table, setting, speech_like(**setting.task))
+    table["resimulated"] = True
+    _write(out, result)
+    result["ablation"] = ablation(setting, known=result["ablation"] or ())
+    _write(out, result)
+
+
+if __name__ == "__main__":
+    import sys
+
+    complete(*sys.argv[1:2])

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import dask
 
-from ops.rect import Rect
 from taskrt.device import to_device, to_host
 from taskrt.fusion import fuse
+from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 
@@ -57,11 +57,8 @@ class Executor:
         `address`: the devices' worker addresses, if the caller just asked for them."""
         address = address or self.machine.addresses()
         by_device: dict[int, list] = {}
-        for layer, parts in plan.data.items():
-            full = arrays[layer]
-            for part in parts:
-                tile = full[part.rect.relative_to(Rect.full(full.shape))]
-                by_device.setdefault(part.device, []).append(((layer, part.index), tile.copy()))
+        for name, tile in data_tiles(plan, arrays).items():
+            by_device.setdefault(plan.data[name[0]][name[1]].device, []).append((name, tile))
         devices = list(by_device)
 
         async def to_every_device():  # at once: one round trip for all devices, not one per device

@@ -18,8 +18,12 @@ Plan for the same executor as a training step:
   averaging: the subnets share no parameters).
 
 Parameters live on the home device (device 0) between rounds, as futures; only blocks travel, and
-the plan counts every byte.  `LocalSGDTrainer` is the same round with every site holding the whole
-network and the write-back averaging the sites' copies (Lin et al.'s local SGD).
+the plan counts every byte.  Without a machine (`ISTTrainer(g, None, sites=8, ...)`) the same
+plan runs in this process, the sites one after another (`taskrt.inprocess`): any number of sites
+trained on one core, each task's seconds in `trainer.stats.task_seconds`.
+
+`LocalSGDTrainer` is the same round with every site holding the whole network and the
+write-back averaging the sites' copies (Lin et al.'s local SGD).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from taskrt.config import Part
 from taskrt.data import bind_inputs
 from taskrt.executor import Executor
 from taskrt.graph import Graph, GraphError
+from taskrt.inprocess import data_tiles, run_plan
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
 from taskrt.plan import BUFFER, DATA, TASK, Buffer, Dep, Plan, Task
 from taskrt.tasks import Spec
@@ -387,24 +392,32 @@ def subnet_flops(sub: Graph, units) -> int:
 class _RoundTrainer:
     mode = "replace"
 
-    def __init__(self, graph, machine, local_steps=1, lr=0.01, seed=0, dtype="float32", sites=None):
+    def __init__(self, graph, machine=None, local_steps=1, lr=0.01, seed=0, dtype="float32", sites=None):
+        """`machine`: one site per device (or the first `sites` devices); None: the sites'
+        tasks run one after another in this process (`sites` then says how many)."""
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
         self.graph, self.machine = graph, machine
         self.units = units_of(graph)
-        self.sites = machine.num_devices if sites is None else int(sites)
-        if not 1 <= self.sites <= machine.num_devices:
-            raise ValueError(f"sites must be between 1 and the machine's {machine.num_devices} devices, got {sites!r}")
+        if machine is None:
+            if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
+                raise ValueError(f"without a machine, sites must be an int >= 1 (how many to simulate), got {sites!r}")
+            self.sites = sites
+        else:
+            self.sites = machine.num_devices if sites is None else int(sites)
+            if not 1 <= self.sites <= machine.num_devices:
+                raise ValueError(f"sites must be between 1 and the machine's {machine.num_devices} devices, "
+                                 f"got {sites!r}")
         self.local_steps, self.lr, self.seed = local_steps, float(lr), seed
         self.dtype = resolve_dtype(dtype)
-        self.executor = Executor(machine)
+        self.executor = None if machine is None else Executor(machine)
         self.rounds_done = 0
         self.plan: Plan | None = None
         self.stats = None
         self._token = uuid.uuid4().hex[:6]
         params = init_parameters(graph, seed, self.dtype)
         running = init_buffers(graph, self.dtype)
-        address = machine.addresses()
+        address = None if machine is None else machine.addresses()
         self._state = {}
         inputs = graph[self.units[0].linear].op.in_shapes[0][1]
         widths = [graph[u.linear].shape[1] for u in self.units]
@@ -416,9 +429,10 @@ class _RoundTrainer:
             if unit.norm:
                 state.update({"norm.weight": params[unit.norm]["weight"], "norm.bias": params[unit.norm]["bias"],
                               "norm.running": running[unit.norm]})
-            [future] = machine.client.scatter([flatten_state(state, layout)], workers=[address[HOME]], hash=False,
-                                              direct=True)
-            self._state[(unit.linear, 0)] = future
+            flat = flatten_state(state, layout)
+            if machine is not None:
+                [flat] = machine.client.scatter([flat], workers=[address[HOME]], hash=False, direct=True)
+            self._state[(unit.linear, 0)] = flat  # a future on the home device, or the array itself
         self._layouts = {u.linear: layer_layout(graph, u, widths[i], widths[i - 1] if i else inputs)
                          for i, u in enumerate(self.units)}
 
@@ -444,6 +458,9 @@ class _RoundTrainer:
             (yname,) = [l.name for l in self.graph.inputs if l.op.dtype == "int64"]
             arrays[f"site{s}.x"] = np.concatenate([b[xname] for b in bound])
             arrays[f"site{s}.y"] = np.concatenate([b[yname] for b in bound])
+        if self.machine is None:
+            self._round_in_process(plan, arrays, started)
+            return
         futures = self.executor.scatter(plan, arrays)
         tag = f"r{self.rounds_done}-{self._token}"
         run = self.executor.submit(plan, self.rounds_done, tag, {}, futures, {}, self._state)
@@ -461,9 +478,21 @@ class _RoundTrainer:
         self.stats = RoundStats(self.rounds_done, time.perf_counter() - started, len(plan.tasks),
                                 plan.bytes_by_pair(), lambda keys=run.keys: self.executor.measured_bytes(keys))
 
+    def _round_in_process(self, plan, arrays, started):
+        seconds = {}
+        values = run_plan(plan, data=data_tiles(plan, arrays), buffers=self._state, seconds=seconds)
+        self._state = {name: values[key] for name, key in plan.outputs["state"].items()}
+        self.rounds_done += 1
+        self.plan = plan
+        self.stats = RoundStats(self.rounds_done, time.perf_counter() - started, len(plan.tasks),
+                                plan.bytes_by_pair(), None, seconds)
+
     def _flats(self) -> dict:
         keys = list(self._state)
-        values = self.machine.client.gather([self._state[k] for k in keys])
+        if self.machine is None:
+            values = [self._state[k] for k in keys]
+        else:
+            values = self.machine.client.gather([self._state[k] for k in keys])
         return {k[0]: unpack(np.asarray(v), self._layouts[k[0]]) for k, v in zip(keys, values)}
 
     def parameters(self) -> dict:
@@ -532,11 +561,12 @@ class RoundStats:
     wall_s: float
     tasks: int
     planned_bytes: dict
-    _measure: object = None
+    _measure: object = None  # reads the workers' transfer logs (None: the round ran in this process)
+    task_seconds: dict | None = None  # in this process: each task's seconds
 
     @property
     def measured_bytes(self) -> dict:
-        return self._measure()
+        return {} if self._measure is None else self._measure()
 
 
 class ISTTrainer(_RoundTrainer):

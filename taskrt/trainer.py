@@ -36,10 +36,11 @@ from taskrt.device import to_device, to_host
 from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
 from taskrt.executor import Executor, StepRun
 from taskrt.graph import Graph
+from taskrt.inprocess import buffer_tiles, shard_states
 from taskrt.lowering import lower
 from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
-from taskrt.params import init_buffers, init_parameters, pack, resolve_dtype, slice_params, unpack
+from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
 from taskrt.strategy import Strategy
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
@@ -198,30 +199,25 @@ class Trainer:
         """Put each chunk of each shard's state, (weights, velocity), on its device."""
         address = self.machine.addresses()
         self._state = {}
-        for layer, shards in self.plan.shards.items():
-            for shard in shards:
-                w = pack(slice_params(params[layer], shard.rects))
-                v = pack(slice_params(velocity[layer], shard.rects))
-                for k, (lo, hi, device) in enumerate(shard.chunks):
-                    [future] = self.machine.client.scatter([(w[lo:hi].copy(), v[lo:hi].copy())],
-                                                           workers=[address[device]], hash=False, direct=True)
-                    if device in self.executor.gpu_devices:  # created once on the GPU, updated there
-                        future = self.machine.client.submit(to_device, future, resources={self.machine.tag(device): 1},
-                                                            key=f"{layer}-state-{shard.index}-{k}-{uuid.uuid4().hex[:8]}")
-                    self._state[(layer, shard.index, k)] = future
+        for (layer, index, k), chunk in shard_states(self.plan, params, velocity).items():
+            device = self.plan.shards[layer][index].chunks[k][2]
+            [future] = self.machine.client.scatter([chunk], workers=[address[device]], hash=False, direct=True)
+            if device in self.executor.gpu_devices:  # created once on the GPU, updated there
+                future = self.machine.client.submit(to_device, future, resources={self.machine.tag(device): 1},
+                                                    key=f"{layer}-state-{index}-{k}-{uuid.uuid4().hex[:8]}")
+            self._state[(layer, index, k)] = future
 
     def _place_buffers(self, running: dict):
         """Put each channel group's running statistics (batch norm) on its device."""
         address = self.machine.addresses()
         self._buffers = {}
-        for layer, buffers in self.plan.buffers.items():
-            for b in buffers:
-                tile = running[layer][:, b.channels[0] : b.channels[1]].copy()
-                [future] = self.machine.client.scatter([tile], workers=[address[b.device]], hash=False, direct=True)
-                if b.device in self.executor.gpu_devices:
-                    future = self.machine.client.submit(to_device, future, resources={self.machine.tag(b.device): 1},
-                                                        key=f"{layer}-running-{b.index}-{uuid.uuid4().hex[:8]}")
-                self._buffers[(layer, b.index)] = future
+        for (layer, index), tile in buffer_tiles(self.plan, running).items():
+            device = self.plan.buffers[layer][index].device
+            [future] = self.machine.client.scatter([tile], workers=[address[device]], hash=False, direct=True)
+            if device in self.executor.gpu_devices:
+                future = self.machine.client.submit(to_device, future, resources={self.machine.tag(device): 1},
+                                                    key=f"{layer}-running-{index}-{uuid.uuid4().hex[:8]}")
+            self._buffers[(layer, index)] = future
 
     def _running(self, buffers=None, plan=None) -> dict:
         """Running statistics as full (2, C) numpy arrays, {layer: array} (default: the current ones)."""

@@ -183,3 +183,27 @@ def test_clear_errors():
         units_of(g2)
     with pytest.raises(GraphError, match="5 neurons cannot be split over 6 sites"):
         partition(g, units_of(g), 6, 0, 0)
+
+
+def test_sites_in_process_train_what_sites_on_devices_train(machine4):
+    """machine None: the same round plan, its tasks one after another in this process."""
+    g = mlp()
+    for kind in (ISTTrainer, LocalSGDTrainer):
+        on_devices = kind(g, machine4, local_steps=2, lr=0.05, seed=4, dtype="float64", sites=3)
+        in_process = kind(g, None, local_steps=2, lr=0.05, seed=4, dtype="float64", sites=3)
+        for r in range(2):
+            data = batches(g, 3, 2, seed=10 + r)
+            on_devices.round(data)
+            in_process.round(data)
+        assert set(in_process.stats.task_seconds) == {t.key for t in in_process.plan.tasks}
+        assert in_process.stats.planned_bytes == on_devices.stats.planned_bytes
+        for got, expected in ((in_process.parameters(), on_devices.parameters()),
+                              (in_process.buffers(), on_devices.buffers())):
+            for layer in expected:
+                for k in expected[layer]:
+                    np.testing.assert_allclose(got[layer][k], expected[layer][k], rtol=1e-12, atol=1e-14)
+
+
+def test_in_process_needs_a_site_count():
+    with pytest.raises(ValueError, match="without a machine, sites must be an int >= 1"):
+        ISTTrainer(mlp(), None, local_steps=2)
