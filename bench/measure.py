@@ -75,7 +75,7 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
     batch = image.shape[0]
     for name, trainer in trainers.items():
         plan = trainer.plan
-        simulated = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan))
+        simulated = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan, trainer.executor.fused))
         additive = cost_model.breakdown(graph, strategies[name]).total
         measured = statistics.median(times[name])
         q1, q3 = np.percentile(times[name], [25, 75])

@@ -485,10 +485,11 @@ class CostModel:
             for sig, t in seconds.items():
                 self._sync_times[items_of_kind[sig]] = t
 
-    def runtime(self, plan):
+    def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
         `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
-        task, graph submission per task, one scatter call per device that receives data)."""
+        task, graph submission per task, one scatter call per device that receives data), for
+        the tasks the executor submits: fused (the Trainer's default) or one per plan task."""
         from taskrt.simulate import Runtime
 
         if self.estimated:
@@ -501,7 +502,7 @@ class CostModel:
         return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
                        start_s=len(receivers) * c["scatter_s"] + data / c["client_bandwidth"],
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
-                       cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"])
+                       cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 
     def measure(self, kind, items: dict, timing=None, what="part kernels") -> dict:
         """Time each item on a device of this kind (one at a time, as in training) with `timing`

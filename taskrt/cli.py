@@ -81,7 +81,8 @@ def predicted_step_s(trainer) -> float:
 
     cost_model = CostModel(trainer.machine, progress=False)
     plan = trainer.plan
-    return simulate(plan, cost_model.timer(plan), trainer.machine, cost_model.runtime(plan)).step_s
+    runtime = cost_model.runtime(plan, fused=trainer.executor.fused)
+    return simulate(plan, cost_model.timer(plan), trainer.machine, runtime).step_s
 
 
 def cmd_run(args):

@@ -109,3 +109,36 @@ def _is_key(value, keys) -> bool:
 def _identity(value):
     """A hashable name for an outside input: its key, or for a future its key too."""
     return value if isinstance(value, tuple) else ("future", getattr(value, "key", id(value)))
+
+
+def fused_plan(plan) -> tuple:
+    """`plan` as the executor submits it fused, for the simulator: (plan of Dask tasks, members).
+
+    The same `fuse` groups the plan's tasks: each group becomes one task (phase "fused", its
+    callable the FusedRun, its dependencies those of its members from outside the group), each
+    of its values read outside a getitem task under the original key (phase "export", on the
+    same device, the original size); tasks left unfused stay.  `members[key]` lists the plan
+    tasks a fused task runs, in order.  Bytes moved between devices are those of `plan`."""
+    from taskrt.plan import TASK, Dep, Plan, Task
+
+    skeleton = {t.key: (t.spec, *[d.key for d in t.deps if d.kind == TASK]) for t in plan.tasks}
+    device = {t.key: t.device for t in plan.tasks}
+    outputs = {k for v in plan.outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
+    dsk, where = fuse(skeleton, device, outputs, lambda d, s: (f"dev{d}-fused", s))
+    tasks, members = [], {}
+    for key, (fn, *args) in dsk.items():
+        if isinstance(fn, FusedRun):
+            inside = [plan.by_key[k] for k, _, _ in fn.steps]
+            names = {t.key for t in inside}
+            deps = dict.fromkeys(d for t in inside for d in t.deps if not (d.kind == TASK and d.key in names))
+            members[key] = inside
+            tasks.append(Task(key, "fused", inside[0].layer, where[key], fn, tuple(deps), None,
+                              sum(t.flops for t in inside)))
+        elif fn is getitem:
+            original = plan.by_key[key]
+            tasks.append(Task(key, "export", original.layer, where[key], getitem, (Dep(TASK, args[0]),),
+                              original.nbytes))
+        else:
+            tasks.append(plan.by_key[key])
+    view = Plan(plan.mode, tasks, plan.shards, plan.data, plan.data_nbytes, plan.outputs, plan.buffers)
+    return view, members

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from taskrt.fusion import fused_plan
 from taskrt.plan import HYPER, TASK, Plan
 
 
@@ -38,6 +39,9 @@ class Runtime:
     cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
     cpu_per_task_s: float = 0.0  # processor time the runtime spends per task (scheduler and worker)
     cpu_per_byte_s: float = 0.0  # processor time per byte moved between devices (both ends)
+    # The runtime runs each device's run of tasks between two waits for another device as one
+    # task, and each of its values read elsewhere as a small task of its own (taskrt.fusion)
+    fused: bool = False
 
 
 @dataclass
@@ -63,7 +67,21 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     kernels share the cores with each other and with the runtime's own work (scheduler, worker
     event loops moving bytes): each runs at min(1, cores / (kernels running + background)),
     where the background is the runtime's processor time spread over the step, found by
-    fixed-point iteration."""
+    fixed-point iteration.
+
+    With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
+    group, one per value read outside it); each plan task's start and finish are then placed
+    inside its group's run, in order."""
+    members = {}
+    if runtime.fused:
+        plan, members = fused_plan(plan)
+        kernel = task_time
+
+        def task_time(task):
+            if task.phase == "export":
+                return 0.0
+            return sum(kernel(t) for t in members[task.key]) if task.phase == "fused" else kernel(task)
+
     unknown = {d.key for t in plan.tasks for d in t.deps if d.kind == TASK} - plan.by_key.keys()
     if unknown:
         raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
@@ -85,6 +103,13 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
             result = _schedule(plan, task_time, machine, runtime, background)
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + runtime.task_s for t in plan.tasks)
         result.background = background
+    for key, inside in members.items():  # each member's share of its run, in order
+        begin, end = result.start[key] + runtime.task_s, result.finish[key]
+        kernels = [task_time(t) for t in inside]
+        scale = (end - begin) / sum(kernels) if sum(kernels) > 0 else 0.0
+        for t, seconds in zip(inside, kernels):
+            result.start[t.key], begin = begin, begin + seconds * scale
+            result.finish[t.key] = begin
     return result
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.executor import step_graph
-from taskrt.fusion import FusedRun, fuse, stages
+from taskrt.fusion import FusedRun, fuse, fused_plan, stages
 from taskrt.lowering import lower
 from taskrt.strategy import Strategy
 from tests.strategies import random_strategies
@@ -112,3 +112,26 @@ def test_random_strategies_keep_every_travelling_and_output_key(data):
     for key in travelling | {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}:
         assert key in fused and restriction[key] == plain_restriction[key]
     assert len(fused) <= len(plain)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_the_simulators_fused_plan_is_the_graph_the_executor_submits(data):
+    """fused_plan (what the simulator schedules) has the executor's fused tasks: one per group,
+    one per exported value, the unfused ones; each plan task once; the same bytes move."""
+    g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
+    _, strategy = data.draw(random_strategies(g, max_devices=4))
+    plan = lower(g, strategy.validated(g))
+    dsk, restriction, _ = step_graph(plan, "3-ef", *fake_inputs(plan))
+    view, members = fused_plan(plan)
+    runs = sorted(len(fn.steps) for fn, *_ in dsk.values() if isinstance(fn, FusedRun))
+    assert sorted(len(m) for m in members.values()) == runs
+    assert len(view.tasks) == len(dsk)
+    exports = {t.key for t in view.tasks if t.phase == "export"}
+    assert {(k[0].rsplit("-it", 1)[0], *k[1:]) for k, (fn, *_) in dsk.items() if fn is getitem} == exports
+    inside = [t.key for m in members.values() for t in m]
+    alone = [t.key for t in view.tasks if t.phase not in ("fused", "export")]
+    assert sorted(inside + alone, key=repr) == sorted((t.key for t in plan.tasks), key=repr)
+    for key in alone + sorted(exports, key=repr):
+        assert restriction[(f"{key[0]}-it3-ef", *key[1:])] == {f"dev{view.by_key[key].device}": 1}
+    assert view.bytes_moved == plan.bytes_moved

@@ -317,6 +317,42 @@ def test_nothing_to_run_with_shared_cores():
     assert run(plan_of(), {}, TWO, Runtime(cores=1)).step_s == 0.0
 
 
+# ---- 6b. a fused runtime -------------------------------------------------------------------------
+
+
+def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside():
+    """a -> b -> c on one device, c read by the client: one FusedRun task, then a getitem task for c."""
+    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, fused=True)
+    p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
+    p.outputs = {"loss": [("c",)]}
+    sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
+    origin = 0.25 + 2 * 0.5  # two Dask tasks submitted, not three
+    run_start = origin + 0.125
+    run_end = run_start + 0.0625 + 7.0  # one task's overhead for the three kernels
+    assert at(sim, "a") == (run_start + 0.0625, run_start + 1.0625)  # members placed in order inside the run
+    assert at(sim, "c") == (run_start + 3.0625, run_end)
+    export_end = run_end + 0.125 + 0.0625  # the getitem task under c's key
+    assert sim.step_s == export_end + 0.125
+    assert sim.busy_s[0] == 2 * 0.0625 + 7.0
+    unfused = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, replace(rt, fused=False))
+    assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.125
+
+
+def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages):
+    """Device 0 runs p -> q fused; r on device 1 reads q (500 B); q is also read by s on device 0
+    after r: device 0's stage-2 tasks s -> t stay unfused (t is read by the client: no fewer tasks)."""
+    rt = Runtime(dispatch_s=0.125, fused=True)
+    p = plan_of(task("p", 0), task("q", 0, ["p"], nbytes=500), task("r", 1, ["q"]), task("s", 0, ["q", "r"]),
+                task("t", 0, ["s"]))
+    p.outputs = {"loss": [("t",)]}
+    sim = run(p, {"p": 1.0, "q": 1.0, "r": 1.0, "s": 1.0, "t": 1.0}, LINKS, rt)
+    q_export = 0.125 + 2.0 + 0.125  # the run of p, q, then the getitem task of q
+    assert sim.start[("r",)] == q_export + 0.125 + 0.5 + 0.25
+    assert messages[0] == (0, 1, 500, q_export + 0.125, q_export + 0.125 + 0.75)
+    assert sim.bytes_moved == p.bytes_moved == 508
+    assert sim.start[("s",)] == sim.finish[("r",)] + 0.125 + 0.008 + 0.25  # r's value travels back (8 B)
+
+
 # ---- 7. schedules of real plans -----------------------------------------------------------------
 
 GRAPHS = {"lenet5": lambda: models.lenet5(batch=8),
