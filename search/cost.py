@@ -44,6 +44,7 @@ from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
+from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 
@@ -438,8 +439,22 @@ class CostModel:
                 lo, hi, _ = plan.shards[task.layer][task.key[1]].chunks[task.key[2]]
                 sync[task.key] = (kind, task.phase, hi - lo, len(task.spec.grads))
         self._time_synchronization(set(sync.values()))
+        # On CPU workers a task first copies the arrays Dask hands it out of a message, which are
+        # misaligned (taskrt.tasks.Received): another device's values and the client's data tiles.
+        received = {}
+        bandwidth = self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
+        if not self.estimated:
+            for task in plan.tasks:
+                if self.kinds[self.kind_index[task.device]].startswith("cpu"):
+                    nbytes = sum(plan.nbytes_of(d) or 0 for d in task.deps
+                                 if d.kind == DATA or (d.kind == TASK and plan.device_of(d) != task.device))
+                    if nbytes:
+                        received[task.key] = nbytes / bandwidth
 
         def task_time(task) -> float:
+            return received.get(task.key, 0.0) + kernel_time(task)
+
+        def kernel_time(task) -> float:
             spec = task.spec
             if task.phase == "fwd":
                 return self.part_time(spec.op, spec.out, tuple(False for _ in spec.op.in_shapes), task.device)[0]

@@ -21,6 +21,7 @@ from taskrt.fusion import fuse
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
+from taskrt.tasks import Received
 
 
 def step_key(key: tuple, step) -> tuple:
@@ -84,7 +85,10 @@ class Executor:
             names.append((name, value, len(keys)))
             wanted += keys
         submitted = time.perf_counter()
-        with dask.annotate(resources=lambda key: restriction[key]):
+        # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
+        # simulator assumes: values another device waits for first (taskrt.fusion)
+        priority = {key: -i for i, key in enumerate(dsk)}
+        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
         out, i = {}, 0
         for name, value, count in names:
@@ -190,7 +194,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         raise AssertionError(dep)
 
     for task in plan.tasks:
-        add(step_key(task.key, tag), (task.spec, *[resolve(d, task.device) for d in task.deps]), task.device)
+        spec = Received(task.spec) if any(_through_messages(plan, d, task.device) for d in task.deps) else task.spec
+        add(step_key(task.key, tag), (spec, *[resolve(d, task.device) for d in task.deps]), task.device)
     outputs = {}
     for name, value in plan.outputs.items():
         keys = list(value.values()) if isinstance(value, dict) else list(value)
@@ -210,6 +215,14 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         dsk, device_of = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage))
     restriction = {key: {device_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs
+
+
+def _through_messages(plan: Plan, dep, device: int) -> bool:
+    """Whether a task on `device` gets `dep`'s value out of a Dask message (not from its own
+    device's earlier task)."""
+    if dep.kind == TASK:
+        return plan.by_key[dep.key].device != device
+    return dep.kind in (DATA, STATE, BUFFER)
 
 
 def loss_sum(value) -> float:

@@ -4,7 +4,11 @@ becomes one Dask task, so a step pays Dask's per-task cost once per run, not onc
 Each task gets a stage: the most device changes on any path of tasks leading to it.  Tasks on one
 device with the same stage form a group, and a group is convex: a path that leaves its device
 raises the stage, so no path leaves a group and comes back into it, and a group's task can run
-as soon as the group's outside inputs are there.  A group runs as one `FusedRun` task; each of
+as soon as the group's outside inputs are there.  A Dask task gives its values only when it
+ends, so each group is split in two, the tasks whose values another device reads together with
+all of the group they need first, then the rest: otherwise a data-parallel replica would wait
+for the whole forward and backward of the device that sends it the weights.  (Both halves stay
+convex: the first holds every ancestor in the group of its tasks.)  A group runs as one `FusedRun` task; each of
 its values that something outside the group reads (a task on another device or stage, or the
 client) is taken out of the result by a small task under its original key on the same device.
 A group where that would not make fewer tasks (nearly all its values are read outside) stays
@@ -23,10 +27,12 @@ class FusedRun:
     """Runs `steps` in order; returns the values of `exports` as a tuple.
 
     steps: ((key, callable, args), ...) where each arg is ("in", i) for the i-th outside input,
-    ("own", key) for an earlier step's value, or ("lit", value)."""
+    ("own", key) for an earlier step's value, or ("lit", value).  after: keys of the same device
+    this run waits for without reading them (they are its last inputs)."""
 
     steps: tuple
     exports: tuple
+    after: tuple = ()
 
     def __call__(self, *inputs):
         last_use = {}
@@ -60,24 +66,44 @@ def stages(dsk: dict, device: dict) -> dict:
     return stage
 
 
+def groups_of(dsk: dict, device: dict) -> dict:
+    """key -> its group (device, 2 * stage + 0 for the half whose values another device reads,
+    with what it needs in the group, 1 for the rest); `dsk` in dependency order."""
+    stage = stages(dsk, device)
+    remote = set()  # values a task on another device reads
+    for key, (_, *args) in dsk.items():
+        remote.update(a for a in args if _is_key(a, dsk) and device[a] != device[key])
+    first = set()
+    for key in reversed(dsk):  # consumers before producers: each adds the parents of its group
+        if key in remote or key in first:
+            first.add(key)
+            _, *args = dsk[key]
+            first.update(a for a in args if _is_key(a, dsk) and (device[a], stage[a]) == (device[key], stage[key]))
+    return {key: (device[key], 2 * stage[key] + (key not in first)) for key in dsk}
+
+
 def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
     """(fused graph, device of each of its keys).  `dsk` maps key -> (callable, *args) in
     dependency order, args being keys of `dsk` or values; `outputs`: keys the client reads;
-    `name(device, stage)` gives a group's key."""
-    stage = stages(dsk, device)
+    `name(device, index)` gives a group's key.  The fused graph lists its groups by stage, the
+    half another device reads first, each group's tasks in `dsk` order: an order of dependencies
+    that the executor gives Dask as priorities (and the simulator follows)."""
     groups: dict[tuple, list] = {}
-    for key in dsk:
-        groups.setdefault((device[key], stage[key]), []).append(key)
+    for key, group in groups_of(dsk, device).items():
+        groups.setdefault(group, []).append(key)
     group_of = {key: g for g, keys in groups.items() for key in keys}
     read_outside = set(outputs)
     for key, (_, *args) in dsk.items():
         read_outside.update(a for a in args if _is_key(a, dsk) and group_of[a] != group_of[key])
     fused, where = {}, {}
-    for g, keys in groups.items():
+    first_half = {}  # (device, stage) -> the keys of its first half's tasks in the fused graph
+    for g, keys in sorted(groups.items(), key=lambda item: item[0][1]):  # stable: by first task within
         exports = tuple(k for k in keys if k in read_outside)
         if len(exports) + 1 >= len(keys):  # fusing would not make fewer tasks: keep the group as it is
             for key in keys:
                 fused[key], where[key] = dsk[key], g[0]
+            if g[1] % 2 == 0:
+                first_half[(g[0], g[1] // 2)] = tuple(keys)
             continue
         inside = set(keys)
         inputs, index, steps = [], {}, []
@@ -96,7 +122,12 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
                     refs.append(("lit", a))
             steps.append((key, fn, tuple(refs)))
         run_key = name(*g)
-        fused[run_key], where[run_key] = (FusedRun(tuple(steps), exports), *inputs), g[0]
+        # A second half runs after its first: a worker starts whichever task reaches it first,
+        # priorities notwithstanding, and would keep another device waiting for the whole stage
+        after = first_half.get((g[0], g[1] // 2), ()) if g[1] % 2 else ()
+        fused[run_key], where[run_key] = (FusedRun(tuple(steps), exports, after), *inputs, *after), g[0]
+        if g[1] % 2 == 0:
+            first_half[(g[0], g[1] // 2)] = (run_key,)
         for i, key in enumerate(exports):
             fused[key], where[key] = (getitem, run_key, i), g[0]
     return fused, where
@@ -131,6 +162,7 @@ def fused_plan(plan) -> tuple:
             inside = [plan.by_key[k] for k, _, _ in fn.steps]
             names = {t.key for t in inside}
             deps = dict.fromkeys(d for t in inside for d in t.deps if not (d.kind == TASK and d.key in names))
+            deps.update(dict.fromkeys(Dep(TASK, k) for k in fn.after))
             members[key] = inside
             tasks.append(Task(key, "fused", inside[0].layer, where[key], fn, tuple(deps), None,
                               sum(t.flops for t in inside)))

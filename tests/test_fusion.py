@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.executor import step_graph
-from taskrt.fusion import FusedRun, fuse, fused_plan, stages
+from taskrt.fusion import FusedRun, fuse, fused_plan, groups_of, stages
 from taskrt.lowering import lower
 from taskrt.strategy import Strategy
 from tests.strategies import random_strategies
@@ -66,14 +66,20 @@ def test_fused_graph_gives_the_same_values_under_the_same_keys(case):
 @settings(max_examples=100, deadline=None)
 @given(device_graphs())
 def test_groups_are_convex(case):
-    """No path of tasks leaves a (device, stage) group and comes back: a group never waits on itself."""
+    """No path of tasks leaves a group and comes back: a group never waits on itself.  A value
+    another device reads is in the first half of its (device, stage) group, with all it needs."""
     dsk, device, _ = case
     stage = stages(dsk, device)
     dag = nx.DiGraph([(a, k) for k, deps in dependencies(dsk).items() for a in deps])
     dag.add_nodes_from(dsk)
-    group = {k: (device[k], stage[k]) for k in dsk}
+    group = groups_of(dsk, device)
     for a, b in dag.edges:
         assert stage[b] >= stage[a] + (device[a] != device[b])
+        assert group[a][1] // 2 == stage[a] and group[a][0] == device[a]
+        if device[a] != device[b]:
+            assert group[a][1] % 2 == 0
+        elif group[b][1] % 2 == 0 and stage[a] == stage[b]:
+            assert group[a] == group[b]  # the first half holds what it needs of its stage
     quotient = nx.quotient_graph(dag, lambda u, v: group[u] == group[v])
     assert nx.is_directed_acyclic_graph(quotient)
 

@@ -353,6 +353,20 @@ def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages)
     assert sim.start[("s",)] == sim.finish[("r",)] + 0.125 + 0.008 + 0.25  # r's value travels back (8 B)
 
 
+
+def test_a_fused_data_parallel_replica_need_not_wait_for_the_servers_forward():
+    """Device 0 holds the weights (sync "ps") and sends them to device 1: fused, device 1 still
+    starts before device 0's forward and backward end (taskrt.fusion splits the group)."""
+    g = models.lenet5(batch=8)
+    machine = Machine.simulated(1, 2)
+    plan = lower(g, BASELINES["data"](g, machine).validated(g, machine))
+    kernel = {"fwd": 1.0, "bwd": 1.0}
+    sim = simulate(plan, lambda t: kernel.get(t.phase, 0.0), machine, Runtime(dispatch_s=0.125, fused=True))
+    first_on_1 = min(sim.start[t.key] for t in plan.tasks if t.device == 1 and t.phase == "fwd")
+    last_on_0 = max(sim.finish[t.key] for t in plan.tasks if t.device == 0 and t.phase == "bwd")
+    assert first_on_1 < 1.0 < last_on_0
+
+
 # ---- 7. schedules of real plans -----------------------------------------------------------------
 
 GRAPHS = {"lenet5": lambda: models.lenet5(batch=8),
