@@ -145,7 +145,25 @@ def complete(out="results"):
     _write(out, result)
 
 
+def remeasure(out="results"):
+    """From out/ist.json: Table 1's runs on local(2) again, with the learning rates and step limits
+    its searches found (`python -m bench.ist --measure [DIR]`: after a change to the runtime)."""
+    result = json.loads(Path(out, "ist.json").read_text())
+    table = result["table1"]
+    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
+    if table is None or any(f"{m}@2" not in table["search"] for m in ist_time.METHODS):
+        raise SystemExit(f"{out}/ist.json has no learning-rate search for 2 sites to measure with")
+    if table["setting"] != ist_time.setting_dict(setting):
+        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
+    table["measured"] = ist_time.measure_local(setting, speech_like(**setting.task), table["search"])
+    _write(out, result)
+
+
 if __name__ == "__main__":
     import sys
 
-    complete(*sys.argv[1:2])
+    args = sys.argv[1:]
+    if args[:1] == ["--measure"]:
+        remeasure(*args[1:2])
+    else:
+        complete(*args[:1])

@@ -96,8 +96,8 @@ def _measured(t, targets) -> list[str]:
     lines = ["", "### Measured on `Machine.local(2)`", "",
              "The three methods on the same two single-threaded Dask workers, interleaved a round (J steps) of each "
              "at a time; seconds are the wall time of their steps (each step's data sent, computed, synchronized), "
-             "evaluations excluded (their time in the last column). The machine (2 cores) was shared with other "
-             f"work; the three runs took {m['wall_s']:.0f} s of wall time in all.", "",
+             "evaluations excluded (their time in the last column). The two workers and the client share the "
+             f"machine's 2 cores; the three runs took {m['wall_s']:.0f} s of wall time in all.", "",
              "| method | lr | " + " | ".join(f"steps to {x} | s to {x}" for x in targets)
              + " | s per step | steps to " + str(top) + " in this process | evaluation s |",
              "|---|---|" + "---|---|" * len(targets) + "---|---|---|"]
