@@ -277,7 +277,7 @@ def _box_tables(tuples, values, with_total):
     return sums
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, parallel=True)
 def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
              constant_lo, constant_hi, node, weights, itemsize, nic, out):
     """out[a, b]: the time for consumer config b's parts to receive their needs from producer
@@ -302,16 +302,14 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             for s in range(slots):
                 overlap[e, i, s] = max(min(slot_hi[e, s], hi) - max(slot_lo[e, s], lo), 0)
     sums = _box_tables(tuples, overlap, False)
-    rows = np.empty(rank, dtype=np.int64)
-    node_vol, node_cnt = np.empty(configs), np.empty(configs)
-    total_cnt, local_vol = np.empty(configs), np.empty(configs)
-    total_vol = np.empty(configs)
-    slowest = np.empty(configs)
-    inter = np.zeros((node.max() + 1, configs))  # bytes into each node's interface
-    for b in range(len(starts)):
+    for b in numba.prange(len(starts)):  # consumer configs: independent columns, over the cores
+        rows = np.empty(rank, dtype=np.int64)
+        node_vol, node_cnt = np.empty(configs), np.empty(configs)
+        total_cnt, local_vol = np.empty(configs), np.empty(configs)
+        total_vol = np.empty(configs)
+        slowest = np.zeros(configs)
+        inter = np.zeros((node.max() + 1, configs))  # bytes into each node's interface
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
-        slowest[:] = 0.0
-        inter[:] = 0.0
         for q in range(starts[b], q1):
             if empty[q]:
                 continue  # it reads nothing
@@ -335,7 +333,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             out[a, b] = max(slowest[a], busiest)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, parallel=True)
 def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo,
               slot_hi, part_slot, device, starts, node, weights, itemsize, nic, out):
     """out[a, b]: the time for producer config a's parts to receive their output gradients
@@ -356,16 +354,14 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                     g *= max(min(slot_hi[e, i], need_hi[d, s, e]) - max(slot_lo[e, i], need_lo[d, s, e]), 0)
                 factor[d, i, s] = g
     sums = _box_tables(tuples, factor, True)
-    rows = np.empty(rank_out, dtype=np.int64)
-    node_vol, node_cnt = np.empty(configs), np.empty(configs)
-    total_cnt, local_vol = np.empty(configs), np.empty(configs)
-    total_vol = np.empty(configs)
-    slowest = np.empty(configs)
-    inter = np.zeros((node.max() + 1, configs))
-    for a_u in range(len(starts)):
+    for a_u in numba.prange(len(starts)):  # producer configs: independent rows, over the cores
+        rows = np.empty(rank_out, dtype=np.int64)
+        node_vol, node_cnt = np.empty(configs), np.empty(configs)
+        total_cnt, local_vol = np.empty(configs), np.empty(configs)
+        total_vol = np.empty(configs)
+        slowest = np.zeros(configs)
+        inter = np.zeros((node.max() + 1, configs))
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
-        slowest[:] = 0.0
-        inter[:] = 0.0
         for p in range(starts[a_u], p1):
             r = device[p]
             scale = 1.0
