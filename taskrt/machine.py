@@ -157,9 +157,6 @@ class Machine:
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
-        from taskrt.streams import prompt_messages
-
-        prompt_messages(client)
         n = len(devices)
         machine = cls(devices, np.full((n, n), np.inf), np.zeros((n, n)), client=client, cluster=cluster,
                       description=f"{n} Dask workers")
@@ -562,4 +559,3 @@ def _probe_log(prefix, dask_worker=None):
             if isinstance(key, str) and key.startswith(prefix):
                 out.append((key, entry["duration"]))
     return out
-
