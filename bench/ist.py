@@ -127,17 +127,25 @@ def _write(out, result):
         plot(result, Path(out, "ist.png"))
 
 
+def _saved(out) -> tuple:
+    """out/ist.json's result, its Table 1 and the setting it was made with (this file's)."""
+    result = json.loads(Path(out, "ist.json").read_text())
+    table = result["table1"]
+    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
+    if table is None:
+        raise SystemExit(f"{out}/ist.json has no Table 1: run bench ist")
+    if table["setting"] != ist_time.setting_dict(setting):
+        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
+    return result, table, setting
+
+
 def complete(out="results"):
     """From out/ist.json: Table 1's simulated rows again (the searches' steps do not change; kernel
     times measured now), and the ablation's learning rates that it lacks (its curves reused):
     `python -m bench.ist [DIR]`, minutes instead of hours."""
-    result = json.loads(Path(out, "ist.json").read_text())
-    table = result["table1"]
-    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
-    if table is None or len(table["search"]) < len(setting.devices) * len(ist_time.METHODS):
+    result, table, setting = _saved(out)
+    if len(table["search"]) < len(setting.devices) * len(ist_time.METHODS):
         raise SystemExit(f"{out}/ist.json has no complete learning-rate search to simulate from")
-    if table["setting"] != ist_time.setting_dict(setting):
-        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
     ist_time.simulate_all(table, setting, speech_like(**setting.task))
     table["resimulated"] = True
     _write(out, result)
@@ -148,13 +156,9 @@ def complete(out="results"):
 def remeasure(out="results"):
     """From out/ist.json: Table 1's runs on local(2) again, with the learning rates and step limits
     its searches found (`python -m bench.ist --measure [DIR]`: after a change to the runtime)."""
-    result = json.loads(Path(out, "ist.json").read_text())
-    table = result["table1"]
-    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
-    if table is None or any(f"{m}@2" not in table["search"] for m in ist_time.METHODS):
+    result, table, setting = _saved(out)
+    if any(f"{m}@2" not in table["search"] for m in ist_time.METHODS):
         raise SystemExit(f"{out}/ist.json has no learning-rate search for 2 sites to measure with")
-    if table["setting"] != ist_time.setting_dict(setting):
-        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
     table["measured"] = ist_time.measure_local(setting, speech_like(**setting.task), table["search"])
     _write(out, result)
 

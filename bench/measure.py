@@ -1,9 +1,9 @@
 """Training steps of several strategies on one machine, side by side, with their predictions.
 
 Strategies are interleaved (two steps of each, the second timed, then the next round), so a
-slow minute of the machine hits them all alike; each reports the median of its rounds.  Predictions come from the
-cost model measured in the same run: the paper's additive equation 1 and the task-graph
-simulator.
+slow minute of the machine hits them all alike; each reports the median of its rounds.
+Predictions come from the cost model measured in the same run: the paper's additive equation 1
+and the task-graph simulator.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ as soon as the group's outside inputs are there.  A Dask task gives its values o
 ends, so each group is split in two, the tasks whose values another device reads together with
 all of the group they need first, then the rest: otherwise a data-parallel replica would wait
 for the whole forward and backward of the device that sends it the weights.  (Both halves stay
-convex: the first holds every ancestor in the group of its tasks.)  A group runs as one `FusedRun` task; each of
-its values that something outside the group reads (a task on another device or stage, or the
-client) is taken out of the result by a small task under its original key on the same device.
+convex: the first holds every ancestor in the group of its tasks.)  A group runs as one
+`FusedRun` task; each of its values that something outside the group reads (a task on another
+device or stage, or the client) is taken out of the result by a small task under its original
+key on the same device.
 A group where that would not make fewer tasks (nearly all its values are read outside) stays
 as it is.  Keys, bytes moved and the values the client sees are those of the
 unfused graph; only the group's inner values never become Dask keys.

@@ -72,15 +72,17 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed
     inside its group's run, in order."""
-    members = {}
+    members, kernels = {}, {}
     if runtime.fused:
         plan, members = fused_plan(plan)
         kernel = task_time
+        kernels = {key: [kernel(t) for t in inside] for key, inside in members.items()}  # once, not per schedule
+        run_s = {key: sum(times) for key, times in kernels.items()}
 
         def task_time(task):
             if task.phase == "export":
                 return 0.0
-            return sum(kernel(t) for t in members[task.key]) if task.phase == "fused" else kernel(task)
+            return run_s[task.key] if task.phase == "fused" else kernel(task)
 
     unknown = {d.key for t in plan.tasks for d in t.deps if d.kind == TASK} - plan.by_key.keys()
     if unknown:
@@ -105,9 +107,8 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
         result.background = background
     for key, inside in members.items():  # each member's share of its run, in order
         begin, end = result.start[key] + runtime.task_s, result.finish[key]
-        kernels = [task_time(t) for t in inside]
-        scale = (end - begin) / sum(kernels) if sum(kernels) > 0 else 0.0
-        for t, seconds in zip(inside, kernels):
+        scale = (end - begin) / run_s[key] if run_s[key] > 0 else 0.0
+        for t, seconds in zip(inside, kernels[key]):
             result.start[t.key], begin = begin, begin + seconds * scale
             result.finish[t.key] = begin
     return result
