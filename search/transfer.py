@@ -304,11 +304,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
     sums = _box_tables(tuples, overlap, False)
     for b in numba.prange(len(starts)):  # consumer configs: independent columns, over the cores
         rows = np.empty(rank, dtype=np.int64)
-        node_vol, node_cnt = np.empty(configs), np.empty(configs)
-        total_cnt, local_vol = np.empty(configs), np.empty(configs)
-        total_vol = np.empty(configs)
-        slowest = np.zeros(configs)
-        inter = np.zeros((node.max() + 1, configs))  # bytes into each node's interface
+        node_vol, node_cnt, total_cnt, local_vol, total_vol, slowest, inter = _receiver_scratch(configs, node)
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
         for q in range(starts[b], q1):
             if empty[q]:
@@ -326,11 +322,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
                      + weights[2] * (node_cnt[a] - local_cnt) + weights[3] * (total_cnt[a] - node_cnt[a]))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += need - node_vol[a]
-        for a in range(configs):
-            busiest = 0.0
-            for k in range(inter.shape[0]):
-                busiest = max(busiest, inter[k, a] * itemsize * nic)
-            out[a, b] = max(slowest[a], busiest)
+        _config_costs(slowest, inter, itemsize, nic, out[:, b])
 
 
 @numba.njit(cache=True, parallel=True)
@@ -356,11 +348,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
     sums = _box_tables(tuples, factor, True)
     for a_u in numba.prange(len(starts)):  # producer configs: independent rows, over the cores
         rows = np.empty(rank_out, dtype=np.int64)
-        node_vol, node_cnt = np.empty(configs), np.empty(configs)
-        total_cnt, local_vol = np.empty(configs), np.empty(configs)
-        total_vol = np.empty(configs)
-        slowest = np.zeros(configs)
-        inter = np.zeros((node.max() + 1, configs))
+        node_vol, node_cnt, total_cnt, local_vol, total_vol, slowest, inter = _receiver_scratch(configs, node)
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
         for p in range(starts[a_u], p1):
             r = device[p]
@@ -382,11 +370,25 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                      + weights[3] * present * (total_cnt[a] - node_cnt[a]))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += scale * (total_vol[a] - node_vol[a])
-        for a in range(configs):
-            busiest = 0.0
-            for k in range(inter.shape[0]):
-                busiest = max(busiest, inter[k, a] * itemsize * nic)
-            out[a_u, a] = max(slowest[a], busiest)
+        _config_costs(slowest, inter, itemsize, nic, out[a_u])
+
+
+@numba.njit(cache=True)
+def _receiver_scratch(configs, node):
+    """Per config: a receiving part's box products (`_box_products`), the slowest receiver so far
+    (zero) and the bytes into each node's interface (zero)."""
+    return (np.empty(configs), np.empty(configs), np.empty(configs), np.empty(configs), np.empty(configs),
+            np.zeros(configs), np.zeros((node.max() + 1, configs)))
+
+
+@numba.njit(cache=True)
+def _config_costs(slowest, inter, itemsize, nic, out):
+    """out[a]: config a's time, its slowest receiver or its busiest node interface."""
+    for a in range(len(slowest)):
+        busiest = 0.0
+        for k in range(inter.shape[0]):
+            busiest = max(busiest, inter[k, a] * itemsize * nic)
+        out[a] = max(slowest[a], busiest)
 
 
 @numba.njit(cache=True)
