@@ -157,6 +157,9 @@ class Machine:
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
+        from taskrt.worker_setup import WorkerSetup
+
+        client.register_plugin(WorkerSetup())
         n = len(devices)
         machine = cls(devices, np.full((n, n), np.inf), np.zeros((n, n)), client=client, cluster=cluster,
                       description=f"{n} Dask workers")
@@ -218,6 +221,15 @@ class Machine:
         if missing:
             raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
         return out
+
+    def freeze_heaps(self) -> None:
+        """Move what the workers and the scheduler hold now out of the reach of Python's garbage
+        collector (`taskrt.worker_setup`; with `Machine.local` the scheduler shares this process).
+        A Trainer calls it after its first step: its kernels compiled, its plan sent."""
+        from taskrt.worker_setup import freeze_heap
+
+        self.client.run(freeze_heap, on_error="ignore")  # a worker being lost just now is not an error here
+        self.client.run_on_scheduler(freeze_heap)
 
     def live_devices(self) -> dict[int, str]:
         """{device: worker address} of the devices that have a worker now."""
@@ -382,7 +394,10 @@ class Machine:
 
 _DASK_SETTINGS = {
     "distributed.scheduler.active-memory-manager.start": False,
-    "distributed.admin.low-level-log-length": 100_000,  # transfer logs long enough to count bytes per step
+    # Dask's debugging logs (transitions, events, each message stream's recent messages with their
+    # task specs) 100 entries long, not 1000: fewer objects for Python's full garbage collections
+    # to walk in the scheduler (taskrt.worker_setup); the workers' transfer logs stay long
+    "distributed.admin.low-level-log-length": 100,
     "distributed.worker.daemon": False,
     # A step's temporaries must land on memory the worker already has.  Dask's nanny gives its workers
     # MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's dynamic mmap threshold: every large

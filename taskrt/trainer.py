@@ -165,6 +165,7 @@ class Trainer:
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
         self._in_flight: list[StepFuture] = []
         self._last_finished = 0.0
+        self._heaps_frozen = False  # see _finished
         self._cut_at = 0  # the step whose state was last given fresh keys
         self._aux_runs = 0
         self.stats: StepStats | None = None
@@ -427,6 +428,9 @@ class Trainer:
             _measure=lambda keys=run.keys, executor=self.executor: executor.measured_bytes(keys),
         )
         self._walls.append(self.stats.wall_s)
+        if not self._heaps_frozen:  # once, after the first step (outside its time): taskrt.worker_setup
+            self._heaps_frozen = True
+            self.machine.freeze_heaps()
         self._publisher.step_finished(run.step, self.stats.wall_s)
         while self._pending and self._pending[0][0] <= run.step:
             self._take_snapshot(*self._pending.pop(0))

@@ -156,6 +156,40 @@ def test_stats_report_planned_and_measured_bytes(machine4):
     assert "bytes moved" in stats.summary()
 
 
+def _heap(dask_worker=None):
+    """(Dask gives the scheduler as `dask_worker` too, when run there.)"""
+    import gc
+
+    server = dask_worker
+    on_worker = hasattr(server, "batched_stream")
+    # a message stream (to the scheduler, to a worker) and its record of recent messages
+    stream = server.batched_stream if on_worker else next(iter(server.stream_comms.values()))
+    return {"frozen": gc.get_freeze_count(), "recent_messages": stream.recent_message_log.maxlen,
+            "transfers": server.transfer_incoming_log.maxlen if on_worker else None}
+
+
+def test_heaps_are_frozen_after_the_first_step_and_transfer_logs_stay_long(machine4):
+    """taskrt.worker_setup: after a trainer's first step the workers and the scheduler hold their
+    long-lived objects out of the garbage collector's walks; Dask's debugging logs are short,
+    the workers' transfer logs long enough to count bytes many steps later."""
+    from taskrt.worker_setup import TRANSFER_LOG_LENGTH
+
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed(graph), machine4)
+    x, y = batches(graph, 1)[0]
+    before = machine4.client.run(_heap)
+    trainer.step(x, y)
+    after = machine4.client.run(_heap)
+    for address, heap in after.items():
+        assert heap["frozen"] > before[address]["frozen"]  # the first step's objects joined them
+        assert heap["transfers"] == TRANSFER_LOG_LENGTH and heap["recent_messages"] <= 100
+    assert machine4.client.run_on_scheduler(_heap)["recent_messages"] <= 100
+    planned = trainer.stats.planned_bytes
+    for _ in range(30):  # more tasks than the debugging logs hold
+        trainer.step(x, y)
+    assert trainer.stats.measured_bytes == planned
+
+
 def test_keys_are_named_by_layer_and_phase(machine4):
     from dask.utils import key_split
 
