@@ -14,8 +14,9 @@ Two ways to compute the same table:
   block-index space, and the volume a receiver gets from a box is a product over dimensions of
   one-dimensional sums.  A receiver's range along a dimension is one of its blocks, and what a
   config looks like from a receiver along a dimension is one of few slot tuples (Grid), so the
-  sums are tabulated per (dimension, block, tuple) and each (receiver, config) multiplies one
-  entry per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
+  sums are tabulated per (dimension, block, tuple), gathered for every config once per
+  (receiving device, dimension, block) that some part reads, and each receiving part multiplies
+  one row of them per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
   matrix; tests check it equals `general`.
 """
 
