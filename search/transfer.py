@@ -14,8 +14,9 @@ Two ways to compute the same table:
   block-index space, and the volume a receiver gets from a box is a product over dimensions of
   one-dimensional sums.  A receiver's range along a dimension is one of its blocks, and what a
   config looks like from a receiver along a dimension is one of few slot tuples (Grid), so the
-  sums are tabulated per (dimension, block, tuple) and each (receiver, config) multiplies one
-  entry per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
+  sums are tabulated per (dimension, block, tuple), gathered for every config once per
+  (receiving device, dimension, block) that some part reads, and each receiving part multiplies
+  one row of them per dimension (numba kernels).  This avoids the (producer parts x consumer parts)
   matrix; tests check it equals `general`.
 """
 
@@ -250,33 +251,6 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     return forward + gradients
 
 
-@numba.njit(cache=True)
-def _box_tables(tuples, values, with_total):
-    """For each dimension e, row i of `values` (one receiver's values per slot along e; the last
-    slot, the zero slot, left out of the sums) and distinct slot tuple t (Grid.tuples): the sum
-    of the values over the box, the count of positive ones in it, the count over all blocks, the
-    receiver's own value and, `with_total`, the sum over all blocks."""
-    rank, rows, width = values.shape
-    sums = np.zeros((rank, rows, tuples.shape[1], 5))
-    cum_vol = np.empty(width)
-    cum_cnt = np.empty(width)
-    for e in range(rank):
-        for i in range(rows):
-            cum_vol[0], cum_cnt[0] = 0.0, 0.0
-            for s in range(width - 1):
-                cum_vol[s + 1] = cum_vol[s] + values[e, i, s]
-                cum_cnt[s + 1] = cum_cnt[s] + (1.0 if values[e, i, s] > 0 else 0.0)
-            for t in range(tuples.shape[1]):
-                first, box_lo, box_hi, top, mine = tuples[e, t]
-                sums[e, i, t, 0] = cum_vol[box_hi] - cum_vol[box_lo]
-                sums[e, i, t, 1] = cum_cnt[box_hi] - cum_cnt[box_lo]
-                sums[e, i, t, 2] = cum_cnt[top] - cum_cnt[first]
-                sums[e, i, t, 3] = values[e, i, mine]
-                if with_total:
-                    sums[e, i, t, 4] = cum_vol[top] - cum_vol[first]
-    return sums
-
-
 @numba.njit(cache=True, parallel=True)
 def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
              constant_lo, constant_hi, node, weights, itemsize, nic, out):
@@ -301,27 +275,30 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             extent[e, i] = max(hi - lo, 0)
             for s in range(slots):
                 overlap[e, i, s] = max(min(slot_hi[e, s], hi) - max(slot_lo[e, s], lo), 0)
-    sums = _box_tables(tuples, overlap, False)
+    rows = np.empty((parts, rank), dtype=np.int64)
+    for q in range(parts):
+        for e in range(rank):
+            rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
+    which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
     for b in numba.prange(len(starts)):  # consumer configs: independent columns, over the cores
-        rows = np.empty(rank, dtype=np.int64)
-        node_vol, node_cnt, total_cnt, local_vol, total_vol, slowest, inter = _receiver_scratch(configs, node)
+        box = np.empty((4, configs))
+        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
         for q in range(starts[b], q1):
             if empty[q]:
                 continue  # it reads nothing
             need = 1.0
             for e in range(rank):
-                rows[e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
-                need *= extent[e, rows[e]]
-            r = device[q]
-            _box_products(tuple_of[r], rows, sums, False, node_vol, node_cnt, total_cnt, local_vol, total_vol)
-            k = node[r]
+                need *= extent[e, rows[q, e]]
+            _products(gathered, which, q, box)
+            k = node[device[q]]
             for a in range(configs):
-                local_cnt = 1.0 if local_vol[a] > 0 else 0.0
-                t = (weights[0] * (node_vol[a] - local_vol[a]) + weights[1] * (need - node_vol[a])
-                     + weights[2] * (node_cnt[a] - local_cnt) + weights[3] * (total_cnt[a] - node_cnt[a]))
+                node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
+                local_cnt = 1.0 if local_vol > 0 else 0.0
+                t = (weights[0] * (node_vol - local_vol) + weights[1] * (need - node_vol)
+                     + weights[2] * (node_cnt - local_cnt) + weights[3] * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
-                inter[k, a] += need - node_vol[a]
+                inter[k, a] += need - node_vol
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
 
 
@@ -345,40 +322,109 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                 if e >= 0:
                     g *= max(min(slot_hi[e, i], need_hi[d, s, e]) - max(slot_lo[e, i], need_lo[d, s, e]), 0)
                 factor[d, i, s] = g
-    sums = _box_tables(tuples, factor, True)
+    rows = np.empty((parts, rank_out), dtype=np.int64)
+    for p in range(parts):
+        for d in range(rank_out):
+            rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
+    which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
     for a_u in numba.prange(len(starts)):  # producer configs: independent rows, over the cores
-        rows = np.empty(rank_out, dtype=np.int64)
-        node_vol, node_cnt, total_cnt, local_vol, total_vol, slowest, inter = _receiver_scratch(configs, node)
+        box = np.empty((5, configs))
+        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
         for p in range(starts[a_u], p1):
-            r = device[p]
             scale = 1.0
             for e in range(rank_in):
                 if has_constant[e]:
                     i = part_slot[p, e]
                     scale *= max(min(slot_hi[e, i], constant_hi[e]) - max(slot_lo[e, i], constant_lo[e]), 0)
             present = 1.0 if scale > 0 else 0.0
-            for d in range(rank_out):
-                rows[d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
-            _box_products(tuple_of[r], rows, sums, True, node_vol, node_cnt, total_cnt, local_vol, total_vol)
-            k = node[r]
+            _products(gathered, which, p, box)
+            k = node[device[p]]
             for a in range(configs):
-                local_cnt = present if local_vol[a] > 0 else 0.0
-                t = (weights[0] * scale * (node_vol[a] - local_vol[a])
-                     + weights[1] * scale * (total_vol[a] - node_vol[a])
-                     + weights[2] * present * (node_cnt[a] - local_cnt)
-                     + weights[3] * present * (total_cnt[a] - node_cnt[a]))
+                node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
+                total_vol = box[4, a]
+                local_cnt = present if local_vol > 0 else 0.0
+                t = (weights[0] * scale * (node_vol - local_vol)
+                     + weights[1] * scale * (total_vol - node_vol)
+                     + weights[2] * present * (node_cnt - local_cnt)
+                     + weights[3] * present * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
-                inter[k, a] += scale * (total_vol[a] - node_vol[a])
+                inter[k, a] += scale * (total_vol - node_vol)
         _config_costs(slowest, inter, itemsize, nic, out[a_u])
 
 
 @numba.njit(cache=True)
-def _receiver_scratch(configs, node):
-    """Per config: a receiving part's box products (`_box_products`), the slowest receiver so far
-    (zero) and the bytes into each node's interface (zero)."""
-    return (np.empty(configs), np.empty(configs), np.empty(configs), np.empty(configs), np.empty(configs),
-            np.zeros(configs), np.zeros((node.max() + 1, configs)))
+def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
+    """What each receiving part multiplies, gathered once per distinct (device, dimension e, row
+    i) rather than per part: parts on one device share most rows.
+
+    `values[e, i]`: one receiver's values per slot along e (the last slot, the zero slot, left
+    out of the sums); `rows[q, e]`: part q's row along e (parts `skip` says: none).  For each
+    distinct slot tuple t along e (Grid.tuples) the box sums of row i are: the sum of the values
+    over the box, the count of positive ones in it, the count over all blocks, the receiver's
+    own value and, `with_total`, the sum over all blocks.  Returns each part's entry per
+    dimension and the entries: (component, config), each config's box sums for the tuple it has
+    along e as seen from the device (Grid.tuple_of)."""
+    parts, rank = rows.shape
+    devices, _, configs = tuple_of.shape
+    width = values.shape[2]
+    components = 5 if with_total else 4
+    entry = np.full((rank, values.shape[1], devices), -1, dtype=np.int64)
+    which = np.zeros((parts, rank), dtype=np.int64)
+    count = 0
+    for q in range(parts):
+        if skip[q]:
+            continue
+        for e in range(rank):
+            i, r = rows[q, e], device[q]
+            if entry[e, i, r] < 0:
+                entry[e, i, r] = count
+                count += 1
+            which[q, e] = entry[e, i, r]
+    gathered = np.empty((count, components, configs))
+    sums = np.empty((components, tuples.shape[1]))
+    cum_vol = np.empty(width)
+    cum_cnt = np.empty(width)
+    for e in range(rank):
+        for i in range(values.shape[1]):
+            if (entry[e, i] < 0).all():
+                continue  # no part reads this row
+            cum_vol[0], cum_cnt[0] = 0.0, 0.0
+            for s in range(width - 1):
+                cum_vol[s + 1] = cum_vol[s] + values[e, i, s]
+                cum_cnt[s + 1] = cum_cnt[s] + (1.0 if values[e, i, s] > 0 else 0.0)
+            for t in range(tuples.shape[1]):
+                first, box_lo, box_hi, top, mine = tuples[e, t]
+                sums[0, t] = cum_vol[box_hi] - cum_vol[box_lo]
+                sums[1, t] = cum_cnt[box_hi] - cum_cnt[box_lo]
+                sums[2, t] = cum_cnt[top] - cum_cnt[first]
+                sums[3, t] = values[e, i, mine]
+                if with_total:
+                    sums[4, t] = cum_vol[top] - cum_vol[first]
+            for r in range(devices):
+                g = entry[e, i, r]
+                if g < 0:
+                    continue
+                for c in range(components):
+                    for a in range(configs):
+                        gathered[g, c, a] = sums[c, tuple_of[r, e, a]]
+    return which, gathered
+
+
+@numba.njit(cache=True)
+def _products(gathered, which, q, out):
+    """out: the products over dimensions e of part q's entries `which[q, e]` (`_gathered`), in
+    dimension order; contiguous rows, so the compiler vectorizes them."""
+    components, configs = out.shape
+    first = which[q, 0]
+    for c in range(components):
+        for a in range(configs):
+            out[c, a] = gathered[first, c, a]
+    for e in range(1, which.shape[1]):
+        entry = which[q, e]
+        for c in range(components):
+            for a in range(configs):
+                out[c, a] *= gathered[entry, c, a]
 
 
 @numba.njit(cache=True)
@@ -389,30 +435,3 @@ def _config_costs(slowest, inter, itemsize, nic, out):
         for k in range(inter.shape[0]):
             busiest = max(busiest, inter[k, a] * itemsize * nic)
         out[a] = max(slowest[a], busiest)
-
-
-@numba.njit(cache=True)
-def _box_products(tuple_of, rows, sums, with_total, node_vol, node_cnt, total_cnt, local_vol, total_vol):
-    """Per config (one receiving device): the products over dimensions e of the box sums of
-    row `rows[e]` (`_box_tables`) for the config's tuple along e."""
-    table, which = sums[0, rows[0]], tuple_of[0]
-    for a in range(tuple_of.shape[1]):
-        x = table[which[a]]
-        node_vol[a], node_cnt[a], total_cnt[a], local_vol[a], total_vol[a] = x[0], x[1], x[2], x[3], x[4]
-    for e in range(1, tuple_of.shape[0]):
-        table, which = sums[e, rows[e]], tuple_of[e]
-        if with_total:
-            for a in range(tuple_of.shape[1]):
-                x = table[which[a]]
-                node_vol[a] *= x[0]
-                node_cnt[a] *= x[1]
-                total_cnt[a] *= x[2]
-                local_vol[a] *= x[3]
-                total_vol[a] *= x[4]
-        else:
-            for a in range(tuple_of.shape[1]):
-                x = table[which[a]]
-                node_vol[a] *= x[0]
-                node_cnt[a] *= x[1]
-                total_cnt[a] *= x[2]
-                local_vol[a] *= x[3]

@@ -51,6 +51,11 @@ class ParallelConfig:
     c_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        devices = self.devices
+        if (type(self.n) is int and type(self.c) is int and type(self.h) is int and type(self.w) is int
+                and min(self.n, self.c, self.h, self.w) >= 1 and type(devices) is tuple
+                and self.sync in SYNC_METHODS and self.c_sizes is None and set(map(type, devices)) <= {int}):
+            return  # already valid and normalized: the common case, checked at C speed (the search builds many)
         for dim in DIMS:
             value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -466,3 +467,17 @@ def test_table_lists_every_layer_with_degrees_and_devices():
         assert line.endswith(str(list(cfg.devices)))
     conv1 = next(line for line in lines if line.startswith("conv1 "))
     assert "{n=2, c=1, h=2, w=1}" in conv1 and "[3, 2, 1, 0]" in conv1
+
+
+@pytest.mark.parametrize("kwargs, part", [
+    ({"n": True, "devices": (0,)}, "n=True"),
+    ({"n": 2, "devices": (0, True)}, "devices must be ints"),
+    ({"n": 2, "devices": (0, 1.0)}, "devices must be ints"),
+    ({"c": 0, "devices": ()}, "c=0"),
+    ({"n": 2, "devices": (0, 1), "sync": "ring"}, "sync='ring'"),
+    ({"c": 2, "devices": (0, 1), "c_sizes": (1,)}, "c_sizes=[1]"),
+])
+def test_configs_given_tuples_are_checked_too(kwargs, part):
+    """Degrees and devices already of the normalized types take a shorter check: it refuses the same values."""
+    with pytest.raises(ValueError, match=re.escape(part)):
+        ParallelConfig(**kwargs)
