@@ -96,6 +96,7 @@ POOLS = [
 OTHERS = [
     Linear(((4, 7),), 5),
     Linear(((4, 7),), 5, "relu"),
+    Linear(((6, 7),), 3),  # batch above the output features: x @ W.T
     Relu(((2, 3, 4, 4),)),
     Add(((2, 3, 4, 4), (2, 3, 4, 4))),
     Concat(((2, 3, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4))),
