@@ -46,7 +46,8 @@ def check_every_layout(x, w, b, stride, pads, relu, d):
     dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
     dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
     for planes in (True, False):
-        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes):
+        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes), \
+                mock.patch.object(conv_kernels, "scatters_by_planes", lambda *args, planes=planes: planes):
             y = conv_kernels.conv2d(x, w, b, stride, pads, relu)
             np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
             dw, db = conv_kernels.conv2d_weight_grad(d, x, w.shape[2:], stride, pads)
