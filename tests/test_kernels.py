@@ -1,5 +1,6 @@
 """Array kernels: every column layout and backward-data form of convolution computes the same thing,
-and the one-pass SGD update rounds as the array operations do.
+the numba max-pool backward gives each gradient to the element the whole-tile form picks, and the
+one-pass SGD update rounds as the array operations do.
 
 `ops.conv_kernels` chooses a column layout (planes or channels-last) and a backward-data form
 (gather or scatter) for speed.  Here each one is forced in turn on random tiles and compared with
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops import conv_kernels, sgd_update
+from ops.pool import max_grad_whole_tile
 from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
 
 
@@ -44,7 +46,8 @@ def check_every_layout(x, w, b, stride, pads, relu, d):
     dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
     dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
     for planes in (True, False):
-        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes):
+        with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes), \
+                mock.patch.object(conv_kernels, "scatters_by_planes", lambda *args, planes=planes: planes):
             y = conv_kernels.conv2d(x, w, b, stride, pads, relu)
             np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
             dw, db = conv_kernels.conv2d_weight_grad(d, x, w.shape[2:], stride, pads)
@@ -75,6 +78,26 @@ def test_planes_4k_apart_are_copied_to_channels_last_by_rows():
     x, w, b = rng.standard_normal((2, 3, 16, 32)), rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)
     d = rng.standard_normal((2, 4, 15, 32))
     check_every_layout(x, w, b, (1, 1), ((0, 1), (1, 1)), True, d)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_max_pool_loop_matches_whole_tile_form_with_ties(data):
+    """Ties (few distinct values) and -inf windows, which the padding equals: the same element gets it.
+    Integer gradients add up exactly in any order, so overlapping windows compare exactly too."""
+    op = data.draw(windowed_ops().filter(lambda op: op.kind == "pool2d" and op.mode == "max"))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    x = rng.integers(-1, 2, op.in_shapes[0]).astype(dtype)
+    x[rng.random(x.shape) < 0.2] = -np.inf
+    out = random_rect(data.draw, op.out_shape)
+    (xt,), _ = tile_inputs(op, [x], {}, out)
+    y = op.forward([xt], {}, out)
+    dy = rng.integers(1, 100, y.shape).astype(dtype)
+    (dx,), _ = op.backward(dy, [xt], y, {}, out, [True])
+    expected = max_grad_whole_tile(xt, y, dy, op.kernel, op.stride, op._pads(out))
+    assert dx.dtype == xt.dtype
+    np.testing.assert_array_equal(dx, expected)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -83,7 +83,7 @@ CONVS = [
     Conv2d(((1, 2, 9, 9),), 3, (7, 1), (1, 1), (3, 0)),
     Conv2d(((2, 2, 11, 10),), 3, (5, 4), (3, 2), (2, 1), "relu"),
     Conv2d(((1, 3, 6, 6),), 2, (6, 6), (1, 1), (0, 0)),
-    Conv2d(((2, 5, 6, 7),), 3, (3, 3), (1, 1), (1, 1), "relu"),  # C >= Cout: backward-data gathers
+    Conv2d(((2, 5, 6, 7),), 3, (3, 3), (1, 1), (1, 1), "relu"),  # C > Cout: backward-data gathers
     Conv2d(((1, 4, 5, 5),), 2, (3, 2), (1, 1), (3, 2)),  # padding beyond k-1: it scatters
     Conv2d(((2, 1, 6, 9),), 3, (3, 3), (1, 1), (1, 1)),  # rows longer than channel runs: planes
 ]
@@ -96,6 +96,7 @@ POOLS = [
 OTHERS = [
     Linear(((4, 7),), 5),
     Linear(((4, 7),), 5, "relu"),
+    Linear(((6, 7),), 3),  # batch above the output features: x @ W.T
     Relu(((2, 3, 4, 4),)),
     Add(((2, 3, 4, 4), (2, 3, 4, 4))),
     Concat(((2, 3, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4))),
