@@ -129,16 +129,16 @@ def minimize(unary: dict, edges: list) -> Result:
     return Result(choice, cost, reduced_nodes, reduced_edges, eliminations, method, log)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def min_plus(a, b):
     """(min, +) matrix product: out[u, w] = min over v of a[u, v] + b[v, w].
 
-    Four rows of out at a time (the groups over the cores): each row of b, streamed from memory,
-    updates all four, and the loop along it vectorizes."""
+    Four rows of out at a time: each row of b, streamed from memory, updates all four, and the
+    loop along it vectorizes."""
     rows, inner = a.shape
     cols = b.shape[1]
     out = np.full((rows, cols), np.inf)
-    for g in numba.prange(rows // 4):
+    for g in range(rows // 4):
         u = 4 * g
         o0, o1, o2, o3 = out[u], out[u + 1], out[u + 2], out[u + 3]
         for v in range(inner):

@@ -251,7 +251,7 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     return forward + gradients
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
              constant_lo, constant_hi, node, weights, itemsize, nic, out):
     """out[a, b]: the time for consumer config b's parts to receive their needs from producer
@@ -280,7 +280,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         for e in range(rank):
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
-    for b in numba.prange(len(starts)):  # consumer configs: independent columns, over the cores
+    for b in range(len(starts)):  # consumer configs: independent columns
         box = np.empty((4, configs))
         slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
@@ -302,7 +302,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo,
               slot_hi, part_slot, device, starts, node, weights, itemsize, nic, out):
     """out[a, b]: the time for producer config a's parts to receive their output gradients
@@ -327,7 +327,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
         for d in range(rank_out):
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
-    for a_u in numba.prange(len(starts)):  # producer configs: independent rows, over the cores
+    for a_u in range(len(starts)):  # producer configs: independent rows
         box = np.empty((5, configs))
         slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
