@@ -157,9 +157,12 @@ class Machine:
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
-        from taskrt.worker_setup import WorkerSetup
+        from taskrt.worker_setup import WorkerSetup, freeze_heap
 
         client.register_plugin(WorkerSetup())
+        # The scheduler's process once, now (with Machine.local it is this process): its modules and
+        # Dask's state, not the trainers to come, which must stay collectable when dropped
+        client.run_on_scheduler(freeze_heap)
         n = len(devices)
         machine = cls(devices, np.full((n, n), np.inf), np.zeros((n, n)), client=client, cluster=cluster,
                       description=f"{n} Dask workers")
@@ -223,13 +226,11 @@ class Machine:
         return out
 
     def freeze_heaps(self) -> None:
-        """Move what the workers and the scheduler hold now out of the reach of Python's garbage
-        collector (`taskrt.worker_setup`; with `Machine.local` the scheduler shares this process).
-        A Trainer calls it after its first step: its kernels compiled, its plan sent."""
+        """Move what the workers hold now out of the reach of Python's garbage collector
+        (`taskrt.worker_setup`).  A Trainer calls it after its first step: its kernels compiled."""
         from taskrt.worker_setup import freeze_heap
 
         self.client.run(freeze_heap, on_error="ignore")  # a worker being lost just now is not an error here
-        self.client.run_on_scheduler(freeze_heap)
 
     def live_devices(self) -> dict[int, str]:
         """{device: worker address} of the devices that have a worker now."""

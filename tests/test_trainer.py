@@ -190,6 +190,24 @@ def test_heaps_are_frozen_after_the_first_step_and_transfer_logs_stay_long(machi
     assert trainer.stats.measured_bytes == planned
 
 
+def test_a_dropped_trainer_is_collected():
+    """The client's process is not frozen with a trainer in it: a trainer (in reference cycles
+    with its dashboard publisher) and the parameters it holds go once dropped."""
+    import gc
+    import weakref
+
+    graph = small_lenet()
+    with Machine.local(1, probe=False) as machine:
+        trainer = Trainer(graph, Strategy({l.name: P(n=1) for l in graph if not l.is_input}), machine)
+        x, y = batches(graph, 1)[0]
+        trainer.step(x, y)
+        trainer.step(x, y)
+        gone = weakref.ref(trainer)
+        del trainer
+        gc.collect()
+        assert gone() is None
+
+
 def test_keys_are_named_by_layer_and_phase(machine4):
     from dask.utils import key_split
 
