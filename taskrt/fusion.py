@@ -134,6 +134,19 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
     return fused, where
 
 
+def step_done_keys(outputs: dict, source) -> list:
+    """The keys whose ends make a step done: each output the client reads, except that the new
+    state and statistics (read by the next step, not the client) count as done when the run that
+    computed them ends, not the task that names each value after it (one worker task per value,
+    about 1 ms each, that the next step waits for anyway).  `outputs`: name -> keys (a list or a
+    dict's values); `source(key)`: the run an export takes its value from, or None."""
+    keys = []
+    for name, value in outputs.items():
+        for key in (value.values() if isinstance(value, dict) else value):
+            keys.append((source(key) if name in ("state", "buffers") else None) or key)
+    return list(dict.fromkeys(keys))
+
+
 def _is_key(value, keys) -> bool:
     return isinstance(value, tuple) and value in keys
 

@@ -260,10 +260,10 @@ class Trainer:
             raise
 
     def _collect(self, run: StepRun) -> list:
-        """Wait for a training step (its losses and new state) and return the loss values; raises
-        DeviceLost when a device it runs on is lost (and the trainer recovers)."""
-        self._await(list(run.outputs["loss"]) + list(run.outputs["state"].values())
-                    + list(run.outputs["buffers"].values()), run.step)
+        """Wait for a training step (its losses and the runs that computed its new state:
+        `taskrt.fusion.step_done_keys`) and return the loss values; raises DeviceLost when a
+        device it runs on is lost (and the trainer recovers)."""
+        self._await(run.outputs["done"], run.step)
         return self._gather(run.outputs["loss"], run.step)
 
     def _await(self, futures, step):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.executor import step_graph
-from taskrt.fusion import FusedRun, fuse, fused_plan, groups_of, stages
+from taskrt.fusion import FusedRun, fuse, fused_plan, groups_of, stages, step_done_keys
 from taskrt.lowering import lower
 from taskrt.strategy import Strategy
 from tests.strategies import random_strategies
@@ -98,10 +98,15 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
         {layer.name: P(devices=(0,)) for layer in g}), "train"))[:2], None)
     dsk, _, outputs = step_graph(plan, "1-ab", state, data, hyper)
     runs = [k for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)]
+    done = outputs.pop("done")
     wanted = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
     assert len(runs) == 1
     assert sorted(set(dsk) - set(runs)) == sorted(wanted)  # only the values the client reads are keys
     assert len(dsk[runs[0]][0].steps) == len(plan.tasks)
+    # the step is done with the values the client reads, and its new state with the run
+    client_reads = [k for name, v in outputs.items() if name not in ("state", "buffers")
+                    for k in (v.values() if isinstance(v, dict) else v)]
+    assert sorted(done) == sorted(client_reads + (runs if mode == "train" else []))
 
 
 @settings(max_examples=10, deadline=None)
@@ -113,7 +118,13 @@ def test_random_strategies_keep_every_travelling_and_output_key(data):
     state, data_, hyper = fake_inputs(plan)
     plain, plain_restriction, outputs = step_graph(plan, "2-cd", state, data_, hyper, fused=False)
     fused, restriction, fused_outputs = step_graph(plan, "2-cd", state, data_, hyper)
+    assert outputs.pop("done") == step_done_keys(outputs, lambda key: None)  # unfused: every output itself
+    done = fused_outputs.pop("done")
     assert fused_outputs == outputs
+    for key in done:  # the loss, or a run that computed new state
+        assert key in outputs["loss"] or isinstance(fused[key][0], FusedRun) or key in outputs["state"].values()
+    for key in outputs["state"].values():  # each value of the new state is done when its run is
+        assert key in done or fused[key][1] in done
     travelling = {(f"{t.dep.key[0]}-it2-cd", *t.dep.key[1:]) for t in plan.transfers() if t.dep.kind == "task"}
     for key in travelling | {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}:
         assert key in fused and restriction[key] == plain_restriction[key]
