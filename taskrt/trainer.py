@@ -46,6 +46,7 @@ from taskrt.strategy import Strategy
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
 CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; workers keep the task states in between
 POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
+NOTICE_S = 5.0  # how long a connection error sending a step may wait for the scheduler to drop the worker
 RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
 MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
 LOST_STATUSES = ("error", "cancelled", "lost")
@@ -390,11 +391,16 @@ class Trainer:
             self._log.append(entry)
         try:
             run = self._run_logged(entry, address=address)
-        except Exception:
+        except Exception as error:
             # a device lost while the step was being sent: recover, which replays it from the log
-            if not self.elastic or not self._missing_devices():
+            missing = self._missing_devices() if self.elastic else []
+            deadline = time.monotonic() + NOTICE_S
+            while not missing and isinstance(error, OSError) and time.monotonic() < deadline:
+                time.sleep(0.05)  # a closed connection to a worker the scheduler has yet to drop
+                missing = self._missing_devices()
+            if not missing:
                 raise
-            run = self._recover(DeviceLost(self._missing_devices(), f"step {entry.step} was being sent"))[entry.step]
+            run = self._recover(DeviceLost(missing, f"step {entry.step} was being sent"))[entry.step]
         future = StepFuture(self, run)
         self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
         self._plan_snapshot(run)
@@ -410,6 +416,9 @@ class Trainer:
         if run.step - self._cut_at < CUT_LINEAGE_EVERY:
             return
         self._cut_at = run.step
+        # The step was done when the runs that computed its state ended; the tasks naming each
+        # value come right after, and re-registering a value needs it named
+        self._await(list(run.outputs["state"].values()) + list(run.outputs["buffers"].values()), run.step)
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
         if self._buffers is run.outputs["buffers"] and self._buffers:
