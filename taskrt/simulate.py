@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from taskrt.fusion import fused_plan, step_done_keys
+from taskrt.fusion import fused_plan
 from taskrt.plan import HYPER, TASK, Plan
 
 
@@ -192,12 +192,10 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         stuck = [t.key for t in plan.tasks if t.key not in finish]
         raise AssertionError(f"the plan has a dependency cycle: {len(stuck)} tasks never ran, e.g. {stuck[:3]}"
                              if stuck else "the plan has several tasks with the same key")
-    # The client hears the step is done when its outputs are, the new state's as soon as the runs
-    # that computed it end (taskrt.fusion.step_done_keys); tasks after those overlap the next step
-    done = step_done_keys(plan.outputs, lambda key: plan.by_key[key].deps[0].key
-                          if key in plan.by_key and plan.by_key[key].phase == "export" else None)
-    ends = [finish[key] for key in done if key in finish]
-    end = max(ends or finish.values(), default=origin) + runtime.dispatch_s
+    # Every task, the getitems naming the new state included: a step returns before those
+    # (taskrt.fusion.step_done_keys) but the next one waits for them, and a step in training is
+    # the time from one step to the next
+    end = max(finish.values(), default=origin) + runtime.dispatch_s  # the client hears the step is done
     return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
 
 
