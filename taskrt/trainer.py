@@ -97,8 +97,9 @@ class StepFuture:
         self._trainer, self.run, self._loss = trainer, run, None
 
     def result(self) -> float:
-        """Wait for the whole step (loss and parameter updates) and return the loss.  Earlier
-        steps finish first; a lost worker is recovered from (the step replayed) on the way."""
+        """Wait for the step (its loss, and the runs that computed its new parameters: see
+        `taskrt.fusion.step_done_keys`) and return the loss.  Earlier steps finish first; a lost
+        worker is recovered from (the step replayed) on the way."""
         if self._loss is None:
             trainer = self._trainer
             for earlier in list(trainer._in_flight):
