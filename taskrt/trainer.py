@@ -394,7 +394,9 @@ class Trainer:
             run = self._run_logged(entry, address=address)
         except Exception as error:
             # a device lost while the step was being sent: recover, which replays it from the log
-            missing = self._missing_devices() if self.elastic else []
+            if not self.elastic:
+                raise
+            missing = self._missing_devices()
             deadline = time.monotonic() + NOTICE_S
             while not missing and isinstance(error, OSError) and time.monotonic() < deadline:
                 time.sleep(0.05)  # a closed connection to a worker the scheduler has yet to drop
