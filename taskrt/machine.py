@@ -225,7 +225,7 @@ class Machine:
             raise MachineError(f"device(s) {missing} have no worker: the worker was lost or is restarting")
         return out
 
-    def freeze_heaps(self) -> None:
+    def freeze_worker_heaps(self) -> None:
         """Move what the workers hold now out of the reach of Python's garbage collector
         (`taskrt.worker_setup`).  A Trainer calls it after its first step: its kernels compiled."""
         from taskrt.worker_setup import freeze_heap

@@ -442,7 +442,7 @@ class Trainer:
         self._walls.append(self.stats.wall_s)
         if not self._heaps_frozen:  # once, after the first step (outside its time): taskrt.worker_setup
             self._heaps_frozen = True
-            self.machine.freeze_heaps()
+            self.machine.freeze_worker_heaps()
         self._publisher.step_finished(run.step, self.stats.wall_s)
         while self._pending and self._pending[0][0] <= run.step:
             self._take_snapshot(*self._pending.pop(0))

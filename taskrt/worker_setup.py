@@ -4,7 +4,7 @@ Python's full (oldest-generation) collections walk every object a process holds:
 about 170,000 after importing numpy, Dask and the kernels, the local scheduler's process about
 190,000, and each full collection paused them for 100-230 ms, a few times every hundred steps (LeNet-5 data
 parallel on local(2): steps of 55 ms with spikes of 150-270 ms).  Objects that live as long as the
-process (modules, compiled kernels, a trainer's plan) are moved out of the collector's reach with
+process (modules, compiled kernels) are moved out of the collector's reach with
 `gc.freeze` once they exist: the pauses fall to 5-10 ms on workers, about 35 ms on the scheduler.
 Frozen objects are still freed when their reference counts fall to zero, but never as cyclic
 garbage, so the scheduler's process (with Machine.local, the client's) is frozen once, before any
