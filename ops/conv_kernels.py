@@ -13,13 +13,17 @@ itself a convolution, of the output gradient (padded by k-1-p) with the kernel f
 transposed, so it reuses the forward kernel (no scatter-add, no padded gradient to zero and crop).
 Scattering (any stride): window gradients, the output gradient times the kernel, are added into
 place (col2im).  `gathers` picks the faster one.
+
+3x3 stride-1 convolutions with enough tiles for their channels (`ops.winograd.applies`) skip the
+column matrix: Winograd's F(2x2, 3x3) multiplies 16 instead of 36 times per 2x2 outputs, for the
+forward, the gathering backward-data and the weight gradient.
 """
 
 from __future__ import annotations
 
 import numpy
 
-from ops import planes
+from ops import planes, winograd
 from ops.base import array_module
 from ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
 
@@ -202,7 +206,11 @@ def _scatter_planes(d, w, in_shape, stride, pads):
 def _correlate(x, w, flipped, bias, stride, pads, relu):
     """x correlated with w (Cout, C, kh, kw), or with w flipped and transposed, + bias, through relu."""
     kernel = w.shape[2:]
-    _, wo = _out_hw(x.shape[2:], kernel, stride, pads)
+    ho, wo = _out_hw(x.shape[2:], kernel, stride, pads)
+    out_channels = w.shape[1] if flipped else w.shape[0]
+    if winograd.applies(x, kernel, stride, min(x.shape[1], out_channels), (ho, wo)):
+        xp = _padded_nhwc(x, winograd.padding(pads, (ho, wo)))
+        return winograd.correlate(xp, winograd.kernels(w, flipped), bias, relu, (ho, wo))
     if use_planes(x, x.shape[1], kernel, stride, wo):
         return _conv_planes(x, _kernel_planes(w, flipped), kernel, bias, stride, pads, relu)
     y = _conv_nhwc(x, _kernel_nhwc(w, flipped), kernel, bias, stride, pads, relu)
@@ -217,7 +225,10 @@ def conv2d(x, w, bias, stride, pads, relu=False):
 def conv2d_weight_grad(d, x, kernel, stride, pads):
     """dL/dw (Cout, C, kh, kw) and dL/db (Cout,) of one tile from d = dL/dy (any relu already applied)."""
     wo = d.shape[3]
-    if use_planes(x, x.shape[1], kernel, stride, wo):
+    if winograd.applies(x, kernel, stride, min(x.shape[1], d.shape[1]), d.shape[2:]):
+        xp = _padded_nhwc(x, winograd.padding(pads, d.shape[2:]))
+        dw = winograd.weight_grad(xp, _padded_nhwc(d, winograd.padding(((0, 0), (0, 0)), d.shape[2:])))
+    elif use_planes(x, x.shape[1], kernel, stride, wo):
         dw = _weight_grad_planes(d, x, kernel, stride, pads)
     else:
         dw = _weight_grad_nhwc(d, x, kernel, stride, pads)
@@ -253,12 +264,17 @@ def data_grad_scatter(d, w, in_shape, stride, pads):
 
 
 def gathers(d, w_shape, stride, pads) -> bool:
-    """Does backward-data gather?  Gathering multiplies by a (kh*kw*Cout, C) matrix, scattering by a
-    (Cout, kh*kw*C) one and then adds into dx: gathering is faster when C > Cout and the copies are
-    channels-last; at C == Cout scattering by planes is (measured)."""
+    """Does backward-data gather?  Where Winograd's F(2x2, 3x3) applies to the gathering correlation,
+    always (measured 0.6-0.9x the time of scattering).  Otherwise gathering multiplies by a
+    (kh*kw*Cout, C) matrix, scattering by a (Cout, kh*kw*C) one and then adds into dx: gathering is
+    faster when C > Cout and the copies are channels-last; at C == Cout scattering by planes is (measured)."""
     cout, cin, kh, kw = w_shape
-    return (cin > cout and gather_padding((kh, kw), stride, pads) is not None
-            and not use_planes(d, cin, (kh, kw), stride, d.shape[3]))
+    flipped = gather_padding((kh, kw), stride, pads)
+    if flipped is None:
+        return False
+    if winograd.applies(d, (kh, kw), stride, min(cin, cout), _out_hw(d.shape[2:], (kh, kw), stride, flipped)):
+        return True
+    return cin > cout and not use_planes(d, cin, (kh, kw), stride, d.shape[3])
 
 
 def conv2d_data_grad(d, w, in_shape, stride, pads):

@@ -2,9 +2,10 @@
 the numba max-pool backward gives each gradient to the element the whole-tile form picks, and the
 one-pass SGD update rounds as the array operations do.
 
-`ops.conv_kernels` chooses a column layout (planes or channels-last) and a backward-data form
-(gather or scatter) for speed.  Here each one is forced in turn on random tiles and compared with
-direct references (float64), so the choice never changes what is computed."""
+`ops.conv_kernels` chooses a column layout (planes or channels-last), a backward-data form
+(gather or scatter) and, for 3x3 stride-1 tiles, Winograd's F(2x2, 3x3) for speed.  Here each one
+is forced in turn on random tiles and compared with direct references (float64), so the choice never
+changes what is computed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops import conv_kernels, sgd_update
+from ops import conv_kernels, sgd_update, winograd
+from ops.conv import Conv2d
 from ops.pool import max_grad_whole_tile
 from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
 
@@ -38,6 +40,11 @@ def reference_data_grad(d, w, in_shape, stride, pads):
     return dx[:, :, pt : pt + h, pl : pl + wd]
 
 
+def winograd_forced(on: bool):
+    """Winograd on every 3x3 stride-1 tile however small (on), or on none."""
+    return mock.patch.multiple(winograd, MIN_TILES=0 if on else 10**9, MIN_CHANNELS=0 if on else 10**9)
+
+
 def check_every_layout(x, w, b, stride, pads, relu, d):
     win = windows(x, w.shape[2:], stride, pads)
     y_ref = np.einsum("nchwij,ocij->nohw", win, w) + b[None, :, None, None]
@@ -45,9 +52,10 @@ def check_every_layout(x, w, b, stride, pads, relu, d):
         y_ref = np.maximum(y_ref, 0)
     dw_ref = np.einsum("nchwij,nohw->ocij", win, d)
     dx_ref = reference_data_grad(d, w, x.shape, stride, pads)
-    for planes in (True, False):
+    for planes, wino in ((True, False), (False, False), (False, True)):
         with mock.patch.object(conv_kernels, "use_planes", lambda *args, planes=planes: planes), \
-                mock.patch.object(conv_kernels, "scatters_by_planes", lambda *args, planes=planes: planes):
+                mock.patch.object(conv_kernels, "scatters_by_planes", lambda *args, planes=planes: planes), \
+                winograd_forced(wino):
             y = conv_kernels.conv2d(x, w, b, stride, pads, relu)
             np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
             dw, db = conv_kernels.conv2d_weight_grad(d, x, w.shape[2:], stride, pads)
@@ -70,6 +78,36 @@ def test_conv_layouts_and_backward_forms_match_references(data):
     (x,), p = tile_inputs(op, xs, params, out)
     d = rng.standard_normal(out.shape)
     check_every_layout(x, p["weight"], p["bias"], op.stride, op._pads(out), op.activation == "relu", d)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_winograd_tiles_match_references(data):
+    """3x3 stride-1 tiles of any size (odd outputs crop a tile row or column), padding 0 to 2 on each
+    side as a tile's halo leaves it, with and without relu: F(2x2, 3x3) forward, gathering backward-data
+    and weight gradient against the direct sums."""
+    n, c, cout = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    h, w = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
+    pads = tuple((data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))) for _ in range(2))
+    if h + sum(pads[0]) < 3 or w + sum(pads[1]) < 3:
+        pads = ((1, 1), (1, 1))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x, wt, b = rng.standard_normal((n, c, h, w)), rng.standard_normal((cout, c, 3, 3)), rng.standard_normal(cout)
+    d = rng.standard_normal((n, cout, h + sum(pads[0]) - 2, w + sum(pads[1]) - 2))
+    check_every_layout(x, wt, b, (1, 1), pads, data.draw(st.booleans()), d)
+
+
+def test_winograd_runs_where_it_is_faster():
+    """F(2x2, 3x3) takes 3x3 stride-1 tiles with enough tiles and channels: VGG-16-32's and AlexNet-32's
+    middle layers, not their 3-channel first layers, strided or larger kernels, or 2x2 images of 16."""
+    def used(n, c, cout, hw, kernel=(3, 3), stride=(1, 1)):
+        x = np.zeros((n, c, hw, hw), np.float32)
+        op = Conv2d((x.shape,), cout, kernel, stride, (kernel[0] // 2, kernel[1] // 2))
+        return winograd.applies(x, op.kernel, op.stride, min(c, cout), op.out_shape[2:])
+
+    assert used(16, 64, 64, 32) and used(16, 256, 512, 8) and used(16, 512, 512, 4) and used(8, 192, 384, 13)
+    assert not used(16, 3, 64, 32) and not used(16, 512, 512, 2)
+    assert not used(16, 64, 64, 32, kernel=(5, 5)) and not used(16, 64, 64, 32, stride=(2, 2))
 
 
 def test_planes_4k_apart_are_copied_to_channels_last_by_rows():
