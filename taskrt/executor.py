@@ -23,6 +23,7 @@ from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 from taskrt.tasks import Received
+from taskrt.worker_reads import read_when_done, reads_of
 
 
 def step_key(key: tuple, step) -> tuple:
@@ -41,6 +42,8 @@ class StepRun:
     keys: set  # every key of the step (task keys and scattered data), to find its transfers
     submitted: float
     finished: float | None = None
+    reads: dict | None = None  # what the client waits for on each device (taskrt.worker_reads.reads_of)
+    address: dict | None = None  # the devices' worker addresses when the step was sent
 
     def futures(self) -> list:
         return [f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v)]
@@ -97,7 +100,47 @@ class Executor:
             out[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
             i += count
         keys = set(dsk) | {f.key for f in data.values()}
-        return StepRun(step, tag, plan, out, keys, submitted)
+        device_by_tag = {self.machine.tag(d.id): d.id for d in self.machine.devices}
+        reads = reads_of(dsk, lambda key: device_by_tag[next(iter(restriction[key]))], outputs)
+        return StepRun(step, tag, plan, out, keys, submitted, reads=reads)
+
+    def read_when_done(self, run: StepRun, timeout: float) -> list | None:
+        """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
+        its runs end (taskrt.worker_reads), or None where the usual wait must tell what happened:
+        a task failed, a worker was lost, or the step took longer than `timeout`."""
+        from distributed.protocol.pickle import dumps
+
+        if not run.reads or run.address is None or any(d not in run.address for d in run.reads):
+            return None
+
+        async def ask(device, items):
+            response = await self.client.rpc(run.address[device]).run(
+                function=dumps(read_when_done), args=dumps((items, timeout)), kwargs=dumps({}), wait=True)
+            return response.get("result") if response.get("status") == "OK" else None
+
+        async def ask_every_device():
+            # At once, the devices' answers coming as their runs end; the first that fails ends the
+            # wait (a lost worker: the others would wait out their time for values it never sends)
+            asks = [asyncio.ensure_future(ask(d, items)) for d, items in run.reads.items()]
+            pending = set(asks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.exception() is not None or t.result() is None for t in done):
+                    for t in pending:
+                        t.cancel()
+                    return None
+            return [t.result() for t in asks]
+
+        try:
+            answers = self.client.sync(ask_every_device)
+        except Exception:  # noqa: BLE001  (the usual wait finds out and reports it)
+            return None
+        if answers is None:
+            return None
+        values = {}
+        for items, answer in zip(run.reads.values(), answers):
+            values.update(zip([key for _, _, key, wanted in items if wanted], answer))
+        return [values[f.key] for f in run.outputs["loss"]]
 
     @property
     def gpu_devices(self) -> frozenset:

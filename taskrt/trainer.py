@@ -122,7 +122,7 @@ class StepFuture:
         return self._loss
 
     def done(self) -> bool:
-        return all(f.done() for f in self.run.futures())
+        return self.finished or all(f.done() for f in self.run.futures())
 
     @property
     def finished(self) -> bool:
@@ -265,6 +265,9 @@ class Trainer:
         """Wait for a training step (its losses and the runs that computed its new state:
         `taskrt.fusion.step_done_keys`) and return the loss values; raises DeviceLost when a
         device it runs on is lost (and the trainer recovers)."""
+        values = self.executor.read_when_done(run, POLL_S)
+        if values is not None:
+            return values
         self._await(run.outputs["done"], run.step)
         return self._gather(run.outputs["loss"], run.step)
 
@@ -368,7 +371,7 @@ class Trainer:
         futures = self.executor.scatter(plan, data, address)
         tag = tag or f"{step}-{self._token}"
         run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers)
-        run.submitted = started
+        run.submitted, run.address = started, address
         return run
 
     def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None) -> StepRun:

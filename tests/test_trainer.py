@@ -240,6 +240,49 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
     assert stats_f.measured_bytes == stats_f.planned_bytes
 
 
+def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
+    """Each step's losses come straight from its workers (taskrt.worker_reads) when nothing went
+    wrong: the same values, bit for bit, as waiting for the futures and gathering through the scheduler."""
+    graph = small_lenet()
+    data = batches(graph, 4)
+    direct = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+    read = direct.executor.read_when_done
+    answers = []
+    direct.executor.read_when_done = lambda run, timeout: answers.append(read(run, timeout)) or answers[-1]
+    usual = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+    usual.executor.read_when_done = lambda run, timeout: None
+    for x, y in data:
+        assert direct.step(x, y) == usual.step(x, y)
+    # the first step may outlast the wait (kernels compiling on the workers) and take the usual way
+    assert len(answers) == len(data) and all(a is not None for a in answers[1:])
+    a, b = direct.parameters(), usual.parameters()
+    for layer in a:
+        for name in a[layer]:
+            np.testing.assert_array_equal(a[layer][name], b[layer][name])
+
+
+def test_worker_reads_give_way_on_a_failed_task_or_a_timeout(machine4):
+    """A failed task, or a key not computed in time, answers None (the trainer then waits the usual
+    way, which reports it), at once for the failure, and leaves no waiter behind."""
+    from taskrt.worker_reads import StepWatch, read_when_done
+
+    client = machine4.client
+    address = machine4.addresses()[0]
+    failing = client.submit(lambda: 1 / 0, key=("boom-it0", 0), workers=[address], pure=False)
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+    start = time.perf_counter()
+    assert client.run(read_when_done, [(failing.key, None, failing.key, True)], 30.0, workers=[address])[address] is None
+    assert time.perf_counter() - start < 10
+    never = ("never-it0", 0)
+    assert client.run(read_when_done, [(never, 1, never, True)], 0.2, workers=[address])[address] is None
+
+    def waiters(dask_worker=None):
+        return sum(map(len, dask_worker.plugins[StepWatch.name].waiters.values()))
+
+    assert client.run(waiters, workers=[address])[address] == 0
+
+
 def test_bad_input_is_rejected_before_any_work(machine4):
     graph = small_lenet()
     trainer = Trainer(graph, mixed(graph), machine4)
