@@ -280,6 +280,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         for e in range(rank):
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
+    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
     for b in range(len(starts)):  # consumer configs: independent columns
         box = np.empty((4, configs))
         slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
@@ -290,13 +291,28 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             need = 1.0
             for e in range(rank):
                 need *= extent[e, rows[q, e]]
-            _products(gathered, which, q, box)
             k = node[device[q]]
+            if rank == 4:  # the common case, in one pass over the configs (the products as _products forms them)
+                row = which[q]
+                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
+                inter_k = inter[k]
+                for a in range(configs):
+                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
+                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
+                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
+                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
+                    local_cnt = 1.0 if local_vol > 0 else 0.0
+                    t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
+                         + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
+                    slowest[a] = max(slowest[a], t)
+                    inter_k[a] += need - node_vol
+                continue
+            _products(gathered, which, q, box)
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
                 local_cnt = 1.0 if local_vol > 0 else 0.0
-                t = (weights[0] * (node_vol - local_vol) + weights[1] * (need - node_vol)
-                     + weights[2] * (node_cnt - local_cnt) + weights[3] * (total_cnt - node_cnt))
+                t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
+                     + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += need - node_vol
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
@@ -327,6 +343,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
         for d in range(rank_out):
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
+    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
     for a_u in range(len(starts)):  # producer configs: independent rows
         box = np.empty((5, configs))
         slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
@@ -338,16 +355,30 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                     i = part_slot[p, e]
                     scale *= max(min(slot_hi[e, i], constant_hi[e]) - max(slot_lo[e, i], constant_lo[e]), 0)
             present = 1.0 if scale > 0 else 0.0
-            _products(gathered, which, p, box)
             k = node[device[p]]
+            if rank_out == 4:  # the common case, in one pass over the configs (as in _forward)
+                row = which[p]
+                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
+                inter_k = inter[k]
+                for a in range(configs):
+                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
+                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
+                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
+                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
+                    total_vol = g0[4, a] * g1[4, a] * g2[4, a] * g3[4, a]
+                    local_cnt = present if local_vol > 0 else 0.0
+                    t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
+                         + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
+                    slowest[a] = max(slowest[a], t)
+                    inter_k[a] += scale * (total_vol - node_vol)
+                continue
+            _products(gathered, which, p, box)
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
                 total_vol = box[4, a]
                 local_cnt = present if local_vol > 0 else 0.0
-                t = (weights[0] * scale * (node_vol - local_vol)
-                     + weights[1] * scale * (total_vol - node_vol)
-                     + weights[2] * present * (node_cnt - local_cnt)
-                     + weights[3] * present * (total_cnt - node_cnt))
+                t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
+                     + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += scale * (total_vol - node_vol)
         _config_costs(slowest, inter, itemsize, nic, out[a_u])
