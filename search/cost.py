@@ -292,11 +292,8 @@ class CostModel:
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
-        first = parts.starts
-        volume = np.prod(np.maximum(parts.hi[first] - parts.lo[first], 0), axis=1)
-        inputs = sum((n.volume[first] for n in needs), np.zeros_like(volume))
-        params = self.channel_params(op) * ((parts.hi[first, 1] - parts.lo[first, 1]) if parts.lo.shape[1] > 1 else 1)
-        return self.itemsize * (3 * params + 2 * (inputs + volume))
+        volumes = tuple(n.volume for n in needs) or (np.zeros(len(parts.device), dtype=np.int64),)
+        return _first_part_bytes(parts.lo, parts.hi, parts.starts, volumes, self.channel_params(op), self.itemsize)
 
     def channel_params(self, op) -> int:
         if op not in self._per_channel:
@@ -619,6 +616,25 @@ def _read_only(table: np.ndarray) -> np.ndarray:
     """A table the cost model hands out to several layers or searches: nobody may change it."""
     table.setflags(write=False)
     return table
+
+
+@numba.njit(cache=True)
+def _first_part_bytes(lo, hi, starts, volumes, per_channel, itemsize):
+    """Per config, taskrt.memory.part_footprint of its first part: 3 x its parameters (weights,
+    gradient, velocity) and 2 x its input tiles (`volumes`: of each input, per part) and output."""
+    configs, rank = len(starts), lo.shape[1]
+    out = np.empty(configs, dtype=np.int64)
+    for a in range(configs):
+        p = starts[a]
+        volume = 1
+        for e in range(rank):
+            volume *= max(hi[p, e] - lo[p, e], 0)
+        inputs = 0
+        for v in volumes:
+            inputs += v[p]
+        params = per_channel * (hi[p, 1] - lo[p, 1]) if rank > 1 else per_channel
+        out[a] = itemsize * (3 * params + 2 * (inputs + volume))
+    return out
 
 
 def channel_params(op) -> int:
