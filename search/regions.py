@@ -270,6 +270,8 @@ class Needs:
         self.constant = {e: (int(in_lo[0, e]), int(in_hi[0, e])) for e in range(rank) if e not in self.driver}
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees, parts.config)
         self.reads_own_part = bool(own)
+        self.driven_by = driven_by  # per input dimension: the output dimension driving it, or -1
+        self.reads_nothing = self.volume == 0  # per part (search.transfer skips these receivers)
 
     def key(self) -> bytes:
         """What the needs of every part follow from, given the parts' blocks: equal keys, equal needs."""

@@ -230,17 +230,14 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
         if drive[d] >= 0:
             return None  # one output dimension driving two input dimensions: no product of 1-D sums
         drive[d] = e
-    driver = np.full(len(need.constant_lo), -1, dtype=np.int64)
-    for e, d in needs.driver.items():
-        driver[e] = d
     (inv_intra, inv_inter), (lat_intra, lat_inter) = classes
     weights = np.array([itemsize * inv_intra, itemsize * inv_inter, lat_intra, lat_inter])
     nic = links.nic_inv_bandwidth
     u_lo, u_hi = u.slots
     forward = np.empty((len(u.degrees), len(v.degrees)))
-    empty = (consumer.hi <= consumer.lo).any(axis=1)
-    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, empty, driver, need.lo,
-             need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic, forward)
+    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, needs.reads_nothing,
+             needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic,
+             forward)
     if not backward:
         return forward
     producer = u.table
