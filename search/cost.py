@@ -556,12 +556,11 @@ class CostModel:
         if not layer.param_shapes:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
         # parts reading the same parameters (same channel block of the same config) form a shard
-        ps, allreduce, replicated = _sync_times(
+        ps, allreduce = _sync_times(
             table.starts, table.device, table.lo[:, 1], table.hi[:, 1], self.channel_params(layer.op),
             self.inv_bandwidth, self.latency, self.links.node, int(self.links.node.max()) + 1,
-            self.links.nic_inv_bandwidth, self.itemsize)
-        return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
-                "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
+            self.links.nic_inv_bandwidth, self.itemsize, self.hop)
+        return {"ps": ps, "allreduce": allreduce}
 
     # ---- t_x --------------------------------------------------------------------------------
     def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
@@ -645,10 +644,10 @@ def channel_params(op) -> int:
 
 
 @numba.njit(cache=True)
-def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize):
-    """Per config, without the tasks' overhead: the parameter server's time, the all-reduce's, and
-    whether any shard is replicated (see CostModel.sync_methods).  A config's parts with the same
-    channel block form a shard, served by its first part's device."""
+def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize, hop):
+    """Per config: the parameter server's time and the all-reduce's, each with its dependent tasks
+    (`hop` seconds each; see CostModel.sync_methods).  A config's parts with the same channel block
+    form a shard, served by its first part's device."""
     configs, parts = len(starts), len(device)
     ps, allreduce = np.zeros(configs), np.zeros(configs)
     replicated = np.zeros(configs, dtype=np.bool_)
@@ -719,7 +718,11 @@ def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency,
                 allreduce_nic[node[dk]] += received * itemsize
         ps[a] = max(ps[a], ps_nic.max() * nic)
         allreduce[a] = max(allreduce[a], allreduce_nic.max() * nic)
-    return ps, allreduce, replicated
+    with_ps, with_allreduce = np.empty(configs), np.empty(configs)
+    for a in range(configs):  # tasks: (grad, update, wfetch) and (rslice, update, wfetch, wgather) when replicated
+        with_ps[a] = ps[a] + (3 if replicated[a] else 1) * hop
+        with_allreduce[a] = allreduce[a] + 4 * hop if replicated[a] else ps[a] + hop
+    return with_ps, with_allreduce
 
 
 # ---- part timing (runs on a device) ---------------------------------------------------------
