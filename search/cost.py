@@ -369,9 +369,8 @@ class CostModel:
             if self.estimated:  # a formula per part: no need to find the distinct ones
                 fwd, bwd = roofline_parts(layer.op, shapes, self._peak, self._bandwidth, self.itemsize,
                                           self.channel_params(layer.op), table.device)
-                times = fwd + bwd * backward
-                out[layer.name] = self._compute[key] = _read_only(np.maximum.reduceat(times, table.starts)
-                                                                  + hops * self.hop)
+                out[layer.name] = self._compute[key] = _read_only(_slowest(fwd, bwd, backward, table.starts,
+                                                                           hops * self.hop))
                 continue
             kinds = np.array([self.kind_index[d] for d in table.device])
             rows = np.concatenate([kinds[:, None], *shapes], axis=1)
@@ -811,6 +810,19 @@ def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None,
     return _roofline(out, inputs, channel_params(op) if per_channel is None else per_channel, itemsize,
                      float(op.flops(unit)), float(op.backward_flops(unit)), np.asarray(peak, dtype=np.float64),
                      np.asarray(bandwidth, dtype=np.float64), np.asarray(device, dtype=np.int64))
+
+
+@numba.njit(cache=True)
+def _slowest(forward, backward, with_backward, starts, overhead):
+    """Per config: its slowest part's forward (+ backward), plus the tasks' overhead."""
+    configs, parts = len(starts), len(forward)
+    out = np.empty(configs)
+    for a in range(configs):
+        slowest = -np.inf
+        for p in range(starts[a], starts[a + 1] if a + 1 < configs else parts):
+            slowest = max(slowest, forward[p] + backward[p] * (1.0 if with_backward else 0.0))
+        out[a] = slowest + overhead
+    return out
 
 
 @numba.njit(cache=True)
