@@ -278,9 +278,11 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
     w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
+    box = np.empty((4, configs))
+    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for b in range(len(starts)):  # consumer configs: independent columns
-        box = np.empty((4, configs))
-        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
+        slowest[:] = 0.0
+        inter[:] = 0.0
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
         for q in range(starts[b], q1):
             if empty[q]:
@@ -341,9 +343,11 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
     w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
+    box = np.empty((5, configs))
+    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for a_u in range(len(starts)):  # producer configs: independent rows
-        box = np.empty((5, configs))
-        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
+        slowest[:] = 0.0
+        inter[:] = 0.0
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
         for p in range(starts[a_u], p1):
             scale = 1.0
@@ -415,7 +419,10 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
     cum_cnt = np.empty(width)
     for e in range(rank):
         for i in range(values.shape[1]):
-            if (entry[e, i] < 0).all():
+            read = False
+            for r in range(devices):
+                read = read or entry[e, i, r] >= 0
+            if not read:
                 continue  # no part reads this row
             cum_vol[0], cum_cnt[0] = 0.0, 0.0
             for s in range(width - 1):
