@@ -292,11 +292,8 @@ class CostModel:
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
-        first = parts.starts
-        volume = np.prod(np.maximum(parts.hi[first] - parts.lo[first], 0), axis=1)
-        inputs = sum((n.volume[first] for n in needs), np.zeros_like(volume))
-        params = self.channel_params(op) * ((parts.hi[first, 1] - parts.lo[first, 1]) if parts.lo.shape[1] > 1 else 1)
-        return self.itemsize * (3 * params + 2 * (inputs + volume))
+        volumes = tuple(n.volume for n in needs) or (np.zeros(len(parts.device), dtype=np.int64),)
+        return _first_part_bytes(parts.lo, parts.hi, parts.starts, volumes, self.channel_params(op), self.itemsize)
 
     def channel_params(self, op) -> int:
         if op not in self._per_channel:
@@ -370,11 +367,10 @@ class CostModel:
             # each direction's dependent tasks: the part's, and batch norm's statistics reduction before it
             hops = (2 if layer.name in needed else 1) * (1 + layer.op.statistics_hops)
             if self.estimated:  # a formula per part: no need to find the distinct ones
-                fwd, bwd = roofline_parts(layer.op, shapes, self._peak[table.device], self._bandwidth[table.device],
-                                          self.itemsize, self.channel_params(layer.op))
-                times = fwd + bwd * backward
-                out[layer.name] = self._compute[key] = _read_only(np.maximum.reduceat(times, table.starts)
-                                                                  + hops * self.hop)
+                fwd, bwd = roofline_parts(layer.op, shapes, self._peak, self._bandwidth, self.itemsize,
+                                          self.channel_params(layer.op), table.device)
+                out[layer.name] = self._compute[key] = _read_only(_slowest(fwd, bwd, backward, table.starts,
+                                                                           hops * self.hop))
                 continue
             kinds = np.array([self.kind_index[d] for d in table.device])
             rows = np.concatenate([kinds[:, None], *shapes], axis=1)
@@ -559,12 +555,11 @@ class CostModel:
         if not layer.param_shapes:
             return {"ps": np.zeros(configs), "allreduce": np.zeros(configs)}
         # parts reading the same parameters (same channel block of the same config) form a shard
-        ps, allreduce, replicated = _sync_times(
+        ps, allreduce = _sync_times(
             table.starts, table.device, table.lo[:, 1], table.hi[:, 1], self.channel_params(layer.op),
             self.inv_bandwidth, self.latency, self.links.node, int(self.links.node.max()) + 1,
-            self.links.nic_inv_bandwidth, self.itemsize)
-        return {"ps": ps + np.where(replicated, 3, 1) * self.hop,
-                "allreduce": np.where(replicated, allreduce + 4 * self.hop, ps + self.hop)}
+            self.links.nic_inv_bandwidth, self.itemsize, self.hop)
+        return {"ps": ps, "allreduce": allreduce}
 
     # ---- t_x --------------------------------------------------------------------------------
     def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
@@ -621,6 +616,25 @@ def _read_only(table: np.ndarray) -> np.ndarray:
     return table
 
 
+@numba.njit(cache=True)
+def _first_part_bytes(lo, hi, starts, volumes, per_channel, itemsize):
+    """Per config, taskrt.memory.part_footprint of its first part: 3 x its parameters (weights,
+    gradient, velocity) and 2 x its input tiles (`volumes`: of each input, per part) and output."""
+    configs, rank = len(starts), lo.shape[1]
+    out = np.empty(configs, dtype=np.int64)
+    for a in range(configs):
+        p = starts[a]
+        volume = 1
+        for e in range(rank):
+            volume *= max(hi[p, e] - lo[p, e], 0)
+        inputs = 0
+        for v in volumes:
+            inputs += v[p]
+        params = per_channel * (hi[p, 1] - lo[p, 1]) if rank > 1 else per_channel
+        out[a] = itemsize * (3 * params + 2 * (inputs + volume))
+    return out
+
+
 def channel_params(op) -> int:
     """Parameters a part reads per channel of its output: every op's parameter Rects span its
     channel range and nothing else varies (tests/test_search.py checks it for every op kind)."""
@@ -629,10 +643,10 @@ def channel_params(op) -> int:
 
 
 @numba.njit(cache=True)
-def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize):
-    """Per config, without the tasks' overhead: the parameter server's time, the all-reduce's, and
-    whether any shard is replicated (see CostModel.sync_methods).  A config's parts with the same
-    channel block form a shard, served by its first part's device."""
+def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize, hop):
+    """Per config: the parameter server's time and the all-reduce's, each with its dependent tasks
+    (`hop` seconds each; see CostModel.sync_methods).  A config's parts with the same channel block
+    form a shard, served by its first part's device."""
     configs, parts = len(starts), len(device)
     ps, allreduce = np.zeros(configs), np.zeros(configs)
     replicated = np.zeros(configs, dtype=np.bool_)
@@ -703,7 +717,11 @@ def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency,
                 allreduce_nic[node[dk]] += received * itemsize
         ps[a] = max(ps[a], ps_nic.max() * nic)
         allreduce[a] = max(allreduce[a], allreduce_nic.max() * nic)
-    return ps, allreduce, replicated
+    with_ps, with_allreduce = np.empty(configs), np.empty(configs)
+    for a in range(configs):  # tasks: (grad, update, wfetch) and (rslice, update, wfetch, wgather) when replicated
+        with_ps[a] = ps[a] + (3 if replicated[a] else 1) * hop
+        with_allreduce[a] = allreduce[a] + 4 * hop if replicated[a] else ps[a] + hop
+    return with_ps, with_allreduce
 
 
 # ---- part timing (runs on a device) ---------------------------------------------------------
@@ -773,20 +791,61 @@ def measure_synchronization(items, repeats, dtype):
     return out
 
 
-def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None) -> tuple[np.ndarray, np.ndarray]:
+def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None,
+                   device=None) -> tuple[np.ndarray, np.ndarray]:
     """Roofline estimates (forward, backward) for many parts of one op at once:
     max(FLOPs / peak, bytes / memory bandwidth) from the device kind's data sheet.
 
     `shapes`: the parts' output tile shapes, then each input's tile shapes (rows); `peak` and
-    `bandwidth`: of each part's device kind; `per_channel`: `channel_params(op)`, if known.
-    FLOPs and parameter volumes of every op grow linearly with the output tile (parameters with
-    its channel extent), so one unit tile gives the rates."""
-    out = shapes[0]
-    volume = np.prod(out, axis=1).astype(np.float64)
+    `bandwidth`: of each part's device kind, or of each device when `device` gives each part's;
+    `per_channel`: `channel_params(op)`, if known.  FLOPs and parameter volumes of every op grow
+    linearly with the output tile (parameters with its channel extent), so one unit tile gives
+    the rates."""
+    out = np.asarray(shapes[0], dtype=np.int64)
     unit = Rect((0,) * out.shape[1], (1,) * out.shape[1])
-    inputs = sum(np.prod(s, axis=1).astype(np.float64) for s in shapes[1:])
-    params = (channel_params(op) if per_channel is None else per_channel) * (out[:, 1] if out.shape[1] > 1 else 1)
-    moved = (inputs + volume + params) * itemsize
-    forward = np.maximum(op.flops(unit) * volume / peak, moved / bandwidth)
-    backward = np.maximum(op.backward_flops(unit) * volume / peak, 2 * moved / bandwidth)
+    inputs = tuple(np.asarray(s, dtype=np.int64) for s in shapes[1:]) or (np.zeros((len(out), 1), dtype=np.int64),)
+    if device is None:  # a peak and bandwidth per part
+        device = np.arange(len(out))
+        peak, bandwidth = np.broadcast_to(peak, len(out)), np.broadcast_to(bandwidth, len(out))
+    return _roofline(out, inputs, channel_params(op) if per_channel is None else per_channel, itemsize,
+                     float(op.flops(unit)), float(op.backward_flops(unit)), np.asarray(peak, dtype=np.float64),
+                     np.asarray(bandwidth, dtype=np.float64), np.asarray(device, dtype=np.int64))
+
+
+@numba.njit(cache=True)
+def _slowest(forward, backward, with_backward, starts, overhead):
+    """Per config: its slowest part's forward (+ backward), plus the tasks' overhead."""
+    configs, parts = len(starts), len(forward)
+    out = np.empty(configs)
+    for a in range(configs):
+        slowest = -np.inf
+        for p in range(starts[a], starts[a + 1] if a + 1 < configs else parts):
+            slowest = max(slowest, forward[p] + backward[p] * (1.0 if with_backward else 0.0))
+        out[a] = slowest + overhead
+    return out
+
+
+@numba.njit(cache=True)
+def _roofline(out, inputs, per_channel, itemsize, flops, backward_flops, peak, bandwidth, device):
+    """Per part: the volume of its output tile and of its input tiles (elements), the parameters
+    of its channels, and the larger of compute and memory time each way (roofline_parts)."""
+    parts, rank = out.shape
+    forward, backward = np.empty(parts), np.empty(parts)
+    read = np.zeros(parts)
+    for shape in inputs:
+        for p in range(parts):
+            v = 1
+            for e in range(shape.shape[1]):
+                v *= shape[p, e]
+            read[p] += v
+    for p in range(parts):
+        v = 1
+        for e in range(rank):
+            v *= out[p, e]
+        volume = float(v)
+        params = per_channel * out[p, 1] if rank > 1 else per_channel
+        moved = (read[p] + volume + params) * itemsize
+        d = device[p]
+        forward[p] = max(flops * volume / peak[d], moved / bandwidth[d])
+        backward[p] = max(backward_flops * volume / peak[d], 2 * moved / bandwidth[d])
     return forward, backward

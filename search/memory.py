@@ -65,9 +65,7 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
                 moves[src].append(pieces)
         if layer.name in needed:  # batch norm's gradient sums read it in every part
             takes_dy[layer.name] = backward | layer.op.reduces_statistics
-        if backward.any():  # part_footprint(...).transient: its input tiles, its output and output gradient
-            working = (inputs + np.prod(hi - lo, axis=1)) * itemsize
-            np.maximum.at(memory[:, TRANSIENT], device[backward], working[backward])
+        _transient(lo, hi, device, backward, inputs, itemsize, memory)
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
         return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
@@ -101,6 +99,18 @@ def _outputs(lo, hi, device, itemsize, memory, present):
             volume *= hi[p, e] - lo[p, e]
         memory[device[p], ACTIVATIONS] += volume * itemsize
         present[device[p]] = True
+
+
+@numba.njit(cache=True)
+def _transient(lo, hi, device, backward, inputs, itemsize, memory):
+    """The largest backward working set on each device (part_footprint(...).transient): a part's
+    input tiles (`inputs`, elements), its output and output gradient, for the parts `backward` says."""
+    for p in range(len(device)):
+        if backward[p]:
+            volume = 1
+            for e in range(lo.shape[1]):
+                volume *= hi[p, e] - lo[p, e]
+            memory[device[p], TRANSIENT] = max(memory[device[p], TRANSIENT], (inputs[p] + volume) * itemsize)
 
 
 @numba.njit(cache=True)

@@ -252,32 +252,26 @@ class Needs:
 
     def __init__(self, op, j: int, parts: PartTable, configs=None):
         out_shape = tuple(op.out_shape)
-        rank_out, rank = len(out_shape), len(op.in_shapes[j])
+        rank = len(op.in_shapes[j])
         self.out_shape = out_shape
         slots = parts.slots(out_shape)
         # one probe per slot: the whole output except that slot's block along its dimension; row 0 is whole
-        probe_lo, probe_hi = _probes(np.array(out_shape, dtype=np.int64), np.array(slots.count), slots.lo, slots.hi)
+        counts = np.array(slots.count)
+        probe_lo, probe_hi = _probes(np.array(out_shape, dtype=np.int64), counts, slots.lo, slots.hi)
         reads, in_lo, in_hi = input_ranges(op, j, probe_lo, probe_hi)
         # per output dimension and slot: the answer (backward costs in search.transfer read these)
-        width = slots.lo.shape[1]
-        self.by_slot = BySlot(np.zeros((rank_out, width)), np.zeros((rank_out, width, rank), dtype=np.int64),
-                              np.zeros((rank_out, width, rank), dtype=np.int64),
-                              np.zeros((rank_out, rank), dtype=np.bool_), in_lo[0].copy(), in_hi[0].copy(),
-                              np.zeros(rank, dtype=np.bool_))
-        driven_by = np.full(rank, -1, dtype=np.int64)
-        b = self.by_slot
-        clash = _answers(reads, in_lo, in_hi, np.array(slots.count), driven_by, b.reads, b.lo, b.hi, b.drives,
-                         b.constant_lo, b.constant_hi, b.has_constant)
+        (*by_slot, driven_by, clash, lo, hi, self.volume, own) = _needs(reads, in_lo, in_hi, counts, slots.lo.shape[1],
+                                                                        slots.part, parts.lo, parts.hi)
         if clash[0] >= 0:
             raise NotSeparable(f"{op.kind}: input {j} dimension {clash[0]} depends on output dimensions "
                                f"{clash[1]} and {clash[2]}")
+        self.by_slot = BySlot(*by_slot)
         self.driver = {e: int(d) for e, d in enumerate(driven_by.tolist()) if d >= 0}
         self.constant = {e: (int(in_lo[0, e]), int(in_hi[0, e])) for e in range(rank) if e not in self.driver}
-        # each part's need: every input dimension from its block along the dimension driving it
-        lo, hi, self.volume = _needs_table(slots.part, self.by_slot.reads, self.by_slot.lo, self.by_slot.hi,
-                                           driven_by, in_lo[0], in_hi[0])
         self.table = PartTable(lo, hi, parts.device, parts.starts, parts.block, parts.degrees, parts.config)
-        self.reads_own_part = rank == rank_out and np.array_equal(lo, parts.lo) and np.array_equal(hi, parts.hi)
+        self.reads_own_part = bool(own)
+        self.driven_by = driven_by  # per input dimension: the output dimension driving it, or -1
+        self.reads_nothing = self.volume == 0  # per part (search.transfer skips these receivers)
 
     def key(self) -> bytes:
         """What the needs of every part follow from, given the parts' blocks: equal keys, equal needs."""
@@ -300,6 +294,34 @@ def _probes(out_shape, counts, slot_lo, slot_hi):
             probe_lo[row, d], probe_hi[row, d] = slot_lo[d, s], slot_hi[d, s]
             row += 1
     return probe_lo, probe_hi
+
+
+@numba.njit(cache=True)
+def _needs(reads, in_lo, in_hi, counts, width, part_slot, parts_lo, parts_hi):
+    """The probes' answers sorted into BySlot's arrays (`_answers`), each input dimension's driver
+    (-1: none), a clash (`_answers`), each part's need and its volume (`_needs_table`), and
+    whether every part reads exactly its own output Rect."""
+    rank_out, rank = len(counts), in_lo.shape[1]
+    slot_reads = np.zeros((rank_out, width))
+    slot_lo = np.zeros((rank_out, width, rank), dtype=np.int64)
+    slot_hi = np.zeros((rank_out, width, rank), dtype=np.int64)
+    drives = np.zeros((rank_out, rank), dtype=np.bool_)
+    constant_lo, constant_hi = in_lo[0].copy(), in_hi[0].copy()
+    has_constant = np.zeros(rank, dtype=np.bool_)
+    driven_by = np.full(rank, -1, dtype=np.int64)
+    clash = _answers(reads, in_lo, in_hi, counts, driven_by, slot_reads, slot_lo, slot_hi, drives, constant_lo,
+                     constant_hi, has_constant)
+    if clash[0] >= 0:
+        lo = np.zeros((0, rank), dtype=np.int64)
+        return (slot_reads, slot_lo, slot_hi, drives, constant_lo, constant_hi, has_constant, driven_by, clash, lo,
+                lo, np.zeros(0, dtype=np.int64), False)
+    lo, hi, volume = _needs_table(part_slot, slot_reads, slot_lo, slot_hi, driven_by, in_lo[0], in_hi[0])
+    own = rank == rank_out
+    for p in range(len(lo) if own else 0):
+        for e in range(rank):
+            own = own and lo[p, e] == parts_lo[p, e] and hi[p, e] == parts_hi[p, e]
+    return (slot_reads, slot_lo, slot_hi, drives, constant_lo, constant_hi, has_constant, driven_by, clash, lo, hi,
+            volume, own)
 
 
 @numba.njit(cache=True)

@@ -230,17 +230,14 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
         if drive[d] >= 0:
             return None  # one output dimension driving two input dimensions: no product of 1-D sums
         drive[d] = e
-    driver = np.full(len(need.constant_lo), -1, dtype=np.int64)
-    for e, d in needs.driver.items():
-        driver[e] = d
     (inv_intra, inv_inter), (lat_intra, lat_inter) = classes
     weights = np.array([itemsize * inv_intra, itemsize * inv_inter, lat_intra, lat_inter])
     nic = links.nic_inv_bandwidth
     u_lo, u_hi = u.slots
     forward = np.empty((len(u.degrees), len(v.degrees)))
-    empty = (consumer.hi <= consumer.lo).any(axis=1)
-    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, empty, driver, need.lo,
-             need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic, forward)
+    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, needs.reads_nothing,
+             needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic,
+             forward)
     if not backward:
         return forward
     producer = u.table
@@ -280,9 +277,12 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         for e in range(rank):
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
+    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
+    box = np.empty((4, configs))
+    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for b in range(len(starts)):  # consumer configs: independent columns
-        box = np.empty((4, configs))
-        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
+        slowest[:] = 0.0
+        inter[:] = 0.0
         q1 = starts[b + 1] if b + 1 < len(starts) else parts
         for q in range(starts[b], q1):
             if empty[q]:
@@ -290,13 +290,28 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             need = 1.0
             for e in range(rank):
                 need *= extent[e, rows[q, e]]
-            _products(gathered, which, q, box)
             k = node[device[q]]
+            if rank == 4:  # the common case, in one pass over the configs (the products as _products forms them)
+                row = which[q]
+                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
+                inter_k = inter[k]
+                for a in range(configs):
+                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
+                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
+                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
+                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
+                    local_cnt = 1.0 if local_vol > 0 else 0.0
+                    t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
+                         + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
+                    slowest[a] = max(slowest[a], t)
+                    inter_k[a] += need - node_vol
+                continue
+            _products(gathered, which, q, box)
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
                 local_cnt = 1.0 if local_vol > 0 else 0.0
-                t = (weights[0] * (node_vol - local_vol) + weights[1] * (need - node_vol)
-                     + weights[2] * (node_cnt - local_cnt) + weights[3] * (total_cnt - node_cnt))
+                t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
+                     + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += need - node_vol
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
@@ -327,9 +342,12 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
         for d in range(rank_out):
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
+    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
+    box = np.empty((5, configs))
+    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for a_u in range(len(starts)):  # producer configs: independent rows
-        box = np.empty((5, configs))
-        slowest, inter = np.zeros(configs), np.zeros((node.max() + 1, configs))
+        slowest[:] = 0.0
+        inter[:] = 0.0
         p1 = starts[a_u + 1] if a_u + 1 < len(starts) else parts
         for p in range(starts[a_u], p1):
             scale = 1.0
@@ -338,16 +356,30 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                     i = part_slot[p, e]
                     scale *= max(min(slot_hi[e, i], constant_hi[e]) - max(slot_lo[e, i], constant_lo[e]), 0)
             present = 1.0 if scale > 0 else 0.0
-            _products(gathered, which, p, box)
             k = node[device[p]]
+            if rank_out == 4:  # the common case, in one pass over the configs (as in _forward)
+                row = which[p]
+                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
+                inter_k = inter[k]
+                for a in range(configs):
+                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
+                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
+                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
+                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
+                    total_vol = g0[4, a] * g1[4, a] * g2[4, a] * g3[4, a]
+                    local_cnt = present if local_vol > 0 else 0.0
+                    t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
+                         + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
+                    slowest[a] = max(slowest[a], t)
+                    inter_k[a] += scale * (total_vol - node_vol)
+                continue
+            _products(gathered, which, p, box)
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
                 total_vol = box[4, a]
                 local_cnt = present if local_vol > 0 else 0.0
-                t = (weights[0] * scale * (node_vol - local_vol)
-                     + weights[1] * scale * (total_vol - node_vol)
-                     + weights[2] * present * (node_cnt - local_cnt)
-                     + weights[3] * present * (total_cnt - node_cnt))
+                t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
+                     + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += scale * (total_vol - node_vol)
         _config_costs(slowest, inter, itemsize, nic, out[a_u])
@@ -387,7 +419,10 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
     cum_cnt = np.empty(width)
     for e in range(rank):
         for i in range(values.shape[1]):
-            if (entry[e, i] < 0).all():
+            read = False
+            for r in range(devices):
+                read = read or entry[e, i, r] >= 0
+            if not read:
                 continue  # no part reads this row
             cum_vol[0], cum_cnt[0] = 0.0, 0.0
             for s in range(width - 1):
