@@ -272,7 +272,8 @@ def test_worker_reads_give_way_on_a_failed_task_or_a_timeout(machine4):
     with pytest.raises(ZeroDivisionError):
         failing.result()
     start = time.perf_counter()
-    assert client.run(read_when_done, [(failing.key, None, failing.key, True)], 30.0, workers=[address])[address] is None
+    answer = client.run(read_when_done, [(failing.key, None, failing.key, True)], 30.0, workers=[address])
+    assert answer[address] is None
     assert time.perf_counter() - start < 10
     never = ("never-it0", 0)
     assert client.run(read_when_done, [(never, 1, never, True)], 0.2, workers=[address])[address] is None
