@@ -25,6 +25,8 @@ from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 from taskrt.tasks import Received
 from taskrt.worker_reads import read_when_done, reads_of
 
+ANSWER_GRACE_S = 1.0  # how much longer than its own wait a worker may take to answer a read
+
 
 def step_key(key: tuple, step) -> tuple:
     """('conv1-fwd', 0) at step '7-ab12' -> ('conv1-fwd-it7-ab12', 0), shown as 'conv1-fwd'."""
@@ -122,11 +124,12 @@ class Executor:
             # At once, the devices' answers coming as their runs end; the first that fails ends the
             # wait (a lost worker: the others would wait out their time for values it never sends)
             asks = [asyncio.ensure_future(ask(d, items)) for d, items in run.reads.items()]
-            pending = set(asks)
+            pending, deadline = set(asks), time.monotonic() + timeout + ANSWER_GRACE_S
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if any(t.exception() is not None or t.result() is None for t in done):
-                    for t in pending:
+                done, pending = await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done or any(t.exception() is not None or t.result() is None for t in done):
+                    for t in pending:  # a failure, or a worker that does not answer at all
                         t.cancel()
                     return None
             return [t.result() for t in asks]
