@@ -23,7 +23,7 @@ from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 from taskrt.tasks import Received
-from taskrt.worker_reads import read_when_done, reads_of
+from taskrt.worker_reads import TIMED_OUT, ask, reads_of
 
 ANSWER_GRACE_S = 1.0  # how much longer than its own wait a worker may take to answer a read
 
@@ -106,24 +106,18 @@ class Executor:
         reads = reads_of(dsk, lambda key: device_by_tag[next(iter(restriction[key]))], outputs)
         return StepRun(step, tag, plan, out, keys, submitted, reads=reads)
 
-    def read_when_done(self, run: StepRun, timeout: float) -> list | None:
+    def read_when_done(self, run: StepRun, timeout: float):
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
-        its runs end (taskrt.worker_reads), or None where the usual wait must tell what happened:
-        a task failed, a worker was lost, or the step took longer than `timeout`."""
-        from distributed.protocol.pickle import dumps
-
+        its runs end (taskrt.worker_reads); TIMED_OUT if they had not ended within `timeout`; or
+        None where the usual wait must tell what happened: a task failed, a worker was lost."""
         if not run.reads or run.address is None or any(d not in run.address for d in run.reads):
             return None
-
-        async def ask(device, items):
-            response = await self.client.rpc(run.address[device]).run(
-                function=dumps(read_when_done), args=dumps((items, timeout)), kwargs=dumps({}), wait=True)
-            return response.get("result") if response.get("status") == "OK" else None
 
         async def ask_every_device():
             # At once, the devices' answers coming as their runs end; the first that fails ends the
             # wait (a lost worker: the others would wait out their time for values it never sends)
-            asks = [asyncio.ensure_future(ask(d, items)) for d, items in run.reads.items()]
+            asks = [asyncio.ensure_future(ask(self.client, run.address[d], items, timeout))
+                    for d, items in run.reads.items()]
             pending, deadline = set(asks), time.monotonic() + timeout + ANSWER_GRACE_S
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0),
@@ -140,6 +134,8 @@ class Executor:
             return None
         if answers is None:
             return None
+        if TIMED_OUT in answers:
+            return TIMED_OUT
         values = {}
         for items, answer in zip(run.reads.values(), answers):
             values.update(zip([key for _, _, key, wanted in items if wanted], answer))

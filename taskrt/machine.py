@@ -273,6 +273,17 @@ class Machine:
             [g] = client.scatter([large], workers=[address[0]], hash=False, direct=True)
             big.append(time.perf_counter() - start)
             del f, g
+        from taskrt.worker_reads import ask
+
+        answer = []
+        for r in range(5):  # a step's reads on its workers (taskrt.worker_reads): end of a run to the client
+            key = (f"taskrt-answer-{tag}-{r}", 0)
+            with dask.annotate(resources={self.tag(0): 1}):
+                [future] = client.get({key: (_sleep_until_done, 0.02)}, [key], sync=False)
+            ended = client.sync(ask, client, address[0], [(key, None, key, True)], 5.0)
+            if ended is not None:
+                answer.append(time.time() - ended[0])
+            del future
         copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
         fresh = client.run(_copy_rate, fresh=True, workers=[address[0]])[address[0]]
         out.update(self._cpu_costs())
@@ -282,6 +293,7 @@ class Machine:
             "client_bandwidth": large.nbytes / max(statistics.median(big) - statistics.median(scatter), 1e-9),
             "memory_bandwidth": copy,
             "fresh_copy_bandwidth": fresh,
+            "answer_s": statistics.median(answer) if answer else out["per_hop_s"],
         })
         return out
 
@@ -468,6 +480,12 @@ def _has_dask_cuda() -> bool:
 
 def _noop(*args):
     return None
+
+
+def _sleep_until_done(seconds):
+    """Sleep, then return the time the task ends."""
+    time.sleep(seconds)
+    return time.time()
 
 
 def _conv_seconds(repeats):

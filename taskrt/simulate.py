@@ -10,8 +10,9 @@ bandwidth), one transfer at a time per link, and traffic between nodes also pass
 shared network interface.  On a runtime that schedules centrally (Dask), each task also waits
 for the scheduler to hear that its inputs are done and to send it to its device (`dispatch_s`),
 and costs its device some time beyond its kernel (`task_s`); a step starts after its data is
-sent and its graph submitted (`start_s`).  Which bytes move comes from the plan itself, as in
-the executor.
+sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
+`answer_s` after the runs computing them end (taskrt.worker_reads).  Which bytes move comes from
+the plan itself, as in the executor.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Runtime:
     """What the runtime adds to kernels and transfers (all zero for an ideal runtime)."""
 
     dispatch_s: float = 0.0  # from the last input being ready to the task being sent to its device
+    answer_s: float = 0.0  # from the last run the client reads ending to the client having its values
     task_s: float = 0.0  # device time per task beyond its kernel
     start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
     per_task_submit_s: float = 0.0  # submission time per task (graph serialization, scheduler ingestion)
@@ -192,11 +194,25 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         stuck = [t.key for t in plan.tasks if t.key not in finish]
         raise AssertionError(f"the plan has a dependency cycle: {len(stuck)} tasks never ran, e.g. {stuck[:3]}"
                              if stuck else "the plan has several tasks with the same key")
-    # Every task, the getitems naming the new state included: a step returns before those
-    # (taskrt.fusion.step_done_keys) but the next one waits for them, and a step in training is
-    # the time from one step to the next
-    end = max(finish.values(), default=origin) + runtime.dispatch_s  # the client hears the step is done
+    # A step in training is the time from one step to the next.  The client has the step when it
+    # has read its outputs on their workers, `answer_s` after the runs computing them end
+    # (taskrt.worker_reads), and sends the next step.  The getitems naming each value end later,
+    # while that step is being sent: its runs, which read them, start `origin` after it does, so
+    # only what is left of them beyond that lengthens the step.
+    read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
+    end = max(read, max(finish.values(), default=origin) - origin)
     return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+
+
+def _outputs(plan: Plan) -> list:
+    keys = [k for v in plan.outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    return keys or [t.key for t in plan.tasks]
+
+
+def _computed_by(plan: Plan, key) -> tuple:
+    """The task whose end makes output `key` readable: the run an export names a value of, or itself."""
+    task = plan.by_key[key]
+    return task.deps[0].key if task.phase == "export" else key
 
 
 def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> float:

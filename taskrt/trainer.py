@@ -42,6 +42,7 @@ from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
 from taskrt.strategy import Strategy
+from taskrt.worker_reads import TIMED_OUT
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
 CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; workers keep the task states in between
@@ -266,7 +267,11 @@ class Trainer:
         `taskrt.fusion.step_done_keys`) and return the loss values; raises DeviceLost when a
         device it runs on is lost (and the trainer recovers)."""
         values = self.executor.read_when_done(run, POLL_S)
-        if values is not None:
+        while values is TIMED_OUT:  # a long step: ask again while its devices are there and nothing failed
+            if self._missing_devices() or any(f.status in LOST_STATUSES for f in run.futures()):
+                break
+            values = self.executor.read_when_done(run, POLL_S)
+        if values is not None and values is not TIMED_OUT:
             return values
         self._await(run.outputs["done"], run.step)
         return self._gather(run.outputs["loss"], run.step)

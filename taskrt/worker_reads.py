@@ -8,7 +8,8 @@ step on Machine.local(1).  Here the client asks each worker of the step once, di
 answers when the step's runs there have ended, with the losses read out of them (or out of the
 getitem, if it ran first).
 
-Anything unusual (a task that failed, a worker lost, a step longer than the wait) answers None,
+A step longer than the wait answers TIMED_OUT, and the trainer asks again once it has checked that
+its devices are still there.  Anything unusual (a task that failed, a worker lost) answers None,
 and the trainer waits for the step's futures the usual way, which reports or recovers from it.
 """
 
@@ -55,9 +56,12 @@ def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
     return reads
 
 
+TIMED_OUT = "timed out"  # a worker's answer when the step's runs there had not ended in time
+
+
 async def read_when_done(items, timeout: float, dask_worker=None):
     """On a worker: wait for each (run, index, key, wanted) of `reads_of`, at most `timeout` seconds
-    in all; the wanted values in order, or None if anything failed or the time ran out."""
+    in all; the wanted values in order, TIMED_OUT, or None if a task failed."""
     watch = dask_worker.plugins.get(StepWatch.name)
     if watch is None:
         return None
@@ -68,15 +72,17 @@ async def read_when_done(items, timeout: float, dask_worker=None):
         while key not in dask_worker.data and run not in dask_worker.data:
             states = [getattr(dask_worker.state.tasks.get(k), "state", None) for k in (run, key)]
             remaining = deadline - loop.time()
-            if "error" in states or remaining <= 0:
+            if "error" in states:
                 return None
+            if remaining <= 0:
+                return TIMED_OUT
             waiter = loop.create_future()
             for k in (run, key):
                 watch.waiters.setdefault(k, []).append(waiter)
             try:
                 await asyncio.wait_for(waiter, remaining)
             except TimeoutError:
-                return None
+                return TIMED_OUT
             finally:
                 for k in (run, key):
                     if waiter in watch.waiters.get(k, ()):
@@ -85,3 +91,13 @@ async def read_when_done(items, timeout: float, dask_worker=None):
             values.append(dask_worker.data[key] if key in dask_worker.data else
                           dask_worker.data[run] if index is None else dask_worker.data[run][index])
     return values
+
+
+async def ask(client, address: str, items, timeout: float):
+    """Send `read_when_done(items, timeout)` straight to the worker at `address` (not through the
+    scheduler, as `Client.run` would); its answer, or None."""
+    from distributed.protocol.pickle import dumps
+
+    response = await client.rpc(address).run(function=dumps(read_when_done), args=dumps((items, timeout)),
+                                             kwargs=dumps({}), wait=True)
+    return response.get("result") if response.get("status") == "OK" else None

@@ -85,7 +85,7 @@ def test_chain_on_one_device_is_the_sum_of_its_kernels():
 
 
 def test_chain_pays_start_submission_dispatch_per_hop_and_task_overhead():
-    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5)
+    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, answer_s=0.1875)
     sim = run(plan_of(task("a", 0), task("b", 0, ["a"])), {"a": 1.0, "b": 2.0}, ONE, rt)
     origin = 0.25 + 2 * 0.5  # the step's data sent and its 2 tasks submitted
     a_start = origin + 0.125  # the scheduler sends `a` out
@@ -93,7 +93,7 @@ def test_chain_pays_start_submission_dispatch_per_hop_and_task_overhead():
     b_start = a_end + 0.125  # the scheduler hears `a` is done and sends `b`
     b_end = b_start + 0.0625 + 2.0
     assert at(sim, "a") == (a_start, a_end) and at(sim, "b") == (b_start, b_end)
-    assert sim.step_s == b_end + 0.125  # the client hears the step is done
+    assert sim.step_s == b_end + 0.1875  # the client has read the step's value
     assert sim.busy_s[0] == 2 * 0.0625 + 3.0
     assert sim.idle_s[0] == sim.step_s - sim.busy_s[0]
 
@@ -120,7 +120,7 @@ def test_independent_tasks_with_dispatch_start_together():
     rt = Runtime(dispatch_s=0.125, start_s=0.5)
     sim = run(plan_of(task("a", 0), task("b", 1)), {"a": 1.0, "b": 2.0}, LINKS, rt)
     assert sim.start[("a",)] == sim.start[("b",)] == 0.625
-    assert sim.step_s == 0.625 + 2.0 + 0.125
+    assert sim.step_s == 0.625 + 2.0
 
 
 def test_equally_ready_tasks_go_in_plan_order():
@@ -148,7 +148,7 @@ def test_remote_input_is_fetched_once_the_scheduler_sent_the_task():
     sim = run(plan_of(task("p", 0, nbytes=500), task("c", 1, ["p"])), {"p": 1.0, "c": 1.0}, LINKS, rt)
     assert at(sim, "p") == (0.125, 1.125)
     assert sim.start[("c",)] == 1.125 + 0.125 + 0.5 + 0.25
-    assert sim.step_s == sim.finish[("c",)] + 0.125
+    assert sim.step_s == sim.finish[("c",)]
 
 
 def test_values_from_one_source_travel_as_one_message(messages):
@@ -322,7 +322,7 @@ def test_nothing_to_run_with_shared_cores():
 
 def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside():
     """a -> b -> c on one device, c read by the client: one FusedRun task, then a getitem task for c."""
-    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, fused=True)
+    rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, answer_s=0.1875, fused=True)
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
     p.outputs = {"loss": [("c",)]}
     sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
@@ -331,25 +331,28 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     run_end = run_start + 0.0625 + 7.0  # one task's overhead for the three kernels
     assert at(sim, "a") == (run_start + 0.0625, run_start + 1.0625)  # members placed in order inside the run
     assert at(sim, "c") == (run_start + 3.0625, run_end)
-    export_end = run_end + 0.125 + 0.0625  # the getitem task under c's key
-    assert sim.step_s == export_end + 0.125
+    assert sim.step_s == run_end + 0.1875  # c read out of the run; its getitem (0.1875 later) ended before origin
     assert sim.busy_s[0] == 2 * 0.0625 + 7.0
     unfused = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, replace(rt, fused=False))
-    assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.125
+    assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.1875
 
 
-def test_a_fused_step_lasts_until_the_getitems_naming_its_new_state_end():
-    """a -> b -> c -> d on one device; the client reads a's value (the loss) and d is the new state:
-    the Trainer returns at the loss, but the next step waits for the getitem naming d, so the
-    simulated step (a step in training) includes it."""
-    rt = Runtime(dispatch_s=0.125, task_s=0.0625, fused=True)
+def test_a_fused_step_ends_at_its_reads_or_where_its_getitems_hold_up_the_next_step():
+    """a -> b -> c -> d on one device; the client reads a's value (the loss) and d is the new state.
+    The Trainer has the step when it has read them out of the run; the next step's runs wait for the
+    getitems naming them, which end while it is being sent (`origin`): a step in training lasts
+    until the later of the two."""
+    rt = Runtime(dispatch_s=0.125, task_s=0.0625, answer_s=0.03125, fused=True)
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]), task("d", 0, ["c"]))
     p.outputs = {"loss": [("a",)], "state": {"w": ("d",)}}
-    sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0, "d": 8.0}, ONE, rt)
+    times = {"a": 1.0, "b": 2.0, "c": 4.0, "d": 8.0}
+    sim = run(p, times, ONE, rt)
     run_end = 0.125 + 0.0625 + 15.0
     loss_end = run_end + 0.125 + 0.0625  # the getitem task under a's key
     state_end = loss_end + 0.0625  # the getitem task under d's key: ready with it, run after it
-    assert sim.step_s == state_end + 0.125
+    assert sim.step_s == state_end  # nothing to send: the next step's runs would wait for the getitems
+    sent = run(p, times, ONE, replace(rt, start_s=1.0))
+    assert sent.step_s == 1.0 + run_end + 0.03125  # sending takes longer than the getitems: the reads end it
 
 
 def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages):
@@ -435,6 +438,12 @@ def independent_transfers(plan):
     return out
 
 
+def step_reads(plan, sim) -> float:
+    """When the last of the runs computing the plan's outputs ends (what the client reads)."""
+    keys = [k for v in plan.outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    return max(sim.finish[plan.by_key[k].deps[0].key if plan.by_key[k].phase == "export" else k] for k in keys)
+
+
 def check_schedule(plan, sim, task_time, machine, runtime):
     """Invariants of any schedule without processor sharing."""
     tasks = plan.tasks
@@ -468,7 +477,8 @@ def check_schedule(plan, sim, task_time, machine, runtime):
     assert list(sim.busy_s) == pytest.approx(busy, rel=1e-9, abs=1e-15)
     assert sum(sim.busy_s) == pytest.approx(sum(task_time(t) + runtime.task_s for t in tasks), rel=1e-9)
     assert sim.step_s >= max(sim.busy_s)
-    assert sim.step_s == pytest.approx(max(sim.finish.values()) + runtime.dispatch_s, rel=1e-12)
+    assert sim.step_s == pytest.approx(max(step_reads(plan, sim) + runtime.answer_s,
+                                           max(sim.finish.values()) - origin), rel=1e-12)
     assert all(sim.idle_s >= -1e-15) and list(sim.idle_s + sim.busy_s) == pytest.approx([sim.step_s] * len(busy))
     length, _ = plan.critical_path(lambda t: task_time(t) + runtime.task_s + runtime.dispatch_s)
     assert sim.step_s >= origin + length - 1e-12

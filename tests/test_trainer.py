@@ -262,9 +262,9 @@ def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
 
 
 def test_worker_reads_give_way_on_a_failed_task_or_a_timeout(machine4):
-    """A failed task, or a key not computed in time, answers None (the trainer then waits the usual
-    way, which reports it), at once for the failure, and leaves no waiter behind."""
-    from taskrt.worker_reads import StepWatch, read_when_done
+    """A failed task answers None at once (the trainer then waits the usual way, which reports it), a
+    key not computed in time TIMED_OUT (the trainer asks again), and no waiter is left behind."""
+    from taskrt.worker_reads import TIMED_OUT, StepWatch, read_when_done
 
     client = machine4.client
     address = machine4.addresses()[0]
@@ -276,7 +276,7 @@ def test_worker_reads_give_way_on_a_failed_task_or_a_timeout(machine4):
     assert answer[address] is None
     assert time.perf_counter() - start < 10
     never = ("never-it0", 0)
-    assert client.run(read_when_done, [(never, 1, never, True)], 0.2, workers=[address])[address] is None
+    assert client.run(read_when_done, [(never, 1, never, True)], 0.2, workers=[address])[address] == TIMED_OUT
 
     def waiters(dask_worker=None):
         return sum(map(len, dask_worker.plugins[StepWatch.name].waiters.values()))
