@@ -65,7 +65,7 @@ def measure_layer(layer, product, rounds: int, rng) -> dict:
     med = interleaved({"gemm": lambda *_: multiply(),
                        "forward": lambda *_: op.forward([x], params, out),
                        "backward": lambda *_: op.backward(dy, [x], y, params, out, [True])},
-                      None, None, rounds, layer.name, clock=time.thread_time, settle_s=0.0)
+                      None, None, rounds, layer.name, clock=time.thread_time, turn=1)
     flops = op.flops(out) + op.backward_flops(out)
     gflops = flops / (med["forward"] + med["backward"]) / 1e9
     gemm_gflops = gemm_flops / med["gemm"] / 1e9

@@ -28,22 +28,21 @@ LOCAL_MODELS = {
 QUICK_MODELS = {"lenet5": LOCAL_MODELS["lenet5"]}
 
 
-SETTLE_S = 0.1  # between two runners' steps: the first one's trailing work done before the next starts
-
-
-def interleaved(runners: dict, x, y, rounds: int, desc: str, clock=time.perf_counter, settle_s=SETTLE_S) -> dict:
-    """Median seconds per step of each runner, one step of each per round after one warm-up step.
+def interleaved(runners: dict, x, y, rounds: int, desc: str, clock=time.perf_counter, turn: int = 2) -> dict:
+    """Median seconds per step of each runner, one turn of each per round after one warm-up step.
     `clock`: wall time by default; `time.thread_time` counts only the calling thread's CPU time.
-    Each step starts `settle_s` after the one before: a Trainer's step returns with work still to
-    do on the workers and in this process's event loop (the getitems naming the new state, freeing
-    the last step's values), which would otherwise slow whichever runner comes next (an in-process
-    step after local(1) ran 15 ms instead of 9-11 for LeNet-5)."""
+    A turn is `turn` steps in a row, the last one timed: it follows a step of its own, as in
+    training.  A Trainer's step returns with work left on the workers and in this process's event
+    loop (the getitems naming the new state, freeing the last step's values), which slowed
+    whichever runner came next when each turn was one step (an in-process LeNet-5 step after
+    local(1): 15 ms instead of 9-11)."""
     for step in runners.values():  # first-touch memory, caches, numba
         step(x, y)
     times = {label: [] for label in runners}
     for _ in tqdm(range(rounds), desc=desc, leave=False, disable=None):
         for label, step in runners.items():
-            time.sleep(settle_s)
+            for _ in range(turn - 1):
+                step(x, y)
             start = clock()
             step(x, y)
             times[label].append(clock() - start)
