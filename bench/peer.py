@@ -5,8 +5,8 @@ one BLAS thread) and on Machine.local(1).  Two threads: PyTorch with two threads
 Machine.local(2) running data parallelism and the searched strategy (search.optimize with the
 simulation check, its costs measured in the same run); the faster of the two is the runtime's best.
 Every runner takes two steps per round, the second timed (bench.measure.interleaved), rounds
-interleaved, medians reported; throughput is images per second.  The goal (issue 14) is local(1) at least 0.8x PyTorch's one-thread throughput on
-AlexNet-32 and VGG-16-32.
+interleaved, medians reported; throughput is images per second.  The goal (issue 14) is local(1)
+at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32.
 
 PyTorch is optional (`pip install '.[torch]'`); without it the benchmark says so and skips.
 """
