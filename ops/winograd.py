@@ -230,45 +230,41 @@ def kernels(w, flipped):
     return u
 
 
-def _blocks_of(n, out_hw):
-    tiles_h, tiles_w = (out_hw[0] + 1) // 2, (out_hw[1] + 1) // 2
-    blocks = list(_tile_blocks(n, tiles_h, tiles_w))
-    return blocks, max((n1 - n0) * (h1 - h0) * tiles_w for n0, n1, h0, h1 in blocks), tiles_w
+def _transformed_blocks(xp, c_out, out_hw):
+    """Each block of tiles (n0, n1, th0, th1) of a padded NHWC tile, with its transformed patches
+    V (16, tiles, C) and scratch of shape (16, tiles, c_out) for M or dM; buffers reused."""
+    n, c_in = xp.shape[0], xp.shape[3]
+    tiles_w = (out_hw[1] + 1) // 2
+    blocks = list(_tile_blocks(n, (out_hw[0] + 1) // 2, tiles_w))
+    most = max((n1 - n0) * (h1 - h0) * tiles_w for n0, n1, h0, h1 in blocks)
+    v_buf = numpy.empty(16 * c_in * most, dtype=xp.dtype)
+    m_buf = numpy.empty(16 * c_out * most, dtype=xp.dtype)
+    for block in blocks:
+        n0, n1, h0, h1 = block
+        tiles = (n1 - n0) * (h1 - h0) * tiles_w
+        v = v_buf[: 16 * tiles * c_in].reshape(16, tiles, c_in)
+        input_transform(xp, v, *block)
+        yield block, v, m_buf[: 16 * tiles * c_out].reshape(16, tiles, c_out)
 
 
 def correlate(xp, u, bias, relu, out_hw):
     """relu?(the correlation by U (`kernels`) + bias) of a padded NHWC tile xp (`padding`), in NCHW."""
-    n, c_in = xp.shape[0], xp.shape[3]
     c_out = u.shape[2]
     bias = numpy.zeros(c_out, xp.dtype) if bias is None else numpy.ascontiguousarray(bias, dtype=xp.dtype)
-    y = numpy.empty((n, c_out, *out_hw), dtype=xp.dtype)
-    blocks, most, tiles_w = _blocks_of(n, out_hw)
-    v_buf = numpy.empty(16 * c_in * most, dtype=xp.dtype)
-    m_buf = numpy.empty(16 * c_out * most, dtype=xp.dtype)
-    for n0, n1, h0, h1 in blocks:
-        tiles = (n1 - n0) * (h1 - h0) * tiles_w
-        v = v_buf[: 16 * tiles * c_in].reshape(16, tiles, c_in)
-        m = m_buf[: 16 * tiles * c_out].reshape(16, tiles, c_out)
-        input_transform(xp, v, n0, n1, h0, h1)
+    y = numpy.empty((xp.shape[0], c_out, *out_hw), dtype=xp.dtype)
+    for block, v, m in _transformed_blocks(xp, c_out, out_hw):
         numpy.matmul(v, u, out=m)
-        output_transform(m, y, bias, relu, n0, n1, h0, h1)
+        output_transform(m, y, bias, relu, *block)
     return y
 
 
 def weight_grad(xp, dp):
     """dL/dw (Cout, C, 3, 3) of one tile from its padded NHWC input xp (`padding`) and the NHWC output
     gradient dp zero-padded to even height and width (any relu already applied)."""
-    n, c_in, c_out = xp.shape[0], xp.shape[3], dp.shape[3]
+    c_in, c_out = xp.shape[3], dp.shape[3]
     du = numpy.zeros((16, c_in, c_out), dtype=xp.dtype)
-    blocks, most, tiles_w = _blocks_of(n, (xp.shape[1] - 2, xp.shape[2] - 2))
-    v_buf = numpy.empty(16 * c_in * most, dtype=xp.dtype)
-    m_buf = numpy.empty(16 * c_out * most, dtype=xp.dtype)
-    for n0, n1, h0, h1 in blocks:
-        tiles = (n1 - n0) * (h1 - h0) * tiles_w
-        v = v_buf[: 16 * tiles * c_in].reshape(16, tiles, c_in)
-        dm = m_buf[: 16 * tiles * c_out].reshape(16, tiles, c_out)
-        input_transform(xp, v, n0, n1, h0, h1)
-        output_gradient_transform(dp, dm, n0, n1, h0, h1)
+    for block, v, dm in _transformed_blocks(xp, c_out, (xp.shape[1] - 2, xp.shape[2] - 2)):
+        output_gradient_transform(dp, dm, *block)
         du += v.transpose(0, 2, 1) @ dm
     dw = numpy.empty((c_out, c_in, 3, 3), dtype=xp.dtype)
     kernel_gradient(du, dw)
