@@ -277,7 +277,6 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         for e in range(rank):
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
-    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
     box = np.empty((4, configs))
     slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for b in range(len(starts)):  # consumer configs: independent columns
@@ -300,18 +299,14 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
                     node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
                     total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
                     local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
-                    local_cnt = 1.0 if local_vol > 0 else 0.0
-                    t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
-                         + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
+                    t = _receiver_time(weights, 1.0, 1.0, node_vol, node_cnt, total_cnt, local_vol, need)
                     slowest[a] = max(slowest[a], t)
                     inter_k[a] += need - node_vol
                 continue
             _products(gathered, which, q, box)
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
-                local_cnt = 1.0 if local_vol > 0 else 0.0
-                t = (w0 * (node_vol - local_vol) + w1 * (need - node_vol)
-                     + w2 * (node_cnt - local_cnt) + w3 * (total_cnt - node_cnt))
+                t = _receiver_time(weights, 1.0, 1.0, node_vol, node_cnt, total_cnt, local_vol, need)
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += need - node_vol
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
@@ -342,7 +337,6 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
         for d in range(rank_out):
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
-    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
     box = np.empty((5, configs))
     slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
     for a_u in range(len(starts)):  # producer configs: independent rows
@@ -367,9 +361,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                     total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
                     local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
                     total_vol = g0[4, a] * g1[4, a] * g2[4, a] * g3[4, a]
-                    local_cnt = present if local_vol > 0 else 0.0
-                    t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
-                         + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
+                    t = _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol)
                     slowest[a] = max(slowest[a], t)
                     inter_k[a] += scale * (total_vol - node_vol)
                 continue
@@ -377,9 +369,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
             for a in range(configs):
                 node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
                 total_vol = box[4, a]
-                local_cnt = present if local_vol > 0 else 0.0
-                t = (w0 * scale * (node_vol - local_vol) + w1 * scale * (total_vol - node_vol)
-                     + w2 * present * (node_cnt - local_cnt) + w3 * present * (total_cnt - node_cnt))
+                t = _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol)
                 slowest[a] = max(slowest[a], t)
                 inter[k, a] += scale * (total_vol - node_vol)
         _config_costs(slowest, inter, itemsize, nic, out[a_u])
@@ -460,6 +450,16 @@ def _products(gathered, which, q, out):
         for c in range(components):
             for a in range(configs):
                 out[c, a] *= gathered[entry, c, a]
+
+
+@numba.njit(cache=True, inline="always")
+def _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol):
+    """One receiving part's time for one config: volumes from its own node and from other nodes,
+    messages from its node and from others (the local piece is neither), weighted by `weights`;
+    `scale` weighs the volumes and `present` the messages (backward: the part's share, 1 forward)."""
+    local_cnt = present if local_vol > 0 else 0.0
+    return (weights[0] * scale * (node_vol - local_vol) + weights[1] * scale * (total_vol - node_vol)
+            + weights[2] * present * (node_cnt - local_cnt) + weights[3] * present * (total_cnt - node_cnt))
 
 
 @numba.njit(cache=True)
