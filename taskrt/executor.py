@@ -13,12 +13,11 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
-from operator import getitem
 
 import dask
 
 from taskrt.device import to_device, to_host
-from taskrt.fusion import fuse, step_done_keys
+from taskrt.fusion import export_source, fuse, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
@@ -256,7 +255,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     if fused:
         wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
         dsk, device_of = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage))
-    outputs["done"] = step_done_keys(outputs, lambda key: dsk[key][1] if dsk[key][0] is getitem else None)
+    outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])
     restriction = {key: {device_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs
 

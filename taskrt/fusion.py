@@ -134,12 +134,19 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
     return fused, where
 
 
+def export_source(dsk: dict, key) -> tuple:
+    """(run, index) when `key` names value `index` of a fused run (`fuse` made it a getitem task),
+    else (key, None): the key is computed by its own task."""
+    spec = dsk.get(key)
+    return (spec[1], spec[2]) if isinstance(spec, tuple) and spec and spec[0] is getitem else (key, None)
+
+
 def step_done_keys(outputs: dict, source) -> list:
     """The keys whose ends make a step done: each output the client reads, except that the new
     state and statistics (read by the next step, not the client) count as done when the run that
     computed them ends, not the task that names each value after it (one worker task per value,
     about 1 ms each, that the next step waits for anyway).  `outputs`: name -> keys (a list or a
-    dict's values); `source(key)`: the run an export takes its value from, or None."""
+    dict's values); `source(key)`: the run an export takes its value from; None or the key itself for any other."""
     keys = []
     for name, value in outputs.items():
         for key in (value.values() if isinstance(value, dict) else value):

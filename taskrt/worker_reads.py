@@ -16,9 +16,10 @@ and the trainer waits for the step's futures the usual way, which reports or rec
 from __future__ import annotations
 
 import asyncio
-from operator import getitem
 
 from distributed import WorkerPlugin
+
+from taskrt.fusion import export_source
 
 
 class StepWatch(WorkerPlugin):
@@ -38,21 +39,17 @@ class StepWatch(WorkerPlugin):
 def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
     """What the client waits for on each device: {device: [(run, index, key, wanted)]}.  `key` is an
     output the client holds a future of; it is computed once `key` or the run it is read out of
-    (`dsk[key] == (getitem, run, index)`) is in memory.  The losses are wanted (their values come
+    (`taskrt.fusion.export_source`) is in memory.  The losses are wanted (their values come
     back); each of the step's `done` keys is awaited through one output read out of it."""
-    def source(key):
-        spec = dsk.get(key)
-        return (spec[1], spec[2]) if isinstance(spec, tuple) and spec and spec[0] is getitem else (key, None)
-
     held = [k for name, v in outputs.items() if name != "done" for k in (v.values() if isinstance(v, dict) else v)]
     reads, losses = {}, outputs.get("loss", [])
     for key in losses:
-        reads.setdefault(device_of(key), []).append((*source(key), key, True))
+        reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, True))
     for run in outputs["done"]:
         if run in losses:
             continue
-        key = run if run in held else next(k for k in held if source(k)[0] == run)
-        reads.setdefault(device_of(key), []).append((*source(key), key, False))
+        key = run if run in held else next(k for k in held if export_source(dsk, k)[0] == run)
+        reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, False))
     return reads
 
 
