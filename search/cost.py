@@ -169,7 +169,7 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "answer_s" not in cached:
+        if cached is None or "inline_bandwidth" not in cached:
             cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
@@ -499,20 +499,32 @@ class CostModel:
     def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
         `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
-        task, graph submission per task, one scatter call per device that receives data), for
+        task, graph submission per task, one scatter call per device that receives data, the
+        data the graph carries at its measured rate), for
         the tasks the executor submits: fused (the Trainer's default) or one per plan task."""
         from taskrt.simulate import Runtime
 
         if self.estimated:
             return Runtime()
+        from taskrt.executor import inline_data_devices
+
         c = self.calibration
-        receivers = {p.device for parts in plan.data.values() for p in parts}
-        data = sum(plan.data_nbytes.values())
+        inline = inline_data_devices(plan)
+        receivers, scattered, carried = set(), 0, 0  # the graph carries a device's data, or it is scattered
+        for layer, parts in plan.data.items():
+            for p in parts:
+                nbytes = plan.data_nbytes[(layer, p.index)]
+                if p.device in inline:
+                    carried += nbytes
+                else:
+                    receivers.add(p.device)
+                    scattered += nbytes
         shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
             {d.node for d in self.machine.devices}) == 1
         return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),
-                       start_s=len(receivers) * c["scatter_s"] + data / c["client_bandwidth"],
+                       start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
+                                + carried / c["inline_bandwidth"]),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 

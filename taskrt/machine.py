@@ -247,7 +247,8 @@ class Machine:
     def calibrate(self) -> dict:
         """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
         hop (`task_overhead`), graph submission per task, one scatter call, the client's
-        bandwidth to a worker, and a device's memory bandwidth (an array copy)."""
+        bandwidth to a worker, directly and carried in a graph through the scheduler, and a
+        device's memory bandwidth (an array copy)."""
 
         import dask
 
@@ -273,6 +274,16 @@ class Machine:
             [g] = client.scatter([large], workers=[address[0]], hash=False, direct=True)
             big.append(time.perf_counter() - start)
             del f, g
+        inline = {8: [], INLINE_PROBE_BYTES: []}
+        for r in range(5):  # a graph carrying a step's data (taskrt.executor.INLINE_DATA_BYTES), small and not
+            for nbytes in inline:
+                key = (f"taskrt-inline-{tag}-{r}-{nbytes}", 0)
+                with dask.annotate(resources={self.tag(0): 1}):
+                    start = time.perf_counter()
+                    [future] = client.get({key: (_noop, np.zeros(nbytes // 8))}, [key], sync=False)
+                    future.result()
+                inline[nbytes].append(time.perf_counter() - start)
+                del future
         from taskrt.worker_reads import ask
 
         answer = []
@@ -294,6 +305,8 @@ class Machine:
             "memory_bandwidth": copy,
             "fresh_copy_bandwidth": fresh,
             "answer_s": statistics.median(answer) if answer else out["per_hop_s"],
+            "inline_bandwidth": INLINE_PROBE_BYTES / max(statistics.median(inline[INLINE_PROBE_BYTES])
+                                                         - statistics.median(inline[8]), 1e-9),
         })
         return out
 
@@ -406,6 +419,8 @@ class Machine:
     def __exit__(self, *exc):
         self.close()
 
+
+INLINE_PROBE_BYTES = 256 * 2**10  # a LeNet-5 batch of 64
 
 _DASK_SETTINGS = {
     "distributed.scheduler.active-memory-manager.start": False,

@@ -8,12 +8,14 @@ from operator import getitem
 
 import dask
 import networkx as nx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskrt import models
 from taskrt.config import ParallelConfig as P
+from taskrt.device import to_device
 from taskrt.executor import step_graph
 from taskrt.fusion import FusedRun, fuse, fused_plan, groups_of, stages, step_done_keys
 from taskrt.lowering import lower
@@ -107,6 +109,30 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
     client_reads = [k for name, v in outputs.items() if name not in ("state", "buffers")
                     for k in (v.values() if isinstance(v, dict) else v)]
     assert sorted(done) == sorted(client_reads + (runs if mode == "train" else []))
+
+
+def test_data_tiles_carried_by_the_graph_are_tasks_on_their_devices():
+    """A tile given as an array (taskrt.executor.inline_data_devices) becomes a task on its device
+    that gives it: unfused, a '<layer>-data' key there; fused, a literal input of its device's
+    run (or of its own task, where the group is not fused), once."""
+    from dask.utils import key_split
+
+    g = models.lenet5(batch=4, image_size=16, width=0.5)
+    plan = lower(g, Strategy({layer.name: P(n=2, devices=(0, 1)) for layer in g}))
+    state, names, hyper = fake_inputs(plan)
+    tiles = {key: np.full(1, float(i)) for i, key in enumerate(names)}
+    plain, restriction, _ = step_graph(plan, "4-gh", state, tiles, hyper, fused=False)
+    given = {k: v for k, v in plain.items() if key_split(k).endswith("-data")}
+    assert len(given) == len(tiles)
+    for key, (fn, tile) in given.items():
+        layer, part = key[0].rsplit("-data-it", 1)[0], key[1]
+        assert fn is to_device and tile is tiles[(layer, part)]
+        assert restriction[key] == {f"dev{plan.data[layer][part].device}": 1}
+    fused, _, _ = step_graph(plan, "4-gh", state, tiles, hyper)
+    literal = [a for fn, *args in fused.values() for a in args if isinstance(a, np.ndarray)]
+    assert sorted(id(a) for a in literal) == sorted(id(t) for t in tiles.values())  # each once, in a run or alone
+    assert any(isinstance(fn, FusedRun) and any(isinstance(a, np.ndarray) for a in args)
+               for fn, *args in fused.values())
 
 
 @settings(max_examples=10, deadline=None)

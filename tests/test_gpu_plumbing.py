@@ -15,6 +15,7 @@ from dask.utils import key_split
 
 from taskrt import models
 from taskrt.config import ParallelConfig as P
+from taskrt.device import to_device
 from taskrt.executor import Executor, step_graph
 from taskrt.lowering import lower
 from taskrt.machine import Machine, MachineError
@@ -51,6 +52,12 @@ def test_step_graph_adds_adapters_only_on_gpu_devices():
     # the loss part on device 1 is read through a host task, the one on device 2 directly; state stays
     assert sorted(key_split(k) for k in gpu_out["loss"]) == ["loss-host", "loss-loss"]
     assert gpu_out["state"] == cpu_out["state"]
+    # a tile the graph carries (an array, not a future) is put on its device by the task that gives it
+    tiles = {key: np.zeros(1) for key in plan.data_nbytes}
+    carried, restriction, _ = step_graph(plan, "4-ab", state, tiles, hyper, gpu_devices=frozenset({1}), fused=False)
+    given = [k for k in carried if key_split(k).endswith("-data")]
+    assert len(given) == len(tiles) and not [k for k in carried if key_split(k).endswith("-todevice")]
+    assert all(carried[k][0] is to_device for k in given)
 
 
 @pytest.fixture

@@ -240,6 +240,39 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
     assert stats_f.measured_bytes == stats_f.planned_bytes
 
 
+def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch):
+    """Small batches ride in the step's graph (taskrt.executor.INLINE_DATA_BYTES), larger ones are
+    scattered to their devices: the same losses and parameters bit for bit, the same bytes moved."""
+    import taskrt.executor
+
+    graph = small_lenet()
+    data = batches(graph, 3)
+    runs = {}
+    for limit in (taskrt.executor.INLINE_DATA_BYTES, 0):
+        monkeypatch.setattr(taskrt.executor, "INLINE_DATA_BYTES", limit)
+        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+        futures = [trainer.submit(x, y) for x, y in data]
+        losses = [f.result() for f in futures]
+        carried = taskrt.executor.inline_data_devices(trainer.plan)
+        scattered = [k for k in futures[-1].run.keys if isinstance(k, str) and k.startswith("ndarray-")]
+        runs[limit] = (losses, trainer.parameters(), carried, scattered, trainer.stats)
+    (loss_in, params_in, carried, scattered_in, stats_in), (loss_sc, params_sc, none, scattered, _) = runs.values()
+    receivers = {p.device for parts in mixed_plan_data(graph) for p in parts}
+    assert carried == receivers and not scattered_in  # every device's tiles are small here
+    assert not none and len(scattered) == sum(len(parts) for parts in mixed_plan_data(graph))
+    assert loss_in == loss_sc
+    for layer in params_sc:
+        for name in params_sc[layer]:
+            np.testing.assert_array_equal(params_in[layer][name], params_sc[layer][name])
+    assert stats_in.measured_bytes == stats_in.planned_bytes
+
+
+def mixed_plan_data(graph):
+    from taskrt.lowering import lower
+
+    return lower(graph, mixed(graph)).data.values()
+
+
 def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
     """Each step's losses come straight from its workers (taskrt.worker_reads) when nothing went
     wrong: the same values, bit for bit, as waiting for the futures and gathering through the scheduler."""
