@@ -169,7 +169,7 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "inline_bandwidth" not in cached:
+        if cached is None or "inline_per_byte_s" not in cached:
             cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
@@ -524,7 +524,7 @@ class CostModel:
         return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),
                        start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
-                                + carried / c["inline_bandwidth"]),
+                                + carried * c["inline_per_byte_s"]),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 
