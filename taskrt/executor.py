@@ -25,6 +25,7 @@ from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 from taskrt.tasks import Received
 from taskrt.worker_reads import TIMED_OUT, ask, reads_of
+from taskrt.worker_setup import INLINE
 
 ANSWER_GRACE_S = 1.0  # how much longer than its own wait a worker may take to answer a read
 # A device's data tiles ride in the step's graph when they total at most this many bytes.  A
@@ -117,7 +118,10 @@ class Executor:
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
         # simulator assumes: values another device waits for first (taskrt.fusion)
         priority = {key: -i for i, key in enumerate(dsk)}
-        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
+        # a fused run's exports take microseconds: the worker runs them where they arrive (worker_setup)
+        exports = {key for key in dsk if export_source(dsk, key)[1] is not None}
+        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key],
+                           executor=lambda key: INLINE if key in exports else "default"):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
         out, i = {}, 0
         for name, value, count in names:

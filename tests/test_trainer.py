@@ -190,6 +190,44 @@ def test_heaps_are_frozen_after_the_first_step_and_transfer_logs_stay_long(machi
     assert trainer.stats.measured_bytes == planned
 
 
+def _inline_tasks(dask_worker=None):
+    """Whether this worker has the inline executor (taskrt.worker_setup.INLINE), and the keys it
+    holds that ran on it."""
+    from taskrt.worker_setup import INLINE
+
+    ran = [str(ts.key) for ts in dask_worker.state.tasks.values() if (ts.annotations or {}).get("executor") == INLINE]
+    return INLINE in dask_worker.executors, ran
+
+
+def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
+    """A fused run's exports (taskrt.fusion) are annotated for the workers' inline executor, which
+    every worker has; nothing else is, and the values are those of the thread pool's path."""
+    import taskrt.executor
+    from taskrt.worker_setup import InlineExecutor
+
+    graph = small_lenet()
+    one = Strategy({layer.name: P(devices=(0,)) for layer in graph})  # one run per step, its state exported
+    results = {}
+    for executor in ("default", taskrt.executor.INLINE):
+        monkeypatch.setattr(taskrt.executor, "INLINE", executor)
+        trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64")
+        futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
+        results[executor] = [f.result() for f in futures], trainer.parameters()
+        held = {str(f.key) for f in futures[-1].run.outputs["state"].values()}
+    answers = machine4.client.run(_inline_tasks)
+    assert all(has for has, _ in answers.values())
+    ran = {key for _, keys in answers.values() for key in keys}
+    assert held <= ran and not any("fused" in key for key in ran)
+    (losses, params), (inline_losses, inline_params) = results.values()
+    assert losses == inline_losses
+    for layer in params:
+        for name in params[layer]:
+            np.testing.assert_array_equal(params[layer][name], inline_params[layer][name])
+    assert InlineExecutor().submit(sum, [1, 2]).result() == 3
+    with pytest.raises(ZeroDivisionError):
+        InlineExecutor().submit(lambda: 1 / 0).result()
+
+
 def test_a_dropped_trainer_is_collected():
     """The client's process is not frozen with a trainer in it: a trainer (in reference cycles
     with its dashboard publisher) and the parameters it holds go once dropped."""
