@@ -423,8 +423,9 @@ def _scratch(gathered, node):
 @numba.njit(cache=True)
 def _products(entries, which, q, out):
     """out: the products over dimensions e of part q's entries `entries[which[q, e]]` (`_gathered`,
-    as flat rows), in float64 (exact: integers below 2**53).  Flat loops over contiguous entries, so
-    the compiler vectorizes them; 4 dimensions (the common case) in one pass."""
+    as flat rows), in float64 (exact: the products are integer volumes and counts, far below
+    2**53).  Flat loops over contiguous rows, which the compiler vectorizes; 4 dimensions (the
+    common case) in one pass."""
     if which.shape[1] == 4:
         g0, g1, g2, g3 = which[q, 0], which[q, 1], which[q, 2], which[q, 3]
         for j in range(len(out)):
@@ -445,8 +446,8 @@ def _receive(box, weights, scale, present, need, slowest, inter, k):
     """One receiving part's box products (`_products`) into its config's costs: per producer
     config, its time raises the slowest receiver's, and what it takes from other nodes adds to
     its node's interface.  What it takes from all parts: forward (4 components) its whole
-    need, backward the fifth component.  Two loops over few arrays each, so the compiler
-    vectorizes them (with few runtime checks that the arrays do not overlap)."""
+    need, backward the fifth component.  Two loops that touch few arrays each, so both
+    vectorize."""
     forward = box.shape[0] == 4
     for a in range(len(slowest)):
         total_vol = need if forward else box[4, a]
