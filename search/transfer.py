@@ -231,9 +231,11 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
             return None  # one output dimension driving two input dimensions: no product of 1-D sums
         drive[d] = e
     (inv_intra, inv_inter), (lat_intra, lat_inter) = classes
-    weights = np.array([itemsize * inv_intra, itemsize * inv_inter, lat_intra, lat_inter])
+    weights = (float(itemsize * inv_intra), float(itemsize * inv_inter), float(lat_intra), float(lat_inter))
     nic = links.nic_inv_bandwidth
     u_lo, u_hi = u.slots
+    if int(u_hi.max(initial=0)) * len(links.node) >= FLOAT32_EXACT:
+        return None  # box sums the kernels could not hold exactly (see _gathered)
     forward = np.empty((len(u.degrees), len(v.degrees)))
     _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, needs.reads_nothing,
              needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic,
@@ -262,7 +264,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
     per (e, block) rather than per part."""
     rank, slots = slot_lo.shape
     width = need_lo.shape[1]
-    configs, parts = tuple_of.shape[2], len(device)
+    parts = len(device)
     overlap = np.zeros((rank, width, slots + 1))  # the last slot: none (no part on the receiver)
     extent = np.zeros((rank, width))
     for e in range(rank):
@@ -277,8 +279,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         for e in range(rank):
             rows[q, e] = part_slot[q, driver[e]] if driver[e] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, overlap, False, device, rows, empty)
-    box = np.empty((4, configs))
-    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
+    box, flat, entries, slowest, inter = _scratch(gathered, node)
     for b in range(len(starts)):  # consumer configs: independent columns
         slowest[:] = 0.0
         inter[:] = 0.0
@@ -289,26 +290,8 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
             need = 1.0
             for e in range(rank):
                 need *= extent[e, rows[q, e]]
-            k = node[device[q]]
-            if rank == 4:  # the common case, in one pass over the configs (the products as _products forms them)
-                row = which[q]
-                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
-                inter_k = inter[k]
-                for a in range(configs):
-                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
-                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
-                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
-                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
-                    t = _receiver_time(weights, 1.0, 1.0, node_vol, node_cnt, total_cnt, local_vol, need)
-                    slowest[a] = max(slowest[a], t)
-                    inter_k[a] += need - node_vol
-                continue
-            _products(gathered, which, q, box)
-            for a in range(configs):
-                node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
-                t = _receiver_time(weights, 1.0, 1.0, node_vol, node_cnt, total_cnt, local_vol, need)
-                slowest[a] = max(slowest[a], t)
-                inter[k, a] += need - node_vol
+            _products(entries, which, q, flat)
+            _receive(box, weights, 1.0, 1.0, need, slowest, inter, node[device[q]])
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
 
 
@@ -322,7 +305,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
     so these are computed once per (d, producer block)."""
     rank_out, width, rank_in = need_lo.shape
     slots = slot_lo.shape[1]
-    configs, parts = tuple_of.shape[2], len(device)
+    parts = len(device)
     factor = np.zeros((rank_out, slots, width + 1))  # the last consumer slot: none
     for d in range(rank_out):
         e = drive[d]
@@ -337,8 +320,7 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
         for d in range(rank_out):
             rows[p, d] = part_slot[p, drive[d]] if drive[d] >= 0 else 0
     which, gathered = _gathered(tuple_of, tuples, factor, True, device, rows, np.zeros(parts, dtype=np.bool_))
-    box = np.empty((5, configs))
-    slowest, inter = np.empty(configs), np.empty((node.max() + 1, configs))
+    box, flat, entries, slowest, inter = _scratch(gathered, node)
     for a_u in range(len(starts)):  # producer configs: independent rows
         slowest[:] = 0.0
         inter[:] = 0.0
@@ -350,29 +332,16 @@ def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, con
                     i = part_slot[p, e]
                     scale *= max(min(slot_hi[e, i], constant_hi[e]) - max(slot_lo[e, i], constant_lo[e]), 0)
             present = 1.0 if scale > 0 else 0.0
-            k = node[device[p]]
-            if rank_out == 4:  # the common case, in one pass over the configs (as in _forward)
-                row = which[p]
-                g0, g1, g2, g3 = gathered[row[0]], gathered[row[1]], gathered[row[2]], gathered[row[3]]
-                inter_k = inter[k]
-                for a in range(configs):
-                    node_vol = g0[0, a] * g1[0, a] * g2[0, a] * g3[0, a]
-                    node_cnt = g0[1, a] * g1[1, a] * g2[1, a] * g3[1, a]
-                    total_cnt = g0[2, a] * g1[2, a] * g2[2, a] * g3[2, a]
-                    local_vol = g0[3, a] * g1[3, a] * g2[3, a] * g3[3, a]
-                    total_vol = g0[4, a] * g1[4, a] * g2[4, a] * g3[4, a]
-                    t = _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol)
-                    slowest[a] = max(slowest[a], t)
-                    inter_k[a] += scale * (total_vol - node_vol)
-                continue
-            _products(gathered, which, p, box)
-            for a in range(configs):
-                node_vol, node_cnt, total_cnt, local_vol = box[0, a], box[1, a], box[2, a], box[3, a]
-                total_vol = box[4, a]
-                t = _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol)
-                slowest[a] = max(slowest[a], t)
-                inter[k, a] += scale * (total_vol - node_vol)
+            _products(entries, which, p, flat)
+            _receive(box, weights, scale, present, 0.0, slowest, inter, node[device[p]])
         _config_costs(slowest, inter, itemsize, nic, out[a_u])
+
+
+LANES = 8  # the configs are padded to a multiple of this: the vector loops over them need no scalar tail
+# The gathered box sums are integers: a sum of a dimension's overlaps with the blocks of one config
+# (at most one block per device, each overlap at most the producer's size along it), or a count of
+# blocks.  float32 holds integers below this exactly and halves the memory the kernels stream.
+FLOAT32_EXACT = 2**24
 
 
 @numba.njit(cache=True)
@@ -386,7 +355,8 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
     over the box, the count of positive ones in it, the count over all blocks, the receiver's
     own value and, `with_total`, the sum over all blocks.  Returns each part's entry per
     dimension and the entries: (component, config), each config's box sums for the tuple it has
-    along e as seen from the device (Grid.tuple_of)."""
+    along e as seen from the device (Grid.tuple_of), in float32 (exact: `separable` checks the
+    sums stay below FLOAT32_EXACT), the configs padded with zeros to a multiple of LANES."""
     parts, rank = rows.shape
     devices, _, configs = tuple_of.shape
     width = values.shape[2]
@@ -403,8 +373,9 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
                 entry[e, i, r] = count
                 count += 1
             which[q, e] = entry[e, i, r]
-    gathered = np.empty((count, components, configs))
-    sums = np.empty((components, tuples.shape[1]))
+    gathered = np.empty((count, components, (configs + LANES - 1) // LANES * LANES), dtype=np.float32)
+    gathered[:, :, configs:] = 0
+    sums = np.empty((tuples.shape[1], components), dtype=np.float32)
     cum_vol = np.empty(width)
     cum_cnt = np.empty(width)
     for e in range(rank):
@@ -419,37 +390,72 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
                 cum_vol[s + 1] = cum_vol[s] + values[e, i, s]
                 cum_cnt[s + 1] = cum_cnt[s] + (1.0 if values[e, i, s] > 0 else 0.0)
             for t in range(tuples.shape[1]):
-                first, box_lo, box_hi, top, mine = tuples[e, t]
-                sums[0, t] = cum_vol[box_hi] - cum_vol[box_lo]
-                sums[1, t] = cum_cnt[box_hi] - cum_cnt[box_lo]
-                sums[2, t] = cum_cnt[top] - cum_cnt[first]
-                sums[3, t] = values[e, i, mine]
+                first, box_lo, box_hi, top, mine = (tuples[e, t, 0], tuples[e, t, 1], tuples[e, t, 2], tuples[e, t, 3],
+                                                    tuples[e, t, 4])
+                sums[t, 0] = cum_vol[box_hi] - cum_vol[box_lo]
+                sums[t, 1] = cum_cnt[box_hi] - cum_cnt[box_lo]
+                sums[t, 2] = cum_cnt[top] - cum_cnt[first]
+                sums[t, 3] = values[e, i, mine]
                 if with_total:
-                    sums[4, t] = cum_vol[top] - cum_vol[first]
+                    sums[t, 4] = cum_vol[top] - cum_vol[first]
             for r in range(devices):
                 g = entry[e, i, r]
                 if g < 0:
                     continue
-                for c in range(components):
-                    for a in range(configs):
-                        gathered[g, c, a] = sums[c, tuple_of[r, e, a]]
+                for a in range(configs):
+                    t = tuple_of[r, e, a]
+                    for c in range(components):
+                        gathered[g, c, a] = sums[t, c]
     return which, gathered
 
 
 @numba.njit(cache=True)
-def _products(gathered, which, q, out):
-    """out: the products over dimensions e of part q's entries `which[q, e]` (`_gathered`), in
-    dimension order; contiguous rows, so the compiler vectorizes them."""
-    components, configs = out.shape
+def _scratch(gathered, node):
+    """Per receiving part its box products (component, config) and the same as one flat row,
+    the entries as flat rows (`_products`), and per config its slowest receiver and the bytes
+    each node's interface carries, over the padded configs."""
+    count, components, lanes = gathered.shape
+    box = np.empty((components, lanes))
+    return (box, box.reshape(components * lanes), gathered.reshape(count, components * lanes), np.empty(lanes),
+            np.empty((node.max() + 1, lanes)))
+
+
+@numba.njit(cache=True)
+def _products(entries, which, q, out):
+    """out: the products over dimensions e of part q's entries `entries[which[q, e]]` (`_gathered`,
+    as flat rows), in float64 (exact: the products are integer volumes and counts, far below
+    2**53).  Flat loops over contiguous rows, which the compiler vectorizes; 4 dimensions (the
+    common case) in one pass."""
+    if which.shape[1] == 4:
+        g0, g1, g2, g3 = which[q, 0], which[q, 1], which[q, 2], which[q, 3]
+        for j in range(len(out)):
+            out[j] = (np.float64(entries[g0, j]) * np.float64(entries[g1, j]) * np.float64(entries[g2, j])
+                      * np.float64(entries[g3, j]))
+        return
     first = which[q, 0]
-    for c in range(components):
-        for a in range(configs):
-            out[c, a] = gathered[first, c, a]
+    for j in range(len(out)):
+        out[j] = entries[first, j]
     for e in range(1, which.shape[1]):
         entry = which[q, e]
-        for c in range(components):
-            for a in range(configs):
-                out[c, a] *= gathered[entry, c, a]
+        for j in range(len(out)):
+            out[j] *= np.float64(entries[entry, j])
+
+
+@numba.njit(cache=True, inline="always")
+def _receive(box, weights, scale, present, need, slowest, inter, k):
+    """One receiving part's box products (`_products`) into its config's costs: per producer
+    config, its time raises the slowest receiver's, and what it takes from other nodes adds to
+    its node's interface.  What it takes from all parts: forward (4 components) its whole
+    need, backward the fifth component.  Two loops that touch few arrays each, so both
+    vectorize."""
+    forward = box.shape[0] == 4
+    for a in range(len(slowest)):
+        total_vol = need if forward else box[4, a]
+        t = _receiver_time(weights, scale, present, box[0, a], box[1, a], box[2, a], box[3, a], total_vol)
+        slowest[a] = max(slowest[a], t)
+    for a in range(len(slowest)):
+        total_vol = need if forward else box[4, a]
+        inter[k, a] += scale * (total_vol - box[0, a])
 
 
 @numba.njit(cache=True, inline="always")
@@ -464,8 +470,9 @@ def _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local
 
 @numba.njit(cache=True)
 def _config_costs(slowest, inter, itemsize, nic, out):
-    """out[a]: config a's time, its slowest receiver or its busiest node interface."""
-    for a in range(len(slowest)):
+    """out[a]: config a's time, its slowest receiver or its busiest node interface (the padding
+    lanes past the configs left out)."""
+    for a in range(len(out)):
         busiest = 0.0
         for k in range(inter.shape[0]):
             busiest = max(busiest, inter[k, a] * itemsize * nic)

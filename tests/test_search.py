@@ -226,6 +226,23 @@ def test_separable_equals_general(graph, nodes, placement):
     assert count == sum(len(layer.inputs) for layer in g)
 
 
+def test_box_sums_float32_cannot_hold_take_the_general_path():
+    """The kernels gather box sums in float32; where a layer's sums could reach FLOAT32_EXACT
+    (patched far down here), separable declines and the cost model's tables are the general ones."""
+    g = GRAPHS["lenet5"]()
+    cm = search.CostModel(Machine.simulated(2, 4), cache=False)
+    with mock.patch.object(transfer, "FLOAT32_EXACT", 2 * cm.machine.num_devices):
+        for e in edge_inputs(g, cm):
+            assert transfer.separable(e["grids"][e["src"]], e["grids"][e["dst"]], e["needs"].table, e["needs"],
+                                      cm.links, e["itemsize"], e["backward"]) is None, (e["src"], e["dst"])
+        tables, needed = cm.tables(g), g.needs_backward()
+    for src, dst, j, matrix in tables.edges:
+        u, v = cm.layer_space(g[src]), cm.layer_space(g[dst])
+        itemsize = 8 if g[src].is_input and g[src].op.dtype == "int64" else cm.itemsize
+        expected = transfer.general(u.parts, v.needs[j].table, cm.links, itemsize, src in needed)
+        np.testing.assert_allclose(matrix, expected, rtol=1e-12, atol=1e-18, err_msg=f"{src} -> {dst}")
+
+
 def timed(moves, links) -> float:
     """The model's time for one direction of an edge, [(src, dst, bytes)] between devices: each
     receiver takes its pieces one after another (bytes over the link plus its latency); with a
