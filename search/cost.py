@@ -169,7 +169,7 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "inline_per_byte_s" not in cached:
+        if cached is None or "export_s" not in cached:
             cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
@@ -522,6 +522,7 @@ class CostModel:
         shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
             {d.node for d in self.machine.devices}) == 1
         return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
+                       export_s=c["export_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),
                        start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
                                 + carried * c["inline_per_byte_s"]),

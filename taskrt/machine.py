@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from operator import getitem
 
 import numpy as np
 
@@ -368,12 +369,15 @@ class Machine:
 
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
         """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
-        per independent task (throughput) and per dependent hop (a task waiting on the one before)."""
+        per independent task (throughput), per dependent hop (a task waiting on the one before),
+        and per export (taking a value out of a tuple, as after a fused run)."""
 
         import dask
 
+        from taskrt.worker_setup import INLINE
+
         client, tag = self.client, uuid.uuid4().hex[:8]
-        per_task, per_hop = [], []
+        per_task, per_hop, per_export = [], [], []
         with dask.annotate(resources={self.tag(0): 1}):
             for r in range(repeats):
                 dsk = {(f"taskrt-noop-{tag}-{r}", i): (_noop,) for i in range(independent)}
@@ -385,7 +389,16 @@ class Machine:
                 start = time.perf_counter()
                 client.gather(client.get(dsk, [(name, chain - 1)], sync=False))
                 per_hop.append((time.perf_counter() - start) / chain)
-        return {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop)}
+                # a fused run's exports: values taken out of one result, on the workers' event loop
+                name = f"taskrt-export-{tag}-{r}"
+                dsk = {(name, -1): (_numbers, independent), **{(name, i): (getitem, (name, -1), i)
+                                                                 for i in range(independent)}}
+                with dask.annotate(executor=lambda key: INLINE if key[1] >= 0 else "default"):
+                    start = time.perf_counter()
+                    client.gather(client.get(dsk, [(name, i) for i in range(independent)], sync=False))
+                per_export.append((time.perf_counter() - start) / independent)
+        return {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop),
+                "export_s": statistics.median(per_export)}
 
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
         if src == dst or nbytes == 0:
@@ -496,6 +509,10 @@ def _has_dask_cuda() -> bool:
 
 def _noop(*args):
     return None
+
+
+def _numbers(count):
+    return tuple(range(count))
 
 
 def _sleep_until_done(seconds):

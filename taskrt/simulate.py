@@ -34,6 +34,9 @@ class Runtime:
     dispatch_s: float = 0.0  # from the last input being ready to the task being sent to its device
     answer_s: float = 0.0  # from the last run the client reads ending to the client having its values
     task_s: float = 0.0  # device time per task beyond its kernel
+    # device time of an export (a value taken out of a fused run), which workers run on their event
+    # loop (taskrt.worker_setup.InlineExecutor); None: the same as any task
+    export_s: float | None = None
     start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
     per_task_submit_s: float = 0.0  # submission time per task (graph serialization, scheduler ingestion)
     # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
@@ -105,7 +108,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
                 break
             background = wanted
             result = _schedule(plan, task_time, machine, runtime, background)
-        result.cpu_s = origin + runtime_cpu + sum(task_time(t) + runtime.task_s for t in plan.tasks)
+        result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
         result.background = background
     for key, inside in members.items():  # each member's share of its run, in order
         begin, end = result.start[key] + runtime.task_s, result.finish[key]
@@ -172,7 +175,7 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         for d in range(n):  # idle devices take their earliest ready task
             if d not in running and queued[d]:
                 _, _, task = heapq.heappop(queued[d])
-                running[d] = [task, runtime.task_s + task_time(task), now]
+                running[d] = [task, _task_overhead(task, runtime) + task_time(task), now]
                 start[task.key] = now
         speed = rate()
         next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
@@ -202,6 +205,13 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, max(finish.values(), default=origin) - origin)
     return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+
+
+def _task_overhead(task, runtime: Runtime) -> float:
+    """The device time a task costs beyond its kernel."""
+    if task.phase == "export" and runtime.export_s is not None:
+        return runtime.export_s
+    return runtime.task_s
 
 
 def _outputs(plan: Plan) -> list:

@@ -353,6 +353,9 @@ def test_a_fused_step_ends_at_its_reads_or_where_its_getitems_hold_up_the_next_s
     assert sim.step_s == state_end  # nothing to send: the next step's runs would wait for the getitems
     sent = run(p, times, ONE, replace(rt, start_s=1.0))
     assert sent.step_s == 1.0 + run_end + 0.03125  # sending takes longer than the getitems: the reads end it
+    # exports on the workers' event loop cost what Machine.calibrate measures for them, the run as before
+    inline = run(p, times, ONE, replace(rt, export_s=0.015625))
+    assert inline.step_s == run_end + 0.125 + 2 * 0.015625  # both exports ready with the run, one after the other
 
 
 def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages):
