@@ -28,6 +28,7 @@ class FusedRun:
     """Runs `steps` in order; returns the values of `exports` as a tuple.
 
     steps: ((key, callable, args), ...) where each arg is ("in", i) for the i-th outside input,
+    ("item", (i, j)) for value j of the i-th outside input (a `RunValue`: another run's result),
     ("own", key) for an earlier step's value, or ("lit", value).  after: keys of the same device
     this run waits for without reading them (they are its last inputs)."""
 
@@ -44,7 +45,8 @@ class FusedRun:
         keep = set(self.exports)
         values = {}
         for n, (key, fn, args) in enumerate(self.steps):
-            resolved = [inputs[ref] if kind == "in" else values[ref] if kind == "own" else ref for kind, ref in args]
+            resolved = [inputs[ref] if kind == "in" else values[ref] if kind == "own"
+                        else inputs[ref[0]][ref[1]] if kind == "item" else ref for kind, ref in args]
             try:
                 values[key] = fn(*resolved)
             except Exception as error:
@@ -57,6 +59,18 @@ class FusedRun:
 
     def __repr__(self):  # shown by Dask's dashboard and errors
         return f"FusedRun({len(self.steps)} tasks, {len(self.exports)} outputs)"
+
+
+@dataclass(frozen=True)
+class RunValue:
+    """Value `index` of the result of `run` (a future or key of an earlier step's fused run), also
+    named `export` (the task that takes it out of the run).  An argument the executor gives a task
+    on the run's own device: fused, the task reads the value out of the run, so it need not wait
+    for the export; left unfused, it reads `export`."""
+
+    export: object
+    run: object
+    index: int
 
 
 def stages(dsk: dict, device: dict) -> dict:
@@ -102,7 +116,9 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
         exports = tuple(k for k in keys if k in read_outside)
         if len(exports) + 1 >= len(keys):  # fusing would not make fewer tasks: keep the group as it is
             for key in keys:
-                fused[key], where[key] = dsk[key], g[0]
+                fn, *args = dsk[key]
+                fused[key] = (fn, *[a.export if isinstance(a, RunValue) else a for a in args])
+                where[key] = g[0]
             if g[1] % 2 == 0:
                 first_half[(g[0], g[1] // 2)] = tuple(keys)
             continue
@@ -114,6 +130,11 @@ def fuse(dsk: dict, device: dict, outputs: set, name) -> tuple[dict, dict]:
             for a in args:
                 if _is_key(a, inside):
                     refs.append(("own", a))
+                elif isinstance(a, RunValue):  # read out of an earlier run: one input for all its values
+                    slot = index.setdefault(_identity(a.run), len(inputs))
+                    if slot == len(inputs):
+                        inputs.append(a.run)
+                    refs.append(("item", (slot, a.index)))
                 elif _is_key(a, dsk) or not isinstance(a, dict):  # another group's key, or a future
                     slot = index.setdefault(_identity(a), len(inputs))
                     if slot == len(inputs):

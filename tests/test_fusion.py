@@ -17,7 +17,7 @@ from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.device import to_device
 from taskrt.executor import step_graph
-from taskrt.fusion import FusedRun, fuse, fused_plan, groups_of, stages, step_done_keys
+from taskrt.fusion import FusedRun, RunValue, fuse, fused_plan, groups_of, stages, step_done_keys
 from taskrt.lowering import lower
 from taskrt.strategy import Strategy
 from tests.strategies import random_strategies
@@ -109,6 +109,21 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
     client_reads = [k for name, v in outputs.items() if name not in ("state", "buffers")
                     for k in (v.values() if isinstance(v, dict) else v)]
     assert sorted(done) == sorted(client_reads + (runs if mode == "train" else []))
+
+
+def test_a_value_read_out_of_an_earlier_run():
+    """A RunValue argument (taskrt.fusion): in a fused group, one input for the earlier run and the
+    value read out of it; in a group left unfused, the export that names it."""
+    earlier = ("dev0-fused-it1", 1)
+    w = RunValue(("w-update-it1", 0), earlier, 2)
+    dsk = {("a", 0): (combine, w, 1), ("b", 0): (combine, ("a", 0), w), ("c", 0): (combine, ("b", 0))}
+    fused, _ = fuse(dsk, dict.fromkeys(dsk, 0), {("c", 0)}, lambda d, s: (f"dev{d}-fused", s))
+    [(run, *inputs)] = [v for v in fused.values() if isinstance(v[0], FusedRun)]
+    assert inputs.count(earlier) == 1  # once, for both readers
+    a = (10 + 1) * 3 + 1  # value 2 of the earlier run, then the literal 1
+    assert run(*[("x", "y", 10) if i == earlier else i for i in inputs]) == (((a + 10) * 3 + 1) * 3 + 1,)
+    alone, _ = fuse({("a", 0): (combine, w, 1)}, {("a", 0): 0}, {("a", 0)}, lambda d, s: (f"dev{d}-fused", s))
+    assert alone == {("a", 0): (combine, ("w-update-it1", 0), 1)}
 
 
 def test_data_tiles_carried_by_the_graph_are_tasks_on_their_devices():

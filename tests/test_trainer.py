@@ -228,6 +228,44 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
         InlineExecutor().submit(lambda: 1 / 0).result()
 
 
+def test_state_read_out_of_the_run_that_computed_it(machine4, monkeypatch):
+    """A step's tasks read the new state of the step before out of the run that computed it, where
+    that run is on their device (taskrt.executor.held_sources): the same losses and parameters,
+    bit for bit, as reading the exports, including with steps in flight, and the same bytes."""
+    import taskrt.executor
+    from taskrt.executor import step_graph
+    from taskrt.fusion import FusedRun
+
+    graph = small_lenet()
+    data = batches(graph, 4)
+    one = Strategy({layer.name: P(devices=(0,)) for layer in graph})
+    for strategy in (one, mixed(graph)):
+        results = {}
+        for read_runs in (True, False):
+            if not read_runs:
+                monkeypatch.setattr(taskrt.executor, "held_sources", lambda *args: {})
+            trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64")
+            futures = [trainer.submit(x, y) for x, y in data]
+            results[read_runs] = [f.result() for f in futures], trainer.parameters(), trainer.stats
+            if read_runs and strategy is one:  # the next step's run takes the last one's as an input
+                last = futures[-1].run
+                sources = trainer.executor._sources
+                assert set(sources) == {f.key for f in last.outputs["state"].values()}
+                [run] = {future.key for future, _, _ in sources.values()}
+                tiles = {k: None for k in trainer.plan.data_nbytes}
+                dsk, _, _ = step_graph(trainer.plan, "next", trainer._state, tiles, trainer._hyper(), sources=sources)
+                [(_, *inputs)] = [v for v in dsk.values() if isinstance(v[0], FusedRun)]
+                assert run in {getattr(i, "key", None) for i in inputs}
+                assert not {f.key for f in trainer._state.values()} & {getattr(i, "key", None) for i in inputs}
+            monkeypatch.undo()
+        (losses, params, stats), (plain_losses, plain_params, _) = results[True], results[False]
+        assert losses == plain_losses
+        for layer in params:
+            for name in params[layer]:
+                np.testing.assert_array_equal(params[layer][name], plain_params[layer][name])
+        assert stats.measured_bytes == stats.planned_bytes
+
+
 def test_a_dropped_trainer_is_collected():
     """The client's process is not frozen with a trainer in it: a trainer (in reference cycles
     with its dashboard publisher) and the parameters it holds go once dropped."""
