@@ -506,19 +506,13 @@ class CostModel:
 
         if self.estimated:
             return Runtime()
-        from taskrt.executor import inline_data_devices
+        from taskrt.executor import data_bytes_by_device, inline_data_devices
 
         c = self.calibration
-        inline = inline_data_devices(plan)
-        receivers, scattered, carried = set(), 0, 0  # the graph carries a device's data, or it is scattered
-        for layer, parts in plan.data.items():
-            for p in parts:
-                nbytes = plan.data_nbytes[(layer, p.index)]
-                if p.device in inline:
-                    carried += nbytes
-                else:
-                    receivers.add(p.device)
-                    scattered += nbytes
+        by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
+        receivers = set(by_device) - inline
+        scattered = sum(by_device[d] for d in receivers)
+        carried = sum(by_device[d] for d in inline)
         shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
             {d.node for d in self.machine.devices}) == 1
         return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],

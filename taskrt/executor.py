@@ -36,13 +36,18 @@ ANSWER_GRACE_S = 1.0  # how much longer than its own wait a worker may take to a
 INLINE_DATA_BYTES = 2**20
 
 
-def inline_data_devices(plan: Plan) -> frozenset:
-    """The devices whose data tiles the step's graph carries (the rest are scattered)."""
+def data_bytes_by_device(plan: Plan) -> Counter:
+    """Bytes of the step's data tiles each device receives."""
     total = Counter()
     for layer, parts in plan.data.items():
         for part in parts:
             total[part.device] += plan.data_nbytes[(layer, part.index)]
-    return frozenset(d for d, nbytes in total.items() if nbytes <= INLINE_DATA_BYTES)
+    return total
+
+
+def inline_data_devices(plan: Plan) -> frozenset:
+    """The devices whose data tiles the step's graph carries (the rest are scattered)."""
+    return frozenset(d for d, nbytes in data_bytes_by_device(plan).items() if nbytes <= INLINE_DATA_BYTES)
 
 
 def step_key(key: tuple, step) -> tuple:

@@ -333,20 +333,14 @@ def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch):
         scattered = [k for k in futures[-1].run.keys if isinstance(k, str) and k.startswith("ndarray-")]
         runs[limit] = (losses, trainer.parameters(), carried, scattered, trainer.stats)
     (loss_in, params_in, carried, scattered_in, stats_in), (loss_sc, params_sc, none, scattered, _) = runs.values()
-    receivers = {p.device for parts in mixed_plan_data(graph) for p in parts}
-    assert carried == receivers and not scattered_in  # every device's tiles are small here
-    assert not none and len(scattered) == sum(len(parts) for parts in mixed_plan_data(graph))
+    tiles = [p for parts in trainer.plan.data.values() for p in parts]
+    assert carried == {p.device for p in tiles} and not scattered_in  # every device's tiles are small here
+    assert not none and len(scattered) == len(tiles)
     assert loss_in == loss_sc
     for layer in params_sc:
         for name in params_sc[layer]:
             np.testing.assert_array_equal(params_in[layer][name], params_sc[layer][name])
     assert stats_in.measured_bytes == stats_in.planned_bytes
-
-
-def mixed_plan_data(graph):
-    from taskrt.lowering import lower
-
-    return lower(graph, mixed(graph)).data.values()
 
 
 def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
