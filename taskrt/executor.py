@@ -2,7 +2,8 @@
 
 Every task is pinned to its device by the device's resource tag.  Keys are
 ('<layer>-<phase>-it<step>', part...), which the dashboard groups as '<layer>-<phase>'.
-Parameter state enters the graph as the futures the previous step returned, data as the
+Parameter state enters the graph as the previous step returned it (futures, or values kept in the
+runs that computed them: `taskrt.fusion.RunValue`), data as the
 futures of tiles scattered straight to their devices, or, where a device's tiles are small,
 as tasks in the graph that hold them (`INLINE_DATA_BYTES`), so nothing returns to the client
 between steps.
@@ -14,12 +15,13 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
+from operator import getitem
 
 import dask
 import numpy as np
 
 from taskrt.device import to_device, to_host
-from taskrt.fusion import RunValue, export_source, fuse, step_done_keys
+from taskrt.fusion import RunValue, export_source, fuse, held_outputs, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
@@ -62,7 +64,7 @@ class StepRun:
     step: int | str
     tag: str  # the step's part of every key
     plan: Plan
-    outputs: dict  # output name -> list of futures, or dict of futures
+    outputs: dict  # output name -> list of futures, or dict of futures or values kept in their runs (RunValue)
     keys: set  # every key of the step (task keys and scattered data), to find its transfers
     submitted: float
     finished: float | None = None
@@ -70,7 +72,17 @@ class StepRun:
     address: dict | None = None  # the devices' worker addresses when the step was sent
 
     def futures(self) -> list:
-        return [f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v)]
+        return futures_of(f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v))
+
+
+def future_of(value):
+    """The future behind a state value: itself, or for a RunValue the run that keeps it."""
+    return value.run if isinstance(value, RunValue) else value
+
+
+def futures_of(values) -> list:
+    """The futures behind state values, once each."""
+    return list(dict.fromkeys(map(future_of, values)))
 
 
 class Executor:
@@ -80,7 +92,6 @@ class Executor:
         self.machine = machine
         self.fused = fused
         self.client = machine.client
-        self._sources: dict = {}  # the last step's state, as the runs that computed it (held_sources)
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
         """Send each input tile straight to its device; returns {(layer, part): future}, or the
@@ -114,12 +125,9 @@ class Executor:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
         `buffers`: the batch norms' running statistics, {(layer, group): future}."""
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
-                                               self.machine.tag, self.fused, self._sources)
-        names, wanted = [], []
-        for name, value in outputs.items():
-            keys = list(value.values()) if isinstance(value, dict) else list(value)
-            names.append((name, value, len(keys)))
-            wanted += keys
+                                               self.machine.tag, self.fused)
+        wanted = list(dict.fromkeys(future_of(k) for v in outputs.values()
+                                    for k in (v.values() if isinstance(v, dict) else v)))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
         # simulator assumes: values another device waits for first (taskrt.fusion)
@@ -129,22 +137,20 @@ class Executor:
         with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key],
                            executor=lambda key: INLINE if key in exports else "default"):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
-        out, i = {}, 0
-        for name, value, count in names:
-            chunk = futures[i : i + count]
-            out[name] = dict(zip(value, chunk)) if isinstance(value, dict) else chunk
-            i += count
+        by_key = dict(zip(wanted, futures))
+
+        def held(key):  # the client's future of an output, or of the run that keeps it
+            return RunValue(None, by_key[key.run], key.index) if isinstance(key, RunValue) else by_key[key]
+
+        out = {name: {n: held(k) for n, k in v.items()} if isinstance(v, dict) else [held(k) for k in v]
+               for name, v in outputs.items()}
         keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, np.ndarray)}
         device_by_tag = {self.machine.tag(d.id): d.id for d in self.machine.devices}
 
         def device_of(key):
             return device_by_tag[next(iter(restriction[key]))]
 
-        reads = reads_of(dsk, device_of, outputs)
-        sources = held_sources(dsk, outputs, dict(zip(wanted, futures)), device_of)
-        if sources:  # a step that makes new state (not a gradients or predict run): the next reads it
-            self._sources = sources
-        return StepRun(step, tag, plan, out, keys, submitted, reads=reads)
+        return StepRun(step, tag, plan, out, keys, submitted, reads=reads_of(dsk, device_of, outputs))
 
     def read_when_done(self, run: StepRun, timeout: float):
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
@@ -178,31 +184,33 @@ class Executor:
             return TIMED_OUT
         values = {}
         for items, answer in zip(run.reads.values(), answers):
-            values.update(zip([key for _, _, key, wanted in items if wanted], answer))
-        return [values[f.key] for f in run.outputs["loss"]]
+            values.update(zip([loss for *_, loss in items if loss is not None], answer))
+        return [values[i] for i in range(len(run.outputs["loss"]))]
 
     @property
     def gpu_devices(self) -> frozenset:
         return frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
 
-    def cut_lineage(self, futures: dict, tag: str) -> dict:
-        """The same values under fresh keys that have no dependencies.
+    def cut_lineage(self, values: dict, tag: str) -> dict:
+        """The same values under fresh keys that have no dependencies: {name: future}.
 
         A worker keeps the task state of every released dependency of a value it holds, so
         state that depends on last step's update, which depends on the step before, ... would
         keep the whole training history alive.  Re-registering each value under a new key,
-        the way `scatter` registers data, cuts that chain; nothing moves.
+        the way `scatter` registers data, cuts that chain; nothing moves.  `values`: {name:
+        future, or RunValue of a value kept in its run (taken out of the run where it lies)}.
         """
         from distributed import Future
 
-        by_worker: dict[str, dict] = {}
+        by_worker: dict[str, list] = {}
         fresh = {}
-        who_has = self.client.who_has(list(futures.values()))
-        for name, future in futures.items():
+        who_has = self.client.who_has(futures_of(values.values()))
+        for name, value in values.items():
             layer, *index = name
             new_key = (f"{layer}-state-it{tag}", *index)
+            future, item = (value.run, value.index) if isinstance(value, RunValue) else (value, None)
             [address] = who_has[future.key][:1]
-            by_worker.setdefault(address, {})[future.key] = new_key
+            by_worker.setdefault(address, []).append((future.key, item, new_key))
             fresh[name] = new_key
         # Futures first, then registration, then marking them finished: the order `scatter`
         # uses, so the scheduler's "in memory" report cannot arrive before the futures exist.
@@ -211,11 +219,25 @@ class Executor:
         for sizes in self.client.run(_rekey, by_worker, workers=list(by_worker)).values():  # one round trip
             nbytes.update(sizes)
         self.client.sync(self.client.scheduler.update_data,
-                         who_has={new: [address] for address, renames in by_worker.items() for new in renames.values()},
+                         who_has={new: [address] for address, renames in by_worker.items() for _, _, new in renames},
                          nbytes=nbytes, client=self.client.id)
         for key in fresh.values():
             self.client.futures[key].finish(type=tuple)
         return futures_out
+
+    def host_futures(self, values: list, devices: list) -> list:
+        """Futures of state values as numpy arrays, for the client to gather.  `values`: futures,
+        or RunValues of values kept in their runs; `devices`: where each lies.  A value kept in a
+        run is taken out of it, and one on a GPU brought to host memory, by a task on its device."""
+        out = []
+        for value, device in zip(values, devices):
+            where = {self.machine.tag(device): 1}
+            if isinstance(value, RunValue):
+                value = self.client.submit(_take, value.run, value.index, resources=where, pure=False)
+            elif device in self.gpu_devices:
+                value = self.client.submit(to_host, value, resources=where, pure=False)
+            out.append(value)
+        return out
 
     def measured_bytes(self, keys: set) -> dict[tuple[int, int], int]:
         """Bytes the workers' transfer logs record for `keys`, per (source, destination) device."""
@@ -240,7 +262,7 @@ def _named_graph(dsk: dict, tag: str):
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True, sources: dict | None = None):
+               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -250,9 +272,11 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
 
     `data`: {(input layer, part): the future of its scattered tile, or the tile itself, which a
     task on its device then gives ('<layer>-data')}.
-    `sources`: {key of a state or statistics value: (the run it was taken out of, its index there,
-    that run's device)} (`held_sources` of the step before): fused, a task on that device reads the
-    value out of the run (`taskrt.fusion.RunValue`), so the step need not wait for the export.
+    `state`, `buffers`: {name: the future of a value, or a `RunValue` of a value kept in the run
+    that computed it}.  A task on the run's device reads a kept value out of the run, fused, or
+    out of a getitem there ('<layer>-state', '<layer>-running'); a task elsewhere reads the getitem.
+    Fused, the step's new state, statistics and losses stay in their runs where nothing else in
+    the step reads those runs (`taskrt.fusion.held_outputs`): the outputs name them as RunValues.
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
@@ -263,19 +287,22 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         device_of[key] = device
         return key
 
-    def held(value, device):
-        source = sources.get(getattr(value, "key", value)) if fused and sources else None
-        if source is not None and source[2] == device:
-            return RunValue(value, source[0], source[1])
-        return value
+    def state_value(value, dep, kind, device):
+        if not isinstance(value, RunValue):
+            return value
+        layer, *index = dep.key
+        export, home = step_key((f"{layer}-{kind}", *index), tag), plan.device_of(dep)
+        if fused and device == home:
+            return RunValue(export, value.run, value.index)
+        return export if export in dsk else add(export, (getitem, value.run, value.index), home)
 
     def resolve(dep, device):
         if dep.kind == TASK:
             return step_key(dep.key, tag)
         if dep.kind == STATE:
-            return held(state[dep.key], device)
+            return state_value(state[dep.key], dep, "state", device)
         if dep.kind == BUFFER:
-            return held(buffers[dep.key], device)
+            return state_value(buffers[dep.key], dep, "running", device)
         if dep.kind == DATA:
             home, tile = plan.device_of(dep), data[dep.key]
             layer, part = dep.key
@@ -309,34 +336,17 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
     if fused:
         wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
-        dsk, device_of = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage))
+        dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
+                                    held_outputs(outputs))
+
+        def output(key):
+            return RunValue(None, *kept[key]) if key in kept else key
+
+        outputs = {name: {n: output(k) for n, k in v.items()} if isinstance(v, dict) else [output(k) for k in v]
+                   for name, v in outputs.items()}
     outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])
     restriction = {key: {device_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs
-
-
-def held_sources(dsk: dict, outputs: dict, futures: dict, device_of) -> dict:
-    """{key of a new state or statistics value: (future of the run it is taken out of, its index,
-    the run's device)} for runs whose every export is an output nothing else in the step reads:
-    the next step's tasks on that device read the values out of the run rather than wait for the
-    exports (on Machine.local(1), a LeNet-5 step 2.7 ms shorter).  Holding the run until the next
-    step is submitted keeps alive only values the client holds or reads anyway.  `futures`: key ->
-    future of the keys the client holds."""
-    read = {a for _, *args in dsk.values() for a in args if isinstance(a, tuple) and a in dsk}
-    exports: dict = {}
-    for key in dsk:
-        run, index = export_source(dsk, key)
-        if index is not None:
-            exports.setdefault(run, []).append(key)
-    out = {}
-    for name in ("state", "buffers"):
-        value = outputs.get(name) or {}
-        for key in (value.values() if isinstance(value, dict) else value):
-            run, index = export_source(dsk, key)
-            if index is None or run not in futures or any(k in read for k in exports[run]):
-                continue
-            out[key] = (futures[run], index, device_of(run))
-    return out
 
 
 def _through_messages(plan: Plan, dep, device: int) -> bool:
@@ -353,8 +363,14 @@ def loss_sum(value) -> float:
 
 
 def _rekey(by_worker, dask_worker=None):
-    data = {new: dask_worker.data[old] for old, new in by_worker[dask_worker.address].items()}
+    data = {new: dask_worker.data[old] if item is None else dask_worker.data[old][item]
+            for old, item, new in by_worker[dask_worker.address]}
     return dask_worker.update_data(data=data)["nbytes"]
+
+
+def _take(run: tuple, index: int):
+    """Value `index` of a fused run's result, in host memory."""
+    return to_host(run[index])
 
 
 def _incoming_transfers(keys, dask_worker=None):

@@ -39,7 +39,7 @@ from ops import array_module
 from ops.rect import Rect
 from taskrt.config import Part
 from taskrt.data import bind_inputs
-from taskrt.executor import Executor
+from taskrt.executor import Executor, futures_of
 from taskrt.graph import Graph, GraphError
 from taskrt.inprocess import data_tiles, run_plan
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
@@ -467,9 +467,10 @@ class _RoundTrainer:
         new = run.outputs["state"]
         from distributed import wait
 
+        computed = futures_of(new.values())  # a run keeps the values nothing else reads (taskrt.fusion)
         with self.machine.client.as_current():
-            wait(list(new.values()))
-        for future in new.values():
+            wait(computed)
+        for future in computed:
             if future.status != "finished":
                 future.result()  # raises the failed task's error
         self._state = self.executor.cut_lineage(new, tag)

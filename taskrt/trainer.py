@@ -32,9 +32,9 @@ from ops.rect import Rect
 from taskrt.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
-from taskrt.device import to_device, to_host
+from taskrt.device import to_device
 from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
-from taskrt.executor import Executor, StepRun
+from taskrt.executor import Executor, StepRun, future_of, futures_of
 from taskrt.graph import Graph
 from taskrt.inprocess import buffer_tiles, shard_states
 from taskrt.lowering import lower
@@ -226,12 +226,9 @@ class Trainer:
     def _running(self, buffers=None, plan=None) -> dict:
         """Running statistics as full (2, C) numpy arrays, {layer: array} (default: the current ones)."""
         buffers, plan = self._buffers if buffers is None else buffers, plan or self.plan
-        client, keys, futures = self.machine.client, list(buffers), []
-        for layer, index in keys:
-            future, device = buffers[(layer, index)], plan.buffers[layer][index].device
-            if device in self.executor.gpu_devices:
-                future = client.submit(to_host, future, resources={self.machine.tag(device): 1}, pure=False)
-            futures.append(future)
+        keys = list(buffers)
+        futures = self.executor.host_futures([buffers[k] for k in keys],
+                                             [plan.buffers[layer][index].device for layer, index in keys])
         out = {}
         for (layer, index), tile in zip(keys, self._gather(futures, self.steps_done)):
             lo, hi = plan.buffers[layer][index].channels
@@ -274,7 +271,8 @@ class Trainer:
         if values is not None and values is not TIMED_OUT:
             return values
         self._await(run.outputs["done"], run.step)
-        return self._gather(run.outputs["loss"], run.step)
+        devices = [run.plan.by_key[key].device for key in run.plan.outputs["loss"]]
+        return self._gather(self.executor.host_futures(run.outputs["loss"], devices), run.step)
 
     def _await(self, futures, step):
         """Wait for `futures`, checking every POLL_S that the devices are still there."""
@@ -336,8 +334,8 @@ class Trainer:
         """Fail clearly, before any work, when a device or the parameters it held are gone (or,
         when elastic, recover); returns the devices' current addresses."""
         for _ in range(MAX_RECOVERIES):
-            lost = [key for key, f in self._state.items() if f.status in LOST_STATUSES]
-            lost_buffers = [key for key, f in self._buffers.items() if f.status in LOST_STATUSES]
+            lost = [key for key, f in self._state.items() if future_of(f).status in LOST_STATUSES]
+            lost_buffers = [key for key, f in self._buffers.items() if future_of(f).status in LOST_STATUSES]
             address = self.machine.live_devices()
             missing = [d.id for d in self.machine.devices if d.id not in address]
             if not lost and not lost_buffers and not missing:
@@ -429,7 +427,7 @@ class Trainer:
         self._cut_at = run.step
         # The step was done when the runs that computed its state ended; the tasks naming each
         # value come right after, and re-registering a value needs it named
-        self._await(list(run.outputs["state"].values()) + list(run.outputs["buffers"].values()), run.step)
+        self._await(futures_of([*run.outputs["state"].values(), *run.outputs["buffers"].values()]), run.step)
         if self._state is run.outputs["state"]:
             self._state = self.executor.cut_lineage(self._state, run.tag)
         if self._buffers is run.outputs["buffers"] and self._buffers:
@@ -479,13 +477,8 @@ class Trainer:
         """The (weights, velocity) of every state chunk, as numpy, in the order of `state`
         (default: the current state)."""
         state, plan = state or self._state, plan or self.plan
-        client, futures = self.machine.client, []
-        for (layer, shard, k), future in state.items():
-            device = plan.shards[layer][shard].chunks[k][2]
-            if device in self.executor.gpu_devices:  # brought to host memory on its worker
-                future = client.submit(to_host, future, resources={self.machine.tag(device): 1}, pure=False)
-            futures.append(future)
-        return self._gather(futures, self.steps_done)
+        devices = [plan.shards[layer][shard].chunks[k][2] for layer, shard, k in state]
+        return self._gather(self.executor.host_futures(list(state.values()), devices), self.steps_done)
 
     def _host_state(self, state=None, plan=None) -> tuple[dict, dict]:
         """(parameters, velocity) as full numpy tensors, fetched in one gather."""
@@ -545,7 +538,7 @@ class Trainer:
         {step: run} of the replayed steps (in-flight StepFutures get theirs)."""
         started = time.perf_counter()
         client = self.cluster_machine.client
-        stale = [f for future in self._in_flight for f in future.run.futures()] + list(self._state.values())
+        stale = [f for future in self._in_flight for f in future.run.futures()] + futures_of(self._state.values())
         client.cancel(stale)
         self._pending = []
         before = list(self._live)

@@ -19,7 +19,7 @@ import asyncio
 
 from distributed import WorkerPlugin
 
-from taskrt.fusion import export_source
+from taskrt.fusion import RunValue, export_source
 
 
 class StepWatch(WorkerPlugin):
@@ -37,19 +37,25 @@ class StepWatch(WorkerPlugin):
 
 
 def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
-    """What the client waits for on each device: {device: [(run, index, key, wanted)]}.  `key` is an
-    output the client holds a future of; it is computed once `key` or the run it is read out of
-    (`taskrt.fusion.export_source`) is in memory.  The losses are wanted (their values come
-    back); each of the step's `done` keys is awaited through one output read out of it."""
-    held = [k for name, v in outputs.items() if name != "done" for k in (v.values() if isinstance(v, dict) else v)]
+    """What the client waits for on each device: {device: [(run, index, key, loss)]}: value `index`
+    of `run` (or `run` itself, for index None), also the output `key` (None for a value kept in its
+    run, `taskrt.fusion.held_outputs`), is there once `key` or `run` is in memory.  `loss`: the
+    loss's place in the step's losses, whose values come back; None for each of the step's
+    `done` keys, awaited through one output read out of it."""
+    held = [k.run if isinstance(k, RunValue) else k  # a value kept in its run: the client holds the run
+            for name, v in outputs.items() if name != "done" for k in (v.values() if isinstance(v, dict) else v)]
     reads, losses = {}, outputs.get("loss", [])
-    for key in losses:
-        reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, True))
+    for i, key in enumerate(losses):
+        if isinstance(key, RunValue):
+            reads.setdefault(device_of(key.run), []).append((key.run, key.index, None, i))
+        else:
+            reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, i))
+    read = {k.run if isinstance(k, RunValue) else k for k in losses}
     for run in outputs["done"]:
-        if run in losses:
+        if run in read:  # the losses read already wait for it
             continue
         key = run if run in held else next(k for k in held if export_source(dsk, k)[0] == run)
-        reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, False))
+        reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, None))
     return reads
 
 
@@ -57,34 +63,35 @@ TIMED_OUT = "timed out"  # a worker's answer when the step's runs there had not 
 
 
 async def read_when_done(items, timeout: float, dask_worker=None):
-    """On a worker: wait for each (run, index, key, wanted) of `reads_of`, at most `timeout` seconds
-    in all; the wanted values in order, TIMED_OUT, or None if a task failed."""
+    """On a worker: wait for each (run, index, key, loss) of `reads_of`, at most `timeout` seconds
+    in all; the losses' values in order, TIMED_OUT, or None if a task failed."""
     watch = dask_worker.plugins.get(StepWatch.name)
     if watch is None:
         return None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     values = []
-    for run, index, key, wanted in items:
-        while key not in dask_worker.data and run not in dask_worker.data:
-            states = [getattr(dask_worker.state.tasks.get(k), "state", None) for k in (run, key)]
+    for run, index, key, loss in items:
+        names = (run,) if key is None else (run, key)
+        while not any(k in dask_worker.data for k in names):
+            states = [getattr(dask_worker.state.tasks.get(k), "state", None) for k in names]
             remaining = deadline - loop.time()
             if "error" in states:
                 return None
             if remaining <= 0:
                 return TIMED_OUT
             waiter = loop.create_future()
-            for k in (run, key):
+            for k in names:
                 watch.waiters.setdefault(k, []).append(waiter)
             try:
                 await asyncio.wait_for(waiter, remaining)
             except TimeoutError:
                 return TIMED_OUT
             finally:
-                for k in (run, key):
+                for k in names:
                     if waiter in watch.waiters.get(k, ()):
                         watch.waiters[k].remove(waiter)
-        if wanted:
+        if loss is not None:
             values.append(dask_worker.data[key] if key in dask_worker.data else
                           dask_worker.data[run] if index is None else dask_worker.data[run][index])
     return values

@@ -46,16 +46,25 @@ def dependencies(dsk):
 
 
 @settings(max_examples=100, deadline=None)
-@given(device_graphs())
-def test_fused_graph_gives_the_same_values_under_the_same_keys(case):
+@given(device_graphs(), st.data())
+def test_fused_graph_gives_the_same_values_under_the_same_keys(case, data):
+    """Every value the client or another device reads is there, on its device: under its own key,
+    or, for a held output (`fuse`'s `held`), kept in a run that nothing but exports reads."""
     dsk, device, outputs = case
-    fused, where = fuse(dsk, device, outputs, lambda d, s: (f"dev{d}-fused", s))
-    # every key another device or the client reads is still there, on its device, with its value
+    held = frozenset(data.draw(st.sets(st.sampled_from(sorted(outputs)))))
+    fused, where, kept = fuse(dsk, device, outputs, lambda d, s: (f"dev{d}-fused", s), held)
+    assert set(kept) <= held
     read_elsewhere = set(outputs) | {a for k, deps in dependencies(dsk).items() for a in deps if device[a] != device[k]}
-    keys = sorted(read_elsewhere)
+    keys = sorted(read_elsewhere - set(kept))
+    assert not set(kept) & set(fused)
     assert dask.get(fused, keys) == dask.get(dsk, keys)
+    for key, (run, index) in kept.items():
+        assert dask.get(fused, run)[index] == dask.get(dsk, key)
+        assert where[run] == device[key]
+        readers = [fn for fn, *args in fused.values() if run in args]
+        assert all(fn is getitem for fn in readers)  # holding the run holds nothing another task reads
     assert len(fused) <= len(dsk)  # a group is fused only where that makes fewer tasks
-    for key in read_elsewhere:
+    for key in read_elsewhere - set(kept):
         assert where[key] == device[key]
     # a fused run and its extractions live where their tasks did; nothing crosses devices inside one
     for key, (fn, *args) in fused.items():
@@ -99,31 +108,36 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
     state, data, hyper = fake_inputs(plan) if mode == "train" else (*fake_inputs(lower(g, Strategy(
         {layer.name: P(devices=(0,)) for layer in g}), "train"))[:2], None)
     dsk, _, outputs = step_graph(plan, "1-ab", state, data, hyper)
-    runs = [k for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)]
+    [run] = [k for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)]
     done = outputs.pop("done")
-    wanted = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
-    assert len(runs) == 1
-    assert sorted(set(dsk) - set(runs)) == sorted(wanted)  # only the values the client reads are keys
-    assert len(dsk[runs[0]][0].steps) == len(plan.tasks)
-    # the step is done with the values the client reads, and its new state with the run
-    client_reads = [k for name, v in outputs.items() if name not in ("state", "buffers")
-                    for k in (v.values() if isinstance(v, dict) else v)]
-    assert sorted(done) == sorted(client_reads + (runs if mode == "train" else []))
+    values = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    kept = [v for v in values if isinstance(v, RunValue)]
+    # the new state and the losses stay in the run; only the values the client gathers are keys
+    assert sorted(set(dsk) - {run}) == sorted(v for v in values if not isinstance(v, RunValue))
+    assert {v.run for v in kept} <= {run}
+    assert sorted(v.index for v in kept) == list(range(len(dsk) - 1, len(dsk[run][0].exports)))  # after the exports
+    assert {name for name, v in outputs.items() for k in (v.values() if isinstance(v, dict) else v)
+            if isinstance(k, RunValue)} == ({"state", "loss"} if mode == "train" else {"loss"} if mode == "gradients"
+                                            else set())
+    assert len(dsk[run][0].steps) == len(plan.tasks)
+    # the step is done with the values the client reads and the run that keeps the rest
+    assert sorted(done) == sorted(set(dsk) - {run} | ({run} if kept else set()))
 
 
 def test_a_value_read_out_of_an_earlier_run():
     """A RunValue argument (taskrt.fusion): in a fused group, one input for the earlier run and the
-    value read out of it; in a group left unfused, the export that names it."""
+    value read out of it; in a group left unfused, the export that names it, added before it."""
     earlier = ("dev0-fused-it1", 1)
     w = RunValue(("w-update-it1", 0), earlier, 2)
     dsk = {("a", 0): (combine, w, 1), ("b", 0): (combine, ("a", 0), w), ("c", 0): (combine, ("b", 0))}
-    fused, _ = fuse(dsk, dict.fromkeys(dsk, 0), {("c", 0)}, lambda d, s: (f"dev{d}-fused", s))
+    fused, _, _ = fuse(dsk, dict.fromkeys(dsk, 0), {("c", 0)}, lambda d, s: (f"dev{d}-fused", s))
     [(run, *inputs)] = [v for v in fused.values() if isinstance(v[0], FusedRun)]
     assert inputs.count(earlier) == 1  # once, for both readers
     a = (10 + 1) * 3 + 1  # value 2 of the earlier run, then the literal 1
     assert run(*[("x", "y", 10) if i == earlier else i for i in inputs]) == (((a + 10) * 3 + 1) * 3 + 1,)
-    alone, _ = fuse({("a", 0): (combine, w, 1)}, {("a", 0): 0}, {("a", 0)}, lambda d, s: (f"dev{d}-fused", s))
-    assert alone == {("a", 0): (combine, ("w-update-it1", 0), 1)}
+    alone, where, _ = fuse({("a", 0): (combine, w, 1)}, {("a", 0): 0}, {("a", 0)}, lambda d, s: (f"dev{d}-fused", s))
+    assert alone == {("w-update-it1", 0): (getitem, earlier, 2), ("a", 0): (combine, ("w-update-it1", 0), 1)}
+    assert where == {("w-update-it1", 0): 0, ("a", 0): 0}
 
 
 def test_data_tiles_carried_by_the_graph_are_tasks_on_their_devices():
@@ -161,13 +175,23 @@ def test_random_strategies_keep_every_travelling_and_output_key(data):
     fused, restriction, fused_outputs = step_graph(plan, "2-cd", state, data_, hyper)
     assert outputs.pop("done") == step_done_keys(outputs, lambda key: None)  # unfused: every output itself
     done = fused_outputs.pop("done")
-    assert fused_outputs == outputs
+    assert fused_outputs.keys() == outputs.keys()
+    named = set()  # outputs under their own keys
+    for name, value in outputs.items():
+        for n, key in (value.items() if isinstance(value, dict) else enumerate(value)):
+            out = fused_outputs[name][n]
+            if isinstance(out, RunValue):  # the new state or a loss, kept in the run that computed it
+                assert name in ("state", "buffers", "loss")
+                assert fused[out.run][0].exports[out.index] == key and out.run in done
+            else:
+                assert out == key
+                named.add(key)
     for key in done:  # the loss, or a run that computed new state
         assert key in outputs["loss"] or isinstance(fused[key][0], FusedRun) or key in outputs["state"].values()
-    for key in outputs["state"].values():  # each value of the new state is done when its run is
+    for key in named & set(outputs["state"].values()):  # each value of the new state is done when its run is
         assert key in done or fused[key][1] in done
     travelling = {(f"{t.dep.key[0]}-it2-cd", *t.dep.key[1:]) for t in plan.transfers() if t.dep.kind == "task"}
-    for key in travelling | {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}:
+    for key in travelling | named:
         assert key in fused and restriction[key] == plain_restriction[key]
     assert len(fused) <= len(plain)
 

@@ -321,10 +321,11 @@ def test_nothing_to_run_with_shared_cores():
 
 
 def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside():
-    """a -> b -> c on one device, c read by the client: one FusedRun task, then a getitem task for c."""
+    """a -> b -> c on one device, c gathered by the client: one FusedRun task, then a getitem task
+    for c.  As a loss, c stays in the run (taskrt.fusion.held_outputs): one task in all."""
     rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, answer_s=0.1875, fused=True)
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
-    p.outputs = {"loss": [("c",)]}
+    p.outputs = {"logits": [("c",)]}
     sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
     origin = 0.25 + 2 * 0.5  # two Dask tasks submitted, not three
     run_start = origin + 0.125
@@ -335,16 +336,20 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     assert sim.busy_s[0] == 2 * 0.0625 + 7.0
     unfused = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, replace(rt, fused=False))
     assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.1875
+    p.outputs = {"loss": [("c",)]}
+    kept = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
+    assert kept.step_s == 0.25 + 0.5 + 0.125 + 0.0625 + 7.0 + 0.1875  # one task submitted, c read out of it
+    assert kept.busy_s[0] == 0.0625 + 7.0
 
 
 def test_a_fused_step_ends_at_its_reads_or_where_its_getitems_hold_up_the_next_step():
-    """a -> b -> c -> d on one device; the client reads a's value (the loss) and d is the new state.
-    The Trainer has the step when it has read them out of the run; the next step's runs wait for the
-    getitems naming them, which end while it is being sent (`origin`): a step in training lasts
-    until the later of the two."""
+    """a -> b -> c -> d on one device; the client reads a's and d's values (a gradients run, say).
+    The client has them when it has read them out of the run; what comes next waits for the
+    getitems naming them, which end while it is being sent (`origin`): a step lasts until the
+    later of the two.  A training step's losses and new state stay in the run: its reads end it."""
     rt = Runtime(dispatch_s=0.125, task_s=0.0625, answer_s=0.03125, fused=True)
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]), task("d", 0, ["c"]))
-    p.outputs = {"loss": [("a",)], "state": {"w": ("d",)}}
+    p.outputs = {"logits": [("a",)], "grads": {"w": ("d",)}}
     times = {"a": 1.0, "b": 2.0, "c": 4.0, "d": 8.0}
     sim = run(p, times, ONE, rt)
     run_end = 0.125 + 0.0625 + 15.0
@@ -356,6 +361,8 @@ def test_a_fused_step_ends_at_its_reads_or_where_its_getitems_hold_up_the_next_s
     # exports on the workers' event loop cost what Machine.calibrate measures for them, the run as before
     inline = run(p, times, ONE, replace(rt, export_s=0.015625))
     assert inline.step_s == run_end + 0.125 + 2 * 0.015625  # both exports ready with the run, one after the other
+    p.outputs = {"loss": [("a",)], "state": {"w": ("d",)}}
+    assert run(p, times, ONE, rt).step_s == run_end + 0.03125
 
 
 def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages):

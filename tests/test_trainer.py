@@ -206,10 +206,11 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
     from taskrt.worker_setup import InlineExecutor
 
     graph = small_lenet()
-    one = Strategy({layer.name: P(devices=(0,)) for layer in graph})  # one run per step, its state exported
+    one = Strategy({layer.name: P(devices=(0,)) for layer in graph})  # one run per step
     results = {}
     for executor in ("default", taskrt.executor.INLINE):
         monkeypatch.setattr(taskrt.executor, "INLINE", executor)
+        monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())  # its state exported
         trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64")
         futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
         results[executor] = [f.result() for f in futures], trainer.parameters()
@@ -228,41 +229,48 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
         InlineExecutor().submit(lambda: 1 / 0).result()
 
 
-def test_state_read_out_of_the_run_that_computed_it(machine4, monkeypatch):
-    """A step's tasks read the new state of the step before out of the run that computed it, where
-    that run is on their device (taskrt.executor.held_sources): the same losses and parameters,
-    bit for bit, as reading the exports, including with steps in flight, and the same bytes."""
+def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
+    """The new state and the losses stay in the run that computed them where nothing else reads
+    that run (taskrt.fusion.held_outputs): on one device a step is a single Dask task, and the next
+    step's run reads the state out of it.  The same losses and parameters, bit for bit, as with
+    every value named by a task of its own, including with steps in flight, checkpoints (the
+    parameters read back) and cut lineage, and the same bytes."""
     import taskrt.executor
     from taskrt.executor import step_graph
-    from taskrt.fusion import FusedRun
+    from taskrt.fusion import FusedRun, RunValue
 
     graph = small_lenet()
-    data = batches(graph, 4)
+    data = batches(graph, 10)  # past CUT_LINEAGE_EVERY: the kept values get keys of their own
     one = Strategy({layer.name: P(devices=(0,)) for layer in graph})
-    for strategy in (one, mixed(graph)):
+    data_parallel = Strategy({layer.name: P(n=2) for layer in graph if not layer.is_input})  # the state kept
+    mixed_ = mixed(graph)  # every run is read by another device's tasks: nothing kept
+    for strategy in (one, data_parallel, mixed_):
         results = {}
-        for read_runs in (True, False):
-            if not read_runs:
-                monkeypatch.setattr(taskrt.executor, "held_sources", lambda *args: {})
+        for keep in (True, False):
+            if not keep:
+                monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())
             trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64")
-            futures = [trainer.submit(x, y) for x, y in data]
-            results[read_runs] = [f.result() for f in futures], trainer.parameters(), trainer.stats
-            if read_runs and strategy is one:  # the next step's run takes the last one's as an input
-                last = futures[-1].run
-                sources = trainer.executor._sources
-                assert set(sources) == {f.key for f in last.outputs["state"].values()}
-                [run] = {future.key for future, _, _ in sources.values()}
+            futures = [trainer.submit(x, y) for x, y in data[:3]]
+            middle = trainer.parameters()  # read out of the runs, steps in flight
+            futures += [trainer.submit(x, y) for x, y in data[3:]]
+            results[keep] = [f.result() for f in futures], middle, trainer.parameters(), trainer.stats
+            last = futures[-1].run
+            kept = [v for v in [*last.outputs["state"].values(), *last.outputs["loss"]] if isinstance(v, RunValue)]
+            assert bool(kept) == (keep and strategy is not mixed_)
+            if keep and strategy is one:  # one task a step; the next step's run takes this one as an input
+                [run] = {v.run for v in kept}
+                assert len(kept) == len(last.outputs["state"]) + 1 and last.keys == {run.key}  # data rides inside
                 tiles = {k: None for k in trainer.plan.data_nbytes}
-                dsk, _, _ = step_graph(trainer.plan, "next", trainer._state, tiles, trainer._hyper(), sources=sources)
-                [(_, *inputs)] = [v for v in dsk.values() if isinstance(v[0], FusedRun)]
-                assert run in {getattr(i, "key", None) for i in inputs}
-                assert not {f.key for f in trainer._state.values()} & {getattr(i, "key", None) for i in inputs}
+                dsk, _, _ = step_graph(trainer.plan, "next", last.outputs["state"], tiles, trainer._hyper())
+                [(fn, *inputs)] = dsk.values()
+                assert isinstance(fn, FusedRun) and run in inputs
             monkeypatch.undo()
-        (losses, params, stats), (plain_losses, plain_params, _) = results[True], results[False]
+        (losses, middle, params, stats), (plain_losses, plain_middle, plain_params, _) = results[True], results[False]
         assert losses == plain_losses
-        for layer in params:
-            for name in params[layer]:
-                np.testing.assert_array_equal(params[layer][name], plain_params[layer][name])
+        for a, b in ((middle, plain_middle), (params, plain_params)):
+            for layer in a:
+                for name in a[layer]:
+                    np.testing.assert_array_equal(a[layer][name], b[layer][name])
         assert stats.measured_bytes == stats.planned_bytes
 
 
