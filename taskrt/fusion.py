@@ -75,18 +75,36 @@ class RunValue:
     index: int
 
 
+def given_elsewhere(dsk: dict, device: dict) -> set:
+    """Tasks that read no other task and that a task on another device reads: a data tile the
+    step's graph carries (`taskrt.executor.INLINE_DATA_BYTES`), a value taken out of an earlier
+    step's run, a plan task that reads only data and state.  Each stays a task of its own, there
+    from the step's start like the data and state a step is given as futures, so reading it raises
+    no stage: the groups are those of the plan, which the simulator schedules (`fused_plan`),
+    where data and state are not tasks.  (Fused into its device's first run, its readers
+    elsewhere would wait for that run's first half.)  No path leads into such a task, so none
+    leaves a group through it and comes back."""
+    read_elsewhere = {a for key, (_, *args) in dsk.items() for a in args
+                      if _is_key(a, dsk) and device[a] != device[key]}
+    return {key for key in read_elsewhere if not any(_is_key(a, dsk) for a in dsk[key][1:])}
+
+
 def stages(dsk: dict, device: dict) -> dict:
-    """key -> the most device changes on a path of tasks to it; `dsk` in dependency order."""
+    """key -> the most device changes on a path of tasks to it, not counting a change after a task
+    `given_elsewhere`; `dsk` in dependency order."""
+    given = given_elsewhere(dsk, device)
     stage = {}
     for key, (_, *args) in dsk.items():
-        stage[key] = max((stage[a] + (device[a] != device[key]) for a in args if _is_key(a, stage)), default=0)
+        stage[key] = max((stage[a] + (device[a] != device[key] and a not in given) for a in args if _is_key(a, stage)),
+                         default=0)
     return stage
 
 
 def groups_of(dsk: dict, device: dict) -> dict:
     """key -> its group (device, 2 * stage + 0 for the half whose values another device reads,
-    with what it needs in the group, 1 for the rest); `dsk` in dependency order."""
-    stage = stages(dsk, device)
+    with what it needs in the group, 1 for the rest; -1 for the tasks `given_elsewhere`, which stay
+    as they are); `dsk` in dependency order."""
+    stage, given = stages(dsk, device), given_elsewhere(dsk, device)
     remote = set()  # values a task on another device reads
     for key, (_, *args) in dsk.items():
         remote.update(a for a in args if _is_key(a, dsk) and device[a] != device[key])
@@ -96,7 +114,7 @@ def groups_of(dsk: dict, device: dict) -> dict:
             first.add(key)
             _, *args = dsk[key]
             first.update(a for a in args if _is_key(a, dsk) and (device[a], stage[a]) == (device[key], stage[key]))
-    return {key: (device[key], 2 * stage[key] + (key not in first)) for key in dsk}
+    return {key: (device[key], -1 if key in given else 2 * stage[key] + (key not in first)) for key in dsk}
 
 
 def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset()) -> tuple[dict, dict, dict]:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from taskrt import models
 from taskrt.config import ParallelConfig as P
 from taskrt.device import to_device
-from taskrt.executor import step_graph
-from taskrt.fusion import FusedRun, RunValue, fuse, fused_plan, groups_of, stages, step_done_keys
+from taskrt.executor import step_graph, step_key
+from taskrt.fusion import FusedRun, RunValue, fuse, fused_plan, given_elsewhere, groups_of, stages, step_done_keys
 from taskrt.lowering import lower
 from taskrt.strategy import Strategy
 from tests.strategies import random_strategies
@@ -78,15 +78,22 @@ def test_fused_graph_gives_the_same_values_under_the_same_keys(case, data):
 @given(device_graphs())
 def test_groups_are_convex(case):
     """No path of tasks leaves a group and comes back: a group never waits on itself.  A value
-    another device reads is in the first half of its (device, stage) group, with all it needs."""
+    another device reads is in the first half of its (device, stage) group, with all it needs,
+    or, where it reads no other task, a task of its own (`given_elsewhere`) that raises no stage."""
     dsk, device, _ = case
     stage = stages(dsk, device)
     dag = nx.DiGraph([(a, k) for k, deps in dependencies(dsk).items() for a in deps])
     dag.add_nodes_from(dsk)
     group = groups_of(dsk, device)
+    given = given_elsewhere(dsk, device)
+    assert given == {a for a, b in dag.edges if device[a] != device[b] and dag.in_degree(a) == 0}
     for a, b in dag.edges:
+        assert group[a][0] == device[a]
+        if a in given:
+            assert group[a][1] == -1 and stage[a] == 0 and stage[b] >= 0
+            continue
         assert stage[b] >= stage[a] + (device[a] != device[b])
-        assert group[a][1] // 2 == stage[a] and group[a][0] == device[a]
+        assert group[a][1] // 2 == stage[a]
         if device[a] != device[b]:
             assert group[a][1] % 2 == 0
         elif group[b][1] % 2 == 0 and stage[a] == stage[b]:
@@ -217,3 +224,34 @@ def test_the_simulators_fused_plan_is_the_graph_the_executor_submits(data):
     for key in alone + sorted(exports, key=repr):
         assert restriction[(f"{key[0]}-it3-ef", *key[1:])] == {f"dev{view.by_key[key].device}": 1}
     assert view.bytes_moved == plan.bytes_moved
+    # State kept in an earlier step's runs is read out of them, or out of tasks there from the
+    # step's start (`given_elsewhere`): the same runs, of the same plan tasks
+    state, tiles, hyper = fake_inputs(plan)
+    state = {key: RunValue(None, f"run-{key}", 0) for key in state}
+    carried, _, _ = step_graph(plan, "4-gh", state, tiles, hyper)
+    plan_keys = {step_key(t.key, "4-gh"): t.key for t in plan.tasks}
+    ran = {(k[0].rsplit("-it", 1)[0], k[1]): [plan_keys[key] for key, *_ in fn.steps if key in plan_keys]
+           for k, (fn, *_) in carried.items() if isinstance(fn, FusedRun)}
+    assert ran == {key: [t.key for t in inside] for key, inside in members.items()}
+
+
+def test_a_carried_tile_read_on_another_device_keeps_the_plans_runs():
+    """Model parallelism reads the image on both devices while one device holds it: carried in the
+    graph, it is a task there from the step's start (`given_elsewhere`), so the step's runs are
+    those the simulator schedules, and the tile's task is not fused into its device's first run."""
+    from search.baselines import model_parallel
+    from taskrt.machine import Machine
+
+    g = models.alexnet(batch=4, image_size=16, num_classes=5, width=1 / 16)
+    machine = Machine.simulated(1, 2)
+    plan = lower(g, model_parallel(g, machine).validated(g, machine))
+    state, tiles, hyper = fake_inputs(plan)
+    tiles = {key: np.zeros(2) for key in tiles}
+    dsk, _, _ = step_graph(plan, "5-ij", state, tiles, hyper)
+    image = [k for k in dsk if k[0].startswith("image-data")]
+    assert image and all(dsk[k][0] is to_device for k in image)  # tasks of their own, unfused
+    plan_keys = {step_key(t.key, "5-ij"): t.key for t in plan.tasks}
+    ran = {(k[0].rsplit("-it", 1)[0], k[1]): [plan_keys[key] for key, *_ in fn.steps if key in plan_keys]
+           for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)}
+    _, members = fused_plan(plan)
+    assert ran and ran == {key: [t.key for t in inside] for key, inside in members.items()}
