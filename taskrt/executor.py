@@ -21,7 +21,7 @@ import dask
 import numpy as np
 
 from taskrt.device import to_device, to_host
-from taskrt.fusion import RunValue, export_source, fuse, held_outputs, step_done_keys
+from taskrt.fusion import RunValue, export_source, fuse_keeping, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
@@ -280,7 +280,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
-    dsk, device_of = {}, {}
+    dsk, device_of, given = {}, {}, set()  # given: tasks standing for the plan's data and state
 
     def add(key, value, device):
         dsk[key] = value
@@ -294,7 +294,9 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         export, home = step_key((f"{layer}-{kind}", *index), tag), plan.device_of(dep)
         if fused and device == home:
             return RunValue(export, value.run, value.index)
-        return export if export in dsk else add(export, (getitem, value.run, value.index), home)
+        if export not in dsk:
+            given.add(add(export, (getitem, value.run, value.index), home))
+        return export
 
     def resolve(dep, device):
         if dep.kind == TASK:
@@ -308,11 +310,13 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
             layer, part = dep.key
             if isinstance(tile, np.ndarray):  # carried by the graph: a task on its device gives it
                 key = step_key((f"{layer}-data", part), tag)
-                return key if key in dsk else add(key, (to_device, tile), home)
-            if home not in gpu_devices:
+            elif home not in gpu_devices:
                 return tile
-            key = step_key((f"{layer}-todevice", part), tag)
-            return key if key in dsk else add(key, (to_device, data[dep.key]), home)
+            else:
+                key = step_key((f"{layer}-todevice", part), tag)
+            if key not in dsk:
+                given.add(add(key, (to_device, tile), home))
+            return key
         if dep.kind == HYPER:
             return dict(hyper)
         raise AssertionError(dep)
@@ -335,9 +339,9 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
                 adapted.append(step_key(key, tag))
         outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
     if fused:
-        wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
-        dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
-                                    held_outputs(outputs))
+        dsk, device_of, kept = fuse_keeping(plan, dsk, device_of, outputs,
+                                            lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
+                                            lambda key: step_key(key, tag), frozenset(given))
 
         def output(key):
             return RunValue(None, *kept[key]) if key in kept else key

@@ -75,36 +75,34 @@ class RunValue:
     index: int
 
 
-def given_elsewhere(dsk: dict, device: dict) -> set:
-    """Tasks that read no other task and that a task on another device reads: a data tile the
-    step's graph carries (`taskrt.executor.INLINE_DATA_BYTES`), a value taken out of an earlier
-    step's run, a plan task that reads only data and state.  Each stays a task of its own, there
-    from the step's start like the data and state a step is given as futures, so reading it raises
-    no stage: the groups are those of the plan, which the simulator schedules (`fused_plan`),
-    where data and state are not tasks.  (Fused into its device's first run, its readers
-    elsewhere would wait for that run's first half.)  No path leads into such a task, so none
-    leaves a group through it and comes back."""
-    read_elsewhere = {a for key, (_, *args) in dsk.items() for a in args
-                      if _is_key(a, dsk) and device[a] != device[key]}
-    return {key for key in read_elsewhere if not any(_is_key(a, dsk) for a in dsk[key][1:])}
+def given_elsewhere(dsk: dict, device: dict, given=frozenset()) -> set:
+    """The tasks of `given` that a task on another device reads.  `given`: tasks that read no other
+    task and stand for what the plan has as data and state (a data tile the step's graph carries,
+    `taskrt.executor.INLINE_DATA_BYTES`; a value taken out of an earlier step's run).  Each of
+    these stays a task of its own, there from the step's start like the data and state a step is
+    given as futures, so reading it raises no stage: the groups are those of the plan, which the
+    simulator schedules (`fused_plan`).  (Fused into its device's first run, its readers elsewhere
+    would wait for that run's first half.)  No path leads into such a task, so none leaves a group
+    through it and comes back."""
+    return {a for key, (_, *args) in dsk.items() for a in args
+            if _is_key(a, dsk) and a in given and device[a] != device[key]}
 
 
-def stages(dsk: dict, device: dict) -> dict:
+def stages(dsk: dict, device: dict, given=frozenset()) -> dict:
     """key -> the most device changes on a path of tasks to it, not counting a change after a task
-    `given_elsewhere`; `dsk` in dependency order."""
-    given = given_elsewhere(dsk, device)
+    of `given` (see `given_elsewhere`); `dsk` in dependency order."""
     stage = {}
     for key, (_, *args) in dsk.items():
-        stage[key] = max((stage[a] + (device[a] != device[key] and a not in given) for a in args if _is_key(a, stage)),
-                         default=0)
+        stage[key] = max((stage[a] + (device[a] != device[key] and a not in given) for a in args
+                          if _is_key(a, stage)), default=0)
     return stage
 
 
-def groups_of(dsk: dict, device: dict) -> dict:
+def groups_of(dsk: dict, device: dict, given=frozenset()) -> dict:
     """key -> its group (device, 2 * stage + 0 for the half whose values another device reads,
     with what it needs in the group, 1 for the rest; -1 for the tasks `given_elsewhere`, which stay
     as they are); `dsk` in dependency order."""
-    stage, given = stages(dsk, device), given_elsewhere(dsk, device)
+    stage, given = stages(dsk, device, given), given_elsewhere(dsk, device, given)
     remote = set()  # values a task on another device reads
     for key, (_, *args) in dsk.items():
         remote.update(a for a in args if _is_key(a, dsk) and device[a] != device[key])
@@ -117,7 +115,7 @@ def groups_of(dsk: dict, device: dict) -> dict:
     return {key: (device[key], -1 if key in given else 2 * stage[key] + (key not in first)) for key in dsk}
 
 
-def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset()) -> tuple[dict, dict, dict]:
+def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=frozenset()) -> tuple[dict, dict, dict]:
     """(fused graph, device of each of its keys, {held key: (run, index)}).  `dsk` maps key ->
     (callable, *args) in dependency order, args being keys of `dsk`, `RunValue`s or values;
     `outputs`: keys the client reads; `name(device, index)` gives a group's key.  The fused graph
@@ -129,9 +127,9 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset()) -> tuple
     none of whose values another group of the step reads keeps them in its result, with no task
     to name each: a Dask key costs the scheduler, the worker and the client's reports about 0.8 ms
     on Machine.local(1) (a LeNet-5 step with its state and loss kept: 19.3 against 24.5 ms with
-    each named).  They are returned as (run, index)."""
+    each named).  They are returned as (run, index).  `given`: see `given_elsewhere`."""
     groups: dict[tuple, list] = {}
-    for key, group in groups_of(dsk, device).items():
+    for key, group in groups_of(dsk, device, given).items():
         groups.setdefault(group, []).append(key)
     group_of = {key: g for g, keys in groups.items() for key in keys}
     read_by_tasks = set()
@@ -236,8 +234,8 @@ def fused_plan(plan) -> tuple:
 
     skeleton = {t.key: (t.spec, *[d.key for d in t.deps if d.kind == TASK]) for t in plan.tasks}
     device = {t.key: t.device for t in plan.tasks}
-    outputs = {k for v in plan.outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
-    dsk, where, kept = fuse(skeleton, device, outputs, lambda d, s: (f"dev{d}-fused", s), held_outputs(plan.outputs))
+    dsk, where, kept = fuse_keeping(plan, skeleton, device, plan.outputs, lambda d, s: (f"dev{d}-fused", s),
+                                    lambda key: key)
     tasks, members = [], {}
     for key, (fn, *args) in dsk.items():
         if isinstance(fn, FusedRun):
@@ -262,6 +260,38 @@ def fused_plan(plan) -> tuple:
 
 
 HELD = ("state", "buffers", "loss")  # outputs read by the next step, or read on the workers (taskrt.worker_reads)
+
+
+def read_as_keys(plan, fused: dict, key_of) -> frozenset:
+    """The new state and statistics (outputs of `plan`) that the next step, the same plan, reads
+    as keys of their own: a task reading them on another device, or one left unfused, in `fused`
+    (this step's fused graph; the next step's groups are the same).  Named by a getitem at the end
+    of this step, off the next step's path, rather than by one at the start of the next (a task
+    the scheduler must hear has ended before it sends its readers).  `key_of(plan key)`: the key
+    in `fused`."""
+    from taskrt.plan import BUFFER, STATE
+
+    inside = {k for fn, *_ in fused.values() if isinstance(fn, FusedRun) for k, _, _ in fn.steps}
+    out = set()
+    for task in plan.tasks:
+        for dep in task.deps:
+            if dep.kind in (STATE, BUFFER) and (plan.device_of(dep) != task.device or key_of(task.key) not in inside):
+                key = (plan.outputs.get("state" if dep.kind == STATE else "buffers") or {}).get(dep.key)
+                if key is not None:
+                    out.add(key_of(key))
+    return frozenset(out)
+
+
+def fuse_keeping(plan, dsk: dict, device: dict, outputs: dict, name, key_of, given=frozenset()):
+    """`fuse` with the outputs `held_outputs` names kept in their runs, except the state the next
+    step reads as keys (`read_as_keys`)."""
+    wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
+    held = held_outputs(outputs)
+    fused, where, kept = fuse(dsk, device, wanted, name, held, given)
+    named = read_as_keys(plan, fused, key_of) & set(kept)
+    if named:
+        fused, where, kept = fuse(dsk, device, wanted, name, held - named, given)
+    return fused, where, kept
 
 
 def held_outputs(outputs: dict) -> frozenset:

@@ -75,18 +75,21 @@ def test_fused_graph_gives_the_same_values_under_the_same_keys(case, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(device_graphs())
-def test_groups_are_convex(case):
+@given(device_graphs(), st.data())
+def test_groups_are_convex(case, data):
     """No path of tasks leaves a group and comes back: a group never waits on itself.  A value
     another device reads is in the first half of its (device, stage) group, with all it needs,
-    or, where it reads no other task, a task of its own (`given_elsewhere`) that raises no stage."""
+    or, for a task standing for data or state (`given`, reading no other task), a task of its
+    own (`given_elsewhere`) that raises no stage."""
     dsk, device, _ = case
-    stage = stages(dsk, device)
     dag = nx.DiGraph([(a, k) for k, deps in dependencies(dsk).items() for a in deps])
     dag.add_nodes_from(dsk)
-    group = groups_of(dsk, device)
-    given = given_elsewhere(dsk, device)
-    assert given == {a for a, b in dag.edges if device[a] != device[b] and dag.in_degree(a) == 0}
+    sources = sorted(k for k in dsk if dag.in_degree(k) == 0)
+    standing_for_data = frozenset(data.draw(st.sets(st.sampled_from(sources))) if sources else ())
+    stage = stages(dsk, device, standing_for_data)
+    group = groups_of(dsk, device, standing_for_data)
+    given = given_elsewhere(dsk, device, standing_for_data)
+    assert given == {a for a, b in dag.edges if device[a] != device[b] and a in standing_for_data}
     for a, b in dag.edges:
         assert group[a][0] == device[a]
         if a in given:
@@ -224,10 +227,12 @@ def test_the_simulators_fused_plan_is_the_graph_the_executor_submits(data):
     for key in alone + sorted(exports, key=repr):
         assert restriction[(f"{key[0]}-it3-ef", *key[1:])] == {f"dev{view.by_key[key].device}": 1}
     assert view.bytes_moved == plan.bytes_moved
-    # State kept in an earlier step's runs is read out of them, or out of tasks there from the
-    # step's start (`given_elsewhere`): the same runs, of the same plan tasks
+    # State kept in an earlier step's runs and data tiles carried in the graph are read out of
+    # tasks standing for the plan's state and data (`given_elsewhere`): the same runs, of the
+    # same plan tasks
     state, tiles, hyper = fake_inputs(plan)
     state = {key: RunValue(None, f"run-{key}", 0) for key in state}
+    tiles = {key: np.zeros(2) for key in tiles}
     carried, _, _ = step_graph(plan, "4-gh", state, tiles, hyper)
     plan_keys = {step_key(t.key, "4-gh"): t.key for t in plan.tasks}
     ran = {(k[0].rsplit("-it", 1)[0], k[1]): [plan_keys[key] for key, *_ in fn.steps if key in plan_keys]
@@ -255,3 +260,19 @@ def test_a_carried_tile_read_on_another_device_keeps_the_plans_runs():
            for k, (fn, *_) in dsk.items() if isinstance(fn, FusedRun)}
     _, members = fused_plan(plan)
     assert ran and ran == {key: [t.key for t in inside] for key, inside in members.items()}
+
+
+def test_state_the_next_step_reads_as_keys_is_named_where_it_is_computed():
+    """Data parallelism: the weight fetches for the replica read the new state as keys of their
+    own (they are not fused), so it is named by a getitem at the end of the step that computes
+    it (`read_as_keys`) rather than kept in the run and named at the start of the next step; on
+    one device the state is kept."""
+    g = models.lenet5(batch=4, image_size=16, width=0.5)
+    for devices, kept in ((2, False), (1, True)):
+        plan = lower(g, Strategy({layer.name: P(n=devices) for layer in g if not layer.is_input}).validated(g))
+        state, tiles, hyper = fake_inputs(plan)
+        dsk, _, outputs = step_graph(plan, "6-kl", state, tiles, hyper)
+        assert all(isinstance(v, RunValue) == kept for v in outputs["state"].values())
+        nxt, _, _ = step_graph(plan, "7-mn", {k: RunValue(None, f"run-{k}", 0) if kept else f"f-{k}" for k in state},
+                               tiles, hyper)
+        assert not [k for k in nxt if k[0].split("-it")[0].endswith("-state")]  # nothing named at the start
