@@ -169,7 +169,7 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "empty_step_s" not in cached:
+        if cached is None or "export_s" not in cached:
             cached = self.machine.calibrate()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
@@ -499,8 +499,8 @@ class CostModel:
     def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
         `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
-        task, a step's fixed cost, graph submission per task, one scatter call per device that
-        receives data, the data the graph carries at its measured rate), for
+        task, graph submission per task, one scatter call per device that receives data, the
+        data the graph carries at its measured rate), for
         the tasks the executor submits: fused (the Trainer's default) or one per plan task."""
         from taskrt.simulate import Runtime
 
@@ -515,14 +515,10 @@ class CostModel:
         carried = sum(by_device[d] for d in inline)
         shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
             {d.node for d in self.machine.devices}) == 1
-        dispatch_s, answer_s = max(c["per_hop_s"] - c["per_task_s"], 0.0), c.get("answer_s", c["per_hop_s"])
-        # What a step costs whatever it does, beyond what a one-task step is charged otherwise: the
-        # client checking its devices and submitting the graph, the scheduler taking it in
-        graph_s = max(c["empty_step_s"] - (c["submit_per_task_s"] + dispatch_s + c["per_task_s"] + answer_s), 0.0)
-        return Runtime(dispatch_s=dispatch_s, task_s=c["per_task_s"],
+        return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
                        export_s=c["export_s"],
-                       answer_s=answer_s,
-                       start_s=(graph_s + len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
+                       answer_s=c.get("answer_s", c["per_hop_s"]),
+                       start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
                                 + carried * c["inline_per_byte_s"]),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)

@@ -249,9 +249,7 @@ class Machine:
         """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
         hop (`task_overhead`), graph submission per task, one scatter call, the client's
         bandwidth to a worker, directly and carried in a graph through the scheduler, the end of
-        a run to the client, a step with nothing to do (its devices checked, a graph of one
-        no-op task submitted and read on its worker, as the Trainer sends and reads a step), and a
-        device's memory bandwidth (an array copy)."""
+        a run to the client, and a device's memory bandwidth (an array copy)."""
 
         import dask
 
@@ -298,16 +296,6 @@ class Machine:
             if ended is not None:
                 answer.append(time.time() - ended[0])
             del future
-        empty = []
-        for r in range(9):  # a step with nothing to do, sent and read as the Trainer does (see graph_s)
-            key = (f"taskrt-empty-{tag}-{r}", 0)
-            start = time.perf_counter()
-            self.live_devices()
-            with dask.annotate(resources={self.tag(0): 1}):
-                [future] = client.get({key: (_noop,)}, [key], sync=False)
-            if client.sync(ask, client, address[0], [(key, None, key, 0)], 5.0) is not None:
-                empty.append(time.perf_counter() - start)
-            del future
         copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
         fresh = client.run(_copy_rate, fresh=True, workers=[address[0]])[address[0]]
         out.update(self._cpu_costs())
@@ -318,7 +306,6 @@ class Machine:
             "memory_bandwidth": copy,
             "fresh_copy_bandwidth": fresh,
             "answer_s": statistics.median(answer) if answer else out["per_hop_s"],
-            "empty_step_s": statistics.median(empty) if empty else 0.0,
             # what carrying a byte in a graph adds (on a quiet local host: below the noise, 0)
             "inline_per_byte_s": max(statistics.median(inline[INLINE_PROBE_BYTES]) - statistics.median(inline[8]),
                                      0.0) / INLINE_PROBE_BYTES,

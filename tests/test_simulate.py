@@ -666,24 +666,3 @@ def test_long_steps_finish(cores):
         sim = run(p, times, m, Runtime(cores=cores, cpu_per_task_s=0.25 * cores))
         assert sim.step_s >= times["a"] + times["b"]
 
-
-def test_a_step_with_nothing_to_do_is_predicted_as_measured(machine4, monkeypatch):
-    """The runtime charges a step the fixed cost `Machine.calibrate` measures for one with nothing
-    to do (`empty_step_s`: its devices checked, a one-task graph submitted and read on its worker)
-    beyond what the simulator charges a one-task step otherwise: a training step on one device
-    (one fused task) with kernels of no time is predicted as that measurement."""
-    from taskrt.config import ParallelConfig
-
-    calibration = {"per_task_s": 0.5e-3, "per_hop_s": 6e-3, "export_s": 0.4e-3, "cpu_per_task_s": 0.0,
-                   "cpu_per_byte_s": 0.0, "cores": 0, "submit_per_task_s": 2e-5, "scatter_s": 1.5e-3,
-                   "client_bandwidth": 2e9, "memory_bandwidth": 2e10, "fresh_copy_bandwidth": 1e10,
-                   "answer_s": 1.25e-3, "inline_per_byte_s": 0.0, "empty_step_s": 11e-3}
-    monkeypatch.setattr(CostModel, "_calibrate", lambda self: dict(calibration))
-    cost_model = CostModel(machine4, cache=False, progress=False)
-    graph = models.lenet5(batch=4, image_size=16, width=0.5)
-    plan = lower(graph, Strategy({layer.name: ParallelConfig(devices=(0,)) for layer in graph}))
-    runtime = cost_model.runtime(plan)
-    assert runtime.start_s == pytest.approx(11e-3 - (2e-5 + 5.5e-3 + 0.5e-3 + 1.25e-3))
-    assert simulate(plan, lambda task: 0.0, machine4, runtime).step_s == pytest.approx(11e-3)
-    calibration["empty_step_s"] = 1e-3  # quicker than the parts charged otherwise: nothing added
-    assert CostModel(machine4, cache=False, progress=False).runtime(plan).start_s == 0.0
