@@ -21,7 +21,7 @@ import dask
 import numpy as np
 
 from taskrt.device import to_device, to_host
-from taskrt.fusion import RunValue, export_source, fuse_keeping, step_done_keys
+from taskrt.fusion import RunValue, export_source, fuse, held_outputs, run_of, state_read_as_keys, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
@@ -75,14 +75,9 @@ class StepRun:
         return futures_of(f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v))
 
 
-def future_of(value):
-    """The future behind a state value: itself, or for a RunValue the run that keeps it."""
-    return value.run if isinstance(value, RunValue) else value
-
-
 def futures_of(values) -> list:
-    """The futures behind state values, once each."""
-    return list(dict.fromkeys(map(future_of, values)))
+    """The futures behind state values (`taskrt.fusion.run_of`), once each."""
+    return list(dict.fromkeys(map(run_of, values)))
 
 
 class Executor:
@@ -92,6 +87,7 @@ class Executor:
         self.machine = machine
         self.fused = fused
         self.client = machine.client
+        self._named: dict = {}  # id(plan) -> (plan, taskrt.fusion.state_read_as_keys(plan)), found once
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
         """Send each input tile straight to its device; returns {(layer, part): future}, or the
@@ -124,9 +120,11 @@ class Executor:
                buffers: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
         `buffers`: the batch norms' running statistics, {(layer, group): future}."""
+        if id(plan) not in self._named or self._named[id(plan)][0] is not plan:  # a plan does not change
+            self._named[id(plan)] = (plan, state_read_as_keys(plan))
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
-                                               self.machine.tag, self.fused)
-        wanted = list(dict.fromkeys(future_of(k) for v in outputs.values()
+                                               self.machine.tag, self.fused, self._named[id(plan)][1])
+        wanted = list(dict.fromkeys(run_of(k) for v in outputs.values()
                                     for k in (v.values() if isinstance(v, dict) else v)))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
@@ -262,7 +260,8 @@ def _named_graph(dsk: dict, tag: str):
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True):
+               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True,
+               named: frozenset | None = None):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -277,6 +276,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     out of a getitem there ('<layer>-state', '<layer>-running'); a task elsewhere reads the getitem.
     Fused, the step's new state, statistics and losses stay in their runs where nothing else in
     the step reads those runs (`taskrt.fusion.held_outputs`): the outputs name them as RunValues.
+    `named`: the state the next step reads as keys (`taskrt.fusion.state_read_as_keys(plan)`,
+    found here when not given), which its own tasks name instead.
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
@@ -339,9 +340,10 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
                 adapted.append(step_key(key, tag))
         outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
     if fused:
-        dsk, device_of, kept = fuse_keeping(plan, dsk, device_of, outputs,
-                                            lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
-                                            lambda key: step_key(key, tag), frozenset(given))
+        wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
+        named = {step_key(key, tag) for key in (state_read_as_keys(plan) if named is None else named)}
+        dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
+                                    held_outputs(outputs) - named, frozenset(given))
 
         def output(key):
             return RunValue(None, *kept[key]) if key in kept else key

@@ -88,6 +88,12 @@ def given_elsewhere(dsk: dict, device: dict, given=frozenset()) -> set:
             if _is_key(a, dsk) and a in given and device[a] != device[key]}
 
 
+def run_of(value):
+    """What holds a value: for a `RunValue` the run that keeps it, else the value itself (a key or
+    a future of its own)."""
+    return value.run if isinstance(value, RunValue) else value
+
+
 def stages(dsk: dict, device: dict, given=frozenset()) -> dict:
     """key -> the most device changes on a path of tasks to it, not counting a change after a task
     of `given` (see `given_elsewhere`); `dsk` in dependency order."""
@@ -232,10 +238,9 @@ def fused_plan(plan) -> tuple:
     tasks a fused task runs, in order.  Bytes moved between devices are those of `plan`."""
     from taskrt.plan import TASK, Dep, Plan, Task
 
-    skeleton = {t.key: (t.spec, *[d.key for d in t.deps if d.kind == TASK]) for t in plan.tasks}
-    device = {t.key: t.device for t in plan.tasks}
-    dsk, where, kept = fuse_keeping(plan, skeleton, device, plan.outputs, lambda d, s: (f"dev{d}-fused", s),
-                                    lambda key: key)
+    skeleton, device = _skeleton(plan)
+    dsk, where, kept = fuse(skeleton, device, set(_output_keys(plan.outputs)), _run_name,
+                            held_outputs(plan.outputs) - state_read_as_keys(plan))
     tasks, members = [], {}
     for key, (fn, *args) in dsk.items():
         if isinstance(fn, FusedRun):
@@ -262,36 +267,39 @@ def fused_plan(plan) -> tuple:
 HELD = ("state", "buffers", "loss")  # outputs read by the next step, or read on the workers (taskrt.worker_reads)
 
 
-def read_as_keys(plan, fused: dict, key_of) -> frozenset:
-    """The new state and statistics (outputs of `plan`) that the next step, the same plan, reads
-    as keys of their own: a task reading them on another device, or one left unfused, in `fused`
-    (this step's fused graph; the next step's groups are the same).  Named by a getitem at the end
-    of this step, off the next step's path, rather than by one at the start of the next (a task
-    the scheduler must hear has ended before it sends its readers).  `key_of(plan key)`: the key
-    in `fused`."""
+def state_read_as_keys(plan) -> frozenset:
+    """The new state and statistics (keys of `plan`'s outputs) that the next step, the same plan,
+    reads as keys of their own: a task reading them on another device, or one left unfused.  Named
+    by a getitem at the end of their step, off the next step's path, rather than kept in their run
+    and named by one at the start of the next (a task the scheduler must hear has ended before it
+    sends its readers).  Found on the plan's own tasks, whose runs are those the executor fuses
+    (`given_elsewhere`); a plan does not change, so a caller may keep the answer."""
     from taskrt.plan import BUFFER, STATE
 
+    skeleton, device = _skeleton(plan)
+    fused, _, _ = fuse(skeleton, device, set(_output_keys(plan.outputs)), _run_name, held_outputs(plan.outputs))
     inside = {k for fn, *_ in fused.values() if isinstance(fn, FusedRun) for k, _, _ in fn.steps}
     out = set()
     for task in plan.tasks:
         for dep in task.deps:
-            if dep.kind in (STATE, BUFFER) and (plan.device_of(dep) != task.device or key_of(task.key) not in inside):
+            if dep.kind in (STATE, BUFFER) and (plan.device_of(dep) != task.device or task.key not in inside):
                 key = (plan.outputs.get("state" if dep.kind == STATE else "buffers") or {}).get(dep.key)
                 if key is not None:
-                    out.add(key_of(key))
+                    out.add(key)
     return frozenset(out)
 
 
-def fuse_keeping(plan, dsk: dict, device: dict, outputs: dict, name, key_of, given=frozenset()):
-    """`fuse` with the outputs `held_outputs` names kept in their runs, except the state the next
-    step reads as keys (`read_as_keys`)."""
-    wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
-    held = held_outputs(outputs)
-    fused, where, kept = fuse(dsk, device, wanted, name, held, given)
-    named = read_as_keys(plan, fused, key_of) & set(kept)
-    if named:
-        fused, where, kept = fuse(dsk, device, wanted, name, held - named, given)
-    return fused, where, kept
+def _skeleton(plan) -> tuple[dict, dict]:
+    """The plan's tasks as a graph of their task dependencies (its data and state are not tasks),
+    and each task's device."""
+    from taskrt.plan import TASK
+
+    return ({t.key: (t.spec, *[d.key for d in t.deps if d.kind == TASK]) for t in plan.tasks},
+            {t.key: t.device for t in plan.tasks})
+
+
+def _run_name(device, stage) -> tuple:
+    return (f"dev{device}-fused", stage)
 
 
 def held_outputs(outputs: dict) -> frozenset:
@@ -303,3 +311,7 @@ def held_outputs(outputs: dict) -> frozenset:
 
 def _keys(value) -> list:
     return list(value.values()) if isinstance(value, dict) else list(value)
+
+
+def _output_keys(outputs: dict) -> list:
+    return [k for value in outputs.values() for k in _keys(value)]

@@ -34,7 +34,8 @@ from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, wri
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
 from taskrt.device import to_device
 from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
-from taskrt.executor import Executor, StepRun, future_of, futures_of
+from taskrt.executor import Executor, StepRun, futures_of
+from taskrt.fusion import run_of
 from taskrt.graph import Graph
 from taskrt.inprocess import buffer_tiles, shard_states
 from taskrt.lowering import lower
@@ -334,8 +335,8 @@ class Trainer:
         """Fail clearly, before any work, when a device or the parameters it held are gone (or,
         when elastic, recover); returns the devices' current addresses."""
         for _ in range(MAX_RECOVERIES):
-            lost = [key for key, f in self._state.items() if future_of(f).status in LOST_STATUSES]
-            lost_buffers = [key for key, f in self._buffers.items() if future_of(f).status in LOST_STATUSES]
+            lost = [key for key, f in self._state.items() if run_of(f).status in LOST_STATUSES]
+            lost_buffers = [key for key, f in self._buffers.items() if run_of(f).status in LOST_STATUSES]
             address = self.machine.live_devices()
             missing = [d.id for d in self.machine.devices if d.id not in address]
             if not lost and not lost_buffers and not missing:

@@ -19,7 +19,7 @@ import asyncio
 
 from distributed import WorkerPlugin
 
-from taskrt.fusion import RunValue, export_source
+from taskrt.fusion import RunValue, export_source, run_of
 
 
 class StepWatch(WorkerPlugin):
@@ -42,7 +42,7 @@ def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
     run, `taskrt.fusion.held_outputs`), is there once `key` or `run` is in memory.  `loss`: the
     loss's place in the step's losses, whose values come back; None for each of the step's
     `done` keys, awaited through one output read out of it."""
-    held = [k.run if isinstance(k, RunValue) else k  # a value kept in its run: the client holds the run
+    held = [run_of(k)  # a value kept in its run: the client holds the run
             for name, v in outputs.items() if name != "done" for k in (v.values() if isinstance(v, dict) else v)]
     reads, losses = {}, outputs.get("loss", [])
     for i, key in enumerate(losses):
@@ -50,7 +50,7 @@ def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
             reads.setdefault(device_of(key.run), []).append((key.run, key.index, None, i))
         else:
             reads.setdefault(device_of(key), []).append((*export_source(dsk, key), key, i))
-    read = {k.run if isinstance(k, RunValue) else k for k in losses}
+    read = {run_of(k) for k in losses}
     for run in outputs["done"]:
         if run in read:  # the losses read already wait for it
             continue

@@ -265,7 +265,7 @@ def test_a_carried_tile_read_on_another_device_keeps_the_plans_runs():
 def test_state_the_next_step_reads_as_keys_is_named_where_it_is_computed():
     """Data parallelism: the weight fetches for the replica read the new state as keys of their
     own (they are not fused), so it is named by a getitem at the end of the step that computes
-    it (`read_as_keys`) rather than kept in the run and named at the start of the next step; on
+    it (`state_read_as_keys`) rather than kept in the run and named at the start of the next step; on
     one device the state is kept."""
     g = models.lenet5(batch=4, image_size=16, width=0.5)
     for devices, kept in ((2, False), (1, True)):

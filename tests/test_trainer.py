@@ -210,7 +210,7 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
     results = {}
     for executor in ("default", taskrt.executor.INLINE):
         monkeypatch.setattr(taskrt.executor, "INLINE", executor)
-        monkeypatch.setattr(taskrt.fusion, "held_outputs", lambda outputs: frozenset())  # its state exported
+        monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())  # its state exported
         trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64")
         futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
         results[executor] = [f.result() for f in futures], trainer.parameters()
@@ -232,7 +232,7 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
 def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
     """The new state and the losses stay in the run that computed them where nothing else reads
     that run (taskrt.fusion.held_outputs) and the next step reads the state inside its own runs
-    (`read_as_keys`): on one device a step is a single Dask task, and the next step's run reads
+    (`state_read_as_keys`): on one device a step is a single Dask task, and the next step's run reads
     the state out of it.  The same losses and parameters, bit for bit, as with every value named
     by a task of its own, including with steps in flight, checkpoints (the parameters read back)
     and cut lineage, and the same bytes."""
@@ -251,7 +251,7 @@ def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
         results = {}
         for keep in (True, False):
             if not keep:
-                monkeypatch.setattr(taskrt.fusion, "held_outputs", lambda outputs: frozenset())
+                monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())
             trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64")
             futures = [trainer.submit(x, y) for x, y in data[:3]]
             middle = trainer.parameters()  # read out of the runs, steps in flight
