@@ -39,11 +39,15 @@ class InlineExecutor(Executor):
         return future
 
 
+FREEZES = [0]  # freeze_heap calls in this process (the frozen count alone can fall: frozen objects still die)
+
+
 def freeze_heap(dask_worker=None, dask_scheduler=None) -> int:
     """Collect garbage once, then freeze what is left (this process's long-lived objects);
     returns how many objects are frozen.  Run on workers and the scheduler."""
     gc.collect()
     gc.freeze()
+    FREEZES[0] += 1
     return gc.get_freeze_count()
 
 
