@@ -85,6 +85,7 @@ class Machine:
         from distributed import Client, Nanny, Scheduler, SpecCluster
 
         import taskrt.dashboard  # noqa: F401  (registers the dashboard's taskrt page before the scheduler starts)
+        from taskrt.batching import shorten_batching
 
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
@@ -115,6 +116,7 @@ class Machine:
             cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
         client = Client(cluster, set_as_default=False)
         client.wait_for_workers(n)
+        shorten_batching(client)  # this cluster is ours: steps wait on its messages (taskrt.batching)
         machine = cls._adopt(client, cluster=cluster, probe=probe)
         machine._owns_client = True
         what = "local devices" if not gpu else (

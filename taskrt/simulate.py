@@ -38,7 +38,9 @@ class Runtime:
     # loop (taskrt.worker_setup.InlineExecutor); None: the same as any task
     export_s: float | None = None
     start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
-    per_task_submit_s: float = 0.0  # submission time per task (graph serialization, scheduler ingestion)
+    # submission time per task (graph serialization, scheduler ingestion); a fused run carries the
+    # specs of all its tasks, so it counts as that many
+    per_task_submit_s: float = 0.0
     # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
     # no shorter than all the processor time it needs divided by the cores.
     cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
@@ -95,9 +97,10 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not background.)
     runtime_cpu = runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_byte_s * plan.bytes_moved
-    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
+    submitted = sum(len(members.get(t.key, ())) or 1 for t in plan.tasks)
+    origin = runtime.start_s + runtime.per_task_submit_s * submitted
     background = 0.0
-    result = _schedule(plan, task_time, machine, runtime, background)
+    result = _schedule(plan, task_time, machine, runtime, background, origin)
     if runtime.cores:
         for _ in range(100):
             running = result.step_s - origin
@@ -107,7 +110,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
             if abs(wanted - background) < 1e-6:
                 break
             background = wanted
-            result = _schedule(plan, task_time, machine, runtime, background)
+            result = _schedule(plan, task_time, machine, runtime, background, origin)
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
         result.background = background
     for key, inside in members.items():  # each member's share of its run, in order
@@ -119,15 +122,15 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     return result
 
 
-def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: float) -> Simulation:
-    """Event-driven list scheduling: each device runs its ready tasks in the order they became
-    ready; with shared cores, running kernels progress at the processor-sharing rate."""
+def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: float, origin: float) -> Simulation:
+    """Event-driven list scheduling from `origin` (the step sent): each device runs its ready tasks
+    in the order they became ready; with shared cores, running kernels progress at the
+    processor-sharing rate."""
     n = machine.num_devices
     node = np.array([d.node for d in machine.devices])
     bandwidth = np.asarray(machine.bandwidth, dtype=float)
     latency = np.asarray(machine.latency, dtype=float)
     nic = getattr(machine, "nic_bandwidth", None)
-    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)
 
     busy = np.zeros(n)
     link_free: dict[tuple[int, int], float] = defaultdict(lambda: origin)

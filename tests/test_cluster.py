@@ -122,3 +122,22 @@ def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def test_local_machines_shorten_message_batching_and_given_clusters_keep_theirs(machine4):
+    """taskrt.batching: every stream of a cluster Machine.local started sends after at most
+    INTERVAL_S; a cluster given to Machine.from_client keeps Dask's own intervals."""
+    from distributed import Client, LocalCluster
+
+    from taskrt.batching import INTERVAL_S, intervals
+
+    ours = intervals(machine4.client)
+    assert ours["client"] == INTERVAL_S and len(ours["workers"]) == 4
+    assert set(ours["workers"].values()) == {INTERVAL_S} and set(ours["scheduler"]) == {INTERVAL_S}
+    assert len(ours["scheduler"]) >= 5  # to each of the 4 workers, and to this client
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        Machine.from_client(client, probe=False)
+        theirs = intervals(client)
+        assert theirs["client"] > INTERVAL_S and min(theirs["workers"].values()) > INTERVAL_S
+        assert min(theirs["scheduler"]) > INTERVAL_S

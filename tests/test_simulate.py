@@ -327,7 +327,7 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
     p.outputs = {"logits": [("c",)]}
     sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
-    origin = 0.25 + 2 * 0.5  # two Dask tasks submitted, not three
+    origin = 0.25 + 4 * 0.5  # the run carries its three tasks' specs, and the getitem one
     run_start = origin + 0.125
     run_end = run_start + 0.0625 + 7.0  # one task's overhead for the three kernels
     assert at(sim, "a") == (run_start + 0.0625, run_start + 1.0625)  # members placed in order inside the run
@@ -338,7 +338,7 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.1875
     p.outputs = {"loss": [("c",)]}
     kept = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
-    assert kept.step_s == 0.25 + 0.5 + 0.125 + 0.0625 + 7.0 + 0.1875  # one task submitted, c read out of it
+    assert kept.step_s == 0.25 + 3 * 0.5 + 0.125 + 0.0625 + 7.0 + 0.1875  # one run submitted, c read out of it
     assert kept.busy_s[0] == 0.0625 + 7.0
 
 
