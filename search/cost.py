@@ -47,6 +47,7 @@ from taskrt.params import resolve_dtype
 from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
+CALIBRATION_FORMAT = 2  # Machine.calibrate's runtime costs: hops of tasks returning arrays, across devices
 
 
 def default_cache_path() -> Path:
@@ -169,8 +170,8 @@ class CostModel:
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
-        if cached is None or "export_s" not in cached:
-            cached = self.machine.calibrate()
+        if cached is None or cached.get("format") != CALIBRATION_FORMAT:
+            cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
             self.cache.data["overhead"][key] = cached
             self.cache.save()
         return cached
@@ -499,7 +500,8 @@ class CostModel:
     def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
         `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
-        task, graph submission per task, one scatter call per device that receives data, the
+        task, a fetch from another device beyond the link, graph submission per task and the
+        scheduler taking a graph in, one scatter call per device that receives data, the
         data the graph carries at its measured rate), for
         the tasks the executor submits: fused (the Trainer's default) or one per plan task."""
         from taskrt.simulate import Runtime
@@ -515,11 +517,18 @@ class CostModel:
         carried = sum(by_device[d] for d in inline)
         shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
             {d.node for d in self.machine.devices}) == 1
-        return Runtime(dispatch_s=max(c["per_hop_s"] - c["per_task_s"], 0.0), task_s=c["per_task_s"],
+        # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
+        cross = c.get("per_cross_hop_s")
+        fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - float(self.latency[1, 0]), 0.0)
+        dispatch = max(c["per_hop_s"] - c["per_task_s"], 0.0)
+        # what a one-task graph waits for its task beyond submitting one task and sending it out: the
+        # scheduler taking the graph in, once a step
+        intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
+        return Runtime(dispatch_s=dispatch, task_s=c["per_task_s"], fetch_s=fetch,
                        export_s=c["export_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),
                        start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
-                                + carried * c["inline_per_byte_s"]),
+                                + carried * c["inline_per_byte_s"] + intake),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 

@@ -249,7 +249,8 @@ class Machine:
 
     def calibrate(self) -> dict:
         """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
-        hop (`task_overhead`), graph submission per task, one scatter call, the client's
+        hop (`task_overhead`), graph submission per task, from sending a one-task graph to its task
+        starting (`first_start_s`), one scatter call, the client's
         bandwidth to a worker, directly and carried in a graph through the scheduler, the end of
         a run to the client, and a device's memory bandwidth (an array copy)."""
 
@@ -277,15 +278,17 @@ class Machine:
             [g] = client.scatter([large], workers=[address[0]], hash=False, direct=True)
             big.append(time.perf_counter() - start)
             del f, g
-        inline = {8: [], INLINE_PROBE_BYTES: []}
+        inline, first = {8: [], INLINE_PROBE_BYTES: []}, []
         for r in range(7):  # a graph carrying a step's data (taskrt.executor.INLINE_DATA_BYTES), small and not
             for nbytes in inline:
                 key = (f"taskrt-inline-{tag}-{r}-{nbytes}", 0)
                 with dask.annotate(resources={self.tag(0): 1}):
-                    start = time.perf_counter()
-                    [future] = client.get({key: (_noop, np.zeros(nbytes // 8))}, [key], sync=False)
-                    future.result()
+                    sent, start = time.time(), time.perf_counter()
+                    [future] = client.get({key: (_started, np.zeros(nbytes // 8))}, [key], sync=False)
+                    started = future.result()
                 inline[nbytes].append(time.perf_counter() - start)
+                if nbytes == 8:  # the least a step waits for its first task (the hosts' clocks agree)
+                    first.append(started - sent)
                 del future
         from taskrt.worker_reads import ask
 
@@ -308,6 +311,7 @@ class Machine:
             "memory_bandwidth": copy,
             "fresh_copy_bandwidth": fresh,
             "answer_s": statistics.median(answer) if answer else out["per_hop_s"],
+            "first_start_s": max(statistics.median(first), 0.0),  # a one-task graph sent: its task starts
             # what carrying a byte in a graph adds (on a quiet local host: below the noise, 0)
             "inline_per_byte_s": max(statistics.median(inline[INLINE_PROBE_BYTES]) - statistics.median(inline[8]),
                                      0.0) / INLINE_PROBE_BYTES,
@@ -372,7 +376,8 @@ class Machine:
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
         """Dask's own cost on this cluster, measured with no-op tasks pinned to device 0: seconds
         per independent task (throughput), per dependent hop (a task waiting on the one before),
-        and per export (taking a value out of a tuple, as after a fused run)."""
+        and per export (taking a value out of a tuple, as after a fused run); with two devices or
+        more, per dependent hop that alternates between devices 0 and 1 (`per_cross_hop_s`)."""
 
         import dask
 
@@ -399,8 +404,20 @@ class Machine:
                     start = time.perf_counter()
                     client.gather(client.get(dsk, [(name, i) for i in range(independent)], sync=False))
                 per_export.append((time.perf_counter() - start) / independent)
-        return {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop),
-                "export_s": statistics.median(per_export)}
+        out = {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop),
+               "export_s": statistics.median(per_export)}
+        if self.num_devices > 1:  # a hop to another device: its worker also fetches the value
+            per_cross = []
+            for r in range(repeats):
+                name = f"taskrt-cross-{tag}-{r}"
+                dsk = {(name, 0): (_noop,), **{(name, i): (_noop, (name, i - 1)) for i in range(1, chain)}}
+                tags = {key: {self.tag(key[1] % 2): 1} for key in dsk}
+                with dask.annotate(resources=lambda key, tags=tags: tags[key]):
+                    start = time.perf_counter()
+                    client.gather(client.get(dsk, [(name, chain - 1)], sync=False))
+                per_cross.append((time.perf_counter() - start) / chain)
+            out["per_cross_hop_s"] = statistics.median(per_cross)
+        return out
 
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
         if src == dst or nbytes == 0:
@@ -511,6 +528,11 @@ def _has_dask_cuda() -> bool:
 
 def _noop(*args):
     return None
+
+
+def _started(*args):
+    """The time the task starts."""
+    return time.time()
 
 
 def _numbers(count):

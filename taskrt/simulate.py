@@ -9,7 +9,8 @@ another device then travels over the link between the two (latency plus bytes ov
 bandwidth), one transfer at a time per link, and traffic between nodes also passes each node's
 shared network interface.  On a runtime that schedules centrally (Dask), each task also waits
 for the scheduler to hear that its inputs are done and to send it to its device (`dispatch_s`),
-and costs its device some time beyond its kernel (`task_s`); a step starts after its data is
+then for its device to fetch what it reads from other devices (`fetch_s` per message, beyond the
+link), and costs its device some time beyond its kernel (`task_s`); a step starts after its data is
 sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
 `answer_s` after the runs computing them end (taskrt.worker_reads).  Which bytes move comes from
 the plan itself, as in the executor.
@@ -32,15 +33,16 @@ class Runtime:
     """What the runtime adds to kernels and transfers (all zero for an ideal runtime)."""
 
     dispatch_s: float = 0.0  # from the last input being ready to the task being sent to its device
+    # a device's time to fetch a value from another device beyond the link's latency and bandwidth
+    # (its worker asks the other for it and waits), per message
+    fetch_s: float = 0.0
     answer_s: float = 0.0  # from the last run the client reads ending to the client having its values
     task_s: float = 0.0  # device time per task beyond its kernel
     # device time of an export (a value taken out of a fused run), which workers run on their event
     # loop (taskrt.worker_setup.InlineExecutor); None: the same as any task
     export_s: float | None = None
     start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
-    # submission time per task (graph serialization, scheduler ingestion); a fused run carries the
-    # specs of all its tasks, so it counts as that many
-    per_task_submit_s: float = 0.0
+    per_task_submit_s: float = 0.0  # submission time per Dask task (graph serialization, scheduler ingestion)
     # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
     # no shorter than all the processor time it needs divided by the cores.
     cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
@@ -97,8 +99,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not background.)
     runtime_cpu = runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_byte_s * plan.bytes_moved
-    submitted = sum(len(members.get(t.key, ())) or 1 for t in plan.tasks)
-    origin = runtime.start_s + runtime.per_task_submit_s * submitted
+    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
     background = 0.0
     result = _schedule(plan, task_time, machine, runtime, background, origin)
     if runtime.cores:
@@ -246,7 +247,7 @@ def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> flo
     for src, deps in remote.items():
         missing = [d for d in deps if (d, task.device) not in arrived]
         if missing:
-            when = transfer(src, task.device, sum(plan.nbytes_of(d) for d in missing), ready)
+            when = transfer(src, task.device, sum(plan.nbytes_of(d) for d in missing), ready) + runtime.fetch_s
             for d in missing:
                 arrived[(d, task.device)] = when
         arrival = max(arrival, max(arrived[(d, task.device)] for d in deps))

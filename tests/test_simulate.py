@@ -151,6 +151,15 @@ def test_remote_input_is_fetched_once_the_scheduler_sent_the_task():
     assert sim.step_s == sim.finish[("c",)]
 
 
+def test_a_remote_input_pays_the_fetch_once_per_message_and_a_local_one_does_not():
+    rt = Runtime(dispatch_s=0.125, fetch_s=0.0625)
+    p = plan_of(task("p", 0, nbytes=500), task("q", 0, nbytes=250), task("c", 1, ["p", "q"]), task("d", 0, ["p"]))
+    sim = run(p, {"p": 1.0}, LINKS, rt)
+    assert at(sim, "p") == (0.125, 1.125) and at(sim, "q") == (1.125, 1.125)
+    assert sim.start[("c",)] == 1.125 + 0.125 + 0.25 + 0.75 + 0.0625  # one message of 750 B, one fetch
+    assert sim.start[("d",)] == 1.125 + 0.125  # on p's device: nothing to fetch
+
+
 def test_values_from_one_source_travel_as_one_message(messages):
     p = plan_of(task("p", 0, nbytes=500), task("q", 0, nbytes=250), task("c", 1, ["p", "q"]))
     sim = run(p, {"p": 0.5, "q": 0.5}, LINKS)
@@ -327,7 +336,7 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
     p.outputs = {"logits": [("c",)]}
     sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
-    origin = 0.25 + 4 * 0.5  # the run carries its three tasks' specs, and the getitem one
+    origin = 0.25 + 2 * 0.5  # two Dask tasks submitted, not three
     run_start = origin + 0.125
     run_end = run_start + 0.0625 + 7.0  # one task's overhead for the three kernels
     assert at(sim, "a") == (run_start + 0.0625, run_start + 1.0625)  # members placed in order inside the run
@@ -338,7 +347,7 @@ def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside()
     assert unfused.step_s == 0.25 + 3 * 0.5 + 3 * (0.125 + 0.0625) + 7.0 + 0.1875
     p.outputs = {"loss": [("c",)]}
     kept = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, ONE, rt)
-    assert kept.step_s == 0.25 + 3 * 0.5 + 0.125 + 0.0625 + 7.0 + 0.1875  # one run submitted, c read out of it
+    assert kept.step_s == 0.25 + 0.5 + 0.125 + 0.0625 + 7.0 + 0.1875  # one task submitted, c read out of it
     assert kept.busy_s[0] == 0.0625 + 7.0
 
 
