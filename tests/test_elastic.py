@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from taskrt.batching import INTERVAL_S, intervals
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.config import ParallelConfig as P
 from taskrt.elastic import remap, snapshot_interval
@@ -163,6 +164,8 @@ def test_two_kills_and_the_worker_that_came_back_is_used_again(machine3, uninter
     with pytest.warns(WorkerLostWarning):
         got += [trainer.step(*data[3])]
     wait_for_all(machine3)  # both nannies restarted their workers
+    shortened = intervals(machine3.client)  # the workers that joined batch their messages as the others
+    assert set(shortened["workers"].values()) == {INTERVAL_S} and set(shortened["scheduler"]) == {INTERVAL_S}
     kill(machine3, 2)  # the next re-plan takes the devices that came back
     with pytest.warns(WorkerLostWarning):
         got += [trainer.step(x, y) for x, y in data[4:]]
