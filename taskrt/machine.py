@@ -392,12 +392,7 @@ class Machine:
                 start = time.perf_counter()
                 client.gather(client.get(dsk, list(dsk), sync=False))
                 per_task.append((time.perf_counter() - start) / independent)
-                name = f"taskrt-chain-{tag}-{r}"
-                dsk = {(name, 0): (_compute, HOP_WORK_S),
-                       **{(name, i): (_compute, HOP_WORK_S, (name, i - 1)) for i in range(1, chain)}}
-                start = time.perf_counter()
-                client.gather(client.get(dsk, [(name, chain - 1)], sync=False))
-                per_hop.append((time.perf_counter() - start) / chain - HOP_WORK_S)
+                per_hop.append(self._hop_s(f"taskrt-chain-{tag}-{r}", chain, lambda i: 0))
                 # a fused run's exports: values taken out of one result, on the workers' event loop
                 name = f"taskrt-export-{tag}-{r}"
                 dsk = {(name, -1): (_numbers, independent), **{(name, i): (getitem, (name, -1), i)
@@ -409,18 +404,22 @@ class Machine:
         out = {"per_task_s": statistics.median(per_task), "per_hop_s": statistics.median(per_hop),
                "export_s": statistics.median(per_export)}
         if self.num_devices > 1:  # a hop to another device: its worker also fetches the value
-            per_cross = []
-            for r in range(repeats):
-                name = f"taskrt-cross-{tag}-{r}"
-                dsk = {(name, 0): (_compute, HOP_WORK_S),
-                       **{(name, i): (_compute, HOP_WORK_S, (name, i - 1)) for i in range(1, chain)}}
-                tags = {key: {self.tag(key[1] % 2): 1} for key in dsk}
-                with dask.annotate(resources=lambda key, tags=tags: tags[key]):
-                    start = time.perf_counter()
-                    client.gather(client.get(dsk, [(name, chain - 1)], sync=False))
-                per_cross.append((time.perf_counter() - start) / chain - HOP_WORK_S)
-            out["per_cross_hop_s"] = statistics.median(per_cross)
+            out["per_cross_hop_s"] = statistics.median(
+                self._hop_s(f"taskrt-cross-{tag}-{r}", chain, lambda i: i % 2) for r in range(repeats))
         return out
+
+    def _hop_s(self, name: str, chain: int, device_of) -> float:
+        """Seconds per hop of a chain of `chain` tasks, task i on device `device_of(i)`, each
+        computing HOP_WORK_S (not counted)."""
+        import dask
+
+        dsk = {(name, 0): (_compute, HOP_WORK_S),
+               **{(name, i): (_compute, HOP_WORK_S, (name, i - 1)) for i in range(1, chain)}}
+        tags = {key: {self.tag(device_of(key[1])): 1} for key in dsk}
+        with dask.annotate(resources=lambda key: tags[key]):
+            start = time.perf_counter()
+            self.client.gather(self.client.get(dsk, [(name, chain - 1)], sync=False))
+        return (time.perf_counter() - start) / chain - HOP_WORK_S
 
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
         if src == dst or nbytes == 0:
