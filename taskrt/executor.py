@@ -24,7 +24,7 @@ from taskrt.device import to_device, to_host
 from taskrt.fusion import RunValue, export_source, fuse, held_outputs, run_of, state_read_as_keys, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
-from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
+from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan, keys_of, map_outputs, output_keys
 from taskrt.tasks import Received
 from taskrt.worker_reads import TIMED_OUT, ask, reads_of
 from taskrt.worker_setup import INLINE
@@ -72,11 +72,11 @@ class StepRun:
     address: dict | None = None  # the devices' worker addresses when the step was sent
 
     def futures(self) -> list:
-        return futures_of(f for v in self.outputs.values() for f in (v.values() if isinstance(v, dict) else v))
+        return futures_of(output_keys(self.outputs))
 
 
 def futures_of(values) -> list:
-    """The futures behind state values (`taskrt.fusion.run_of`), once each."""
+    """What holds each value (`taskrt.fusion.run_of`: its future or key, or its run's), once each."""
     return list(dict.fromkeys(map(run_of, values)))
 
 
@@ -87,7 +87,6 @@ class Executor:
         self.machine = machine
         self.fused = fused
         self.client = machine.client
-        self._named: dict = {}  # id(plan) -> (plan, taskrt.fusion.state_read_as_keys(plan)), found once
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
         """Send each input tile straight to its device; returns {(layer, part): future}, or the
@@ -120,12 +119,9 @@ class Executor:
                buffers: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
         `buffers`: the batch norms' running statistics, {(layer, group): future}."""
-        if id(plan) not in self._named or self._named[id(plan)][0] is not plan:  # a plan does not change
-            self._named[id(plan)] = (plan, state_read_as_keys(plan))
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
-                                               self.machine.tag, self.fused, self._named[id(plan)][1])
-        wanted = list(dict.fromkeys(run_of(k) for v in outputs.values()
-                                    for k in (v.values() if isinstance(v, dict) else v)))
+                                               self.machine.tag, self.fused)
+        wanted = futures_of(output_keys(outputs))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
         # simulator assumes: values another device waits for first (taskrt.fusion)
@@ -140,8 +136,7 @@ class Executor:
         def held(key):  # the client's future of an output, or of the run that keeps it
             return RunValue(None, by_key[key.run], key.index) if isinstance(key, RunValue) else by_key[key]
 
-        out = {name: {n: held(k) for n, k in v.items()} if isinstance(v, dict) else [held(k) for k in v]
-               for name, v in outputs.items()}
+        out = map_outputs(outputs, held)
         keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, np.ndarray)}
         device_by_tag = {self.machine.tag(d.id): d.id for d in self.machine.devices}
 
@@ -260,8 +255,7 @@ def _named_graph(dsk: dict, tag: str):
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True,
-               named: frozenset | None = None):
+               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -275,9 +269,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     that computed it}.  A task on the run's device reads a kept value out of the run, fused, or
     out of a getitem there ('<layer>-state', '<layer>-running'); a task elsewhere reads the getitem.
     Fused, the step's new state, statistics and losses stay in their runs where nothing else in
-    the step reads those runs (`taskrt.fusion.held_outputs`): the outputs name them as RunValues.
-    `named`: the state the next step reads as keys (`taskrt.fusion.state_read_as_keys(plan)`,
-    found here when not given), which its own tasks name instead.
+    the step reads those runs (`taskrt.fusion.held_outputs`): the outputs name them as RunValues;
+    the state the next step reads as keys (`taskrt.fusion.state_read_as_keys`) is named instead.
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
@@ -327,9 +320,8 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         add(step_key(task.key, tag), (spec, *[resolve(d, task.device) for d in task.deps]), task.device)
     outputs = {}
     for name, value in plan.outputs.items():
-        keys = list(value.values()) if isinstance(value, dict) else list(value)
         adapted = []
-        for key in keys:
+        for key in keys_of(value):
             device = plan.by_key[key].device
             if device in gpu_devices and name not in ("state", "buffers"):  # state stays on its device
                 to_client = loss_sum if name == "loss" else to_host
@@ -340,16 +332,12 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
                 adapted.append(step_key(key, tag))
         outputs[name] = dict(zip(value, adapted)) if isinstance(value, dict) else adapted
     if fused:
-        wanted = {k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)}
-        named = {step_key(key, tag) for key in (state_read_as_keys(plan) if named is None else named)}
+        wanted = set(output_keys(outputs))
+        named = {step_key(key, tag) for key in state_read_as_keys(plan)}
         dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
                                     held_outputs(outputs) - named, frozenset(given))
 
-        def output(key):
-            return RunValue(None, *kept[key]) if key in kept else key
-
-        outputs = {name: {n: output(k) for n, k in v.items()} if isinstance(v, dict) else [output(k) for k in v]
-                   for name, v in outputs.items()}
+        outputs = map_outputs(outputs, lambda key: RunValue(None, *kept[key]) if key in kept else key)
     outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])
     restriction = {key: {device_tag(device): 1} for key, device in device_of.items()}
     return dsk, restriction, outputs

@@ -208,9 +208,11 @@ def step_done_keys(outputs: dict, source) -> list:
     about 1 ms each, that the next step waits for anyway).  `outputs`: name -> keys (a list or a
     dict's values, or `RunValue`s of values kept in their run); `source(key)`: the run an export
     takes its value from; None or the key itself for any other."""
+    from taskrt.plan import keys_of
+
     keys = []
     for name, value in outputs.items():
-        for key in (value.values() if isinstance(value, dict) else value):
+        for key in keys_of(value):
             if isinstance(key, RunValue):  # kept in its run (`fuse`'s `held`)
                 keys.append(key.run)
             else:
@@ -236,10 +238,10 @@ def fused_plan(plan) -> tuple:
     same device, the original size), except values kept in their run (`fuse`'s `held`), which the
     view's outputs name by their run; tasks left unfused stay.  `members[key]` lists the plan
     tasks a fused task runs, in order.  Bytes moved between devices are those of `plan`."""
-    from taskrt.plan import TASK, Dep, Plan, Task
+    from taskrt.plan import TASK, Dep, Plan, Task, map_outputs, output_keys
 
     skeleton, device = _skeleton(plan)
-    dsk, where, kept = fuse(skeleton, device, set(_output_keys(plan.outputs)), _run_name,
+    dsk, where, kept = fuse(skeleton, device, set(output_keys(plan.outputs)), _run_name,
                             held_outputs(plan.outputs) - state_read_as_keys(plan))
     tasks, members = [], {}
     for key, (fn, *args) in dsk.items():
@@ -257,9 +259,7 @@ def fused_plan(plan) -> tuple:
                               original.nbytes))
         else:
             tasks.append(plan.by_key[key])
-    # a value kept in its run is read when the run ends
-    outputs = {name: {n: kept.get(k, (k,))[0] for n, k in v.items()} if isinstance(v, dict)
-               else [kept.get(k, (k,))[0] for k in v] for name, v in plan.outputs.items()}
+    outputs = map_outputs(plan.outputs, lambda k: kept.get(k, (k,))[0])  # a kept value: read when its run ends
     view = Plan(plan.mode, tasks, plan.shards, plan.data, plan.data_nbytes, outputs, plan.buffers)
     return view, members
 
@@ -273,11 +273,13 @@ def state_read_as_keys(plan) -> frozenset:
     by a getitem at the end of their step, off the next step's path, rather than kept in their run
     and named by one at the start of the next (a task the scheduler must hear has ended before it
     sends its readers).  Found on the plan's own tasks, whose runs are those the executor fuses
-    (`given_elsewhere`); a plan does not change, so a caller may keep the answer."""
-    from taskrt.plan import BUFFER, STATE
+    (`given_elsewhere`), once per plan (`Plan.derived`): the executor asks at every step."""
+    from taskrt.plan import BUFFER, STATE, output_keys
 
+    if "state_read_as_keys" in plan.derived:
+        return plan.derived["state_read_as_keys"]
     skeleton, device = _skeleton(plan)
-    fused, _, _ = fuse(skeleton, device, set(_output_keys(plan.outputs)), _run_name, held_outputs(plan.outputs))
+    fused, _, _ = fuse(skeleton, device, set(output_keys(plan.outputs)), _run_name, held_outputs(plan.outputs))
     inside = {k for fn, *_ in fused.values() if isinstance(fn, FusedRun) for k, _, _ in fn.steps}
     out = set()
     for task in plan.tasks:
@@ -286,7 +288,8 @@ def state_read_as_keys(plan) -> frozenset:
                 key = (plan.outputs.get("state" if dep.kind == STATE else "buffers") or {}).get(dep.key)
                 if key is not None:
                     out.add(key)
-    return frozenset(out)
+    plan.derived["state_read_as_keys"] = frozenset(out)
+    return plan.derived["state_read_as_keys"]
 
 
 def _skeleton(plan) -> tuple[dict, dict]:
@@ -306,12 +309,6 @@ def held_outputs(outputs: dict) -> frozenset:
     """The outputs a client may keep as values of their runs (`fuse`'s `held`): the new state and
     running statistics, which the next step reads, and the losses, which the client reads on the
     workers (taskrt.worker_reads)."""
-    return frozenset(k for name in HELD for k in _keys(outputs.get(name) or ()))
+    from taskrt.plan import keys_of
 
-
-def _keys(value) -> list:
-    return list(value.values()) if isinstance(value, dict) else list(value)
-
-
-def _output_keys(outputs: dict) -> list:
-    return [k for value in outputs.values() for k in _keys(value)]
+    return frozenset(k for name in HELD for k in keys_of(outputs.get(name) or ()))

@@ -26,7 +26,7 @@ from math import prod
 
 from ops.rect import Rect
 from taskrt.params import shard_sizes
-from taskrt.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task
+from taskrt.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task, output_keys
 from taskrt.tasks import (
     Alias,
     Backward,
@@ -433,7 +433,7 @@ class _Lowering:
 def _prune(tasks: dict[tuple, Task], outputs) -> list[Task]:
     """Keep only tasks some output depends on (in their original order)."""
     wanted = set()
-    stack = [k for v in outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
+    stack = output_keys(outputs)
     while stack:
         key = stack.pop()
         if key in wanted:

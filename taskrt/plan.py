@@ -113,6 +113,7 @@ class Plan:
     def __post_init__(self):
         self.by_key = {t.key: t for t in self.tasks}
         self._transfers: list[Transfer] | None = None  # a plan does not change: derived once
+        self.derived: dict = {}  # and so what other modules derive from it, found once (taskrt.fusion)
 
     def device_of(self, dep: Dep) -> int | None:
         if dep.kind == TASK:
@@ -203,6 +204,22 @@ class Plan:
 
     def __repr__(self):
         return f"Plan({self.mode}, {len(self.tasks)} tasks, {self.bytes_moved:,} bytes moved)"
+
+
+def keys_of(output) -> list:
+    """The keys of one output of a plan or a step: a list of keys, or a dict's values."""
+    return list(output.values()) if isinstance(output, dict) else list(output)
+
+
+def output_keys(outputs: dict) -> list:
+    """Every key of a plan's or a step's outputs ({name: a list of keys, or a dict of them})."""
+    return [k for output in outputs.values() for k in keys_of(output)]
+
+
+def map_outputs(outputs: dict, fn) -> dict:
+    """`outputs` with `fn` applied to every key, each output keeping its form (list or dict)."""
+    return {name: {n: fn(k) for n, k in output.items()} if isinstance(output, dict) else [fn(k) for k in output]
+            for name, output in outputs.items()}
 
 
 def rect_nbytes(rect: Rect, itemsize: int) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from taskrt.fusion import fused_plan
-from taskrt.plan import HYPER, TASK, Plan
+from taskrt.plan import HYPER, TASK, Plan, output_keys
 
 
 @dataclass(frozen=True)
@@ -219,8 +219,7 @@ def _task_overhead(task, runtime: Runtime) -> float:
 
 
 def _outputs(plan: Plan) -> list:
-    keys = [k for v in plan.outputs.values() for k in (v.values() if isinstance(v, dict) else v)]
-    return keys or [t.key for t in plan.tasks]
+    return output_keys(plan.outputs) or [t.key for t in plan.tasks]
 
 
 def _computed_by(plan: Plan, key) -> tuple:

@@ -20,6 +20,7 @@ import asyncio
 from distributed import WorkerPlugin
 
 from taskrt.fusion import RunValue, export_source, run_of
+from taskrt.plan import keys_of
 
 
 class StepWatch(WorkerPlugin):
@@ -43,7 +44,7 @@ def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
     loss's place in the step's losses, whose values come back; None for each of the step's
     `done` keys, awaited through one output read out of it."""
     held = [run_of(k)  # a value kept in its run: the client holds the run
-            for name, v in outputs.items() if name != "done" for k in (v.values() if isinstance(v, dict) else v)]
+            for name, v in outputs.items() if name != "done" for k in keys_of(v)]
     reads, losses = {}, outputs.get("loss", [])
     for i, key in enumerate(losses):
         if isinstance(key, RunValue):
