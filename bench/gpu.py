@@ -558,15 +558,17 @@ def run(out_dir="results", quick=False):
             "strategy_network": list(config["strategy_network"]), "caveat": CAVEAT}
     log("; ".join(f"{k} {v}" for k, v in meta["gpu"].items()))
     kernel_rows, training_rows, strategy_rows, errors = [], [], [], {}
-    seconds = {
-        "kernels": run_part("kernels", errors, kernel_part, kernel_rows, config["networks"],
-                            config["kernel_warmup"], config["kernel_repeats"]),
-        "training": run_part("training", errors, training_part, training_rows, config["networks"],
-                             config["step_warmup"], config["step_repeats"]),
-        "strategies": run_part("strategies", errors, strategy_part, strategy_rows, config["strategy_network"],
-                               config["workers"], config["strategy_repeats"]),
+    parts = {
+        "kernels": (kernel_part, kernel_rows, config["networks"], config["kernel_warmup"], config["kernel_repeats"]),
+        "training": (training_part, training_rows, config["networks"], config["step_warmup"],
+                     config["step_repeats"]),
+        "strategies": (strategy_part, strategy_rows, config["strategy_network"], config["workers"],
+                       config["strategy_repeats"]),
     }
-    meta["seconds"] = seconds
-    md = write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta, errors)
+    meta["seconds"] = {}
+    for name, (fn, *args) in parts.items():
+        meta["seconds"][name] = run_part(name, errors, fn, *args)
+        # after every part, so that a run stopped later (a machine's time limit) keeps what it measured
+        md = write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta, errors)
     print(md.read_text())
     return {"kernels": kernel_rows, "training": training_rows, "strategies": strategy_rows, "errors": errors}
