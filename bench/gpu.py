@@ -498,6 +498,8 @@ def write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta: dict,
         f"{record['date']}, {gpu.get('gpu', 'GPU')}, driver {gpu.get('driver')}, torch {gpu.get('torch')} "
         f"(cuDNN {gpu.get('cudnn')}), cupy {gpu.get('cupy')}; host {record['machine']['cpu']}", "",
         *[f"- {line}" for line in summary], "",
+        *([f"Measured: {', '.join(f'{part} {when}' for part, when in sorted(meta['measured'].items()))}.", ""]
+          if meta.get("measured") else []),
         "## a. Conv layers: forward + backward (input and weight gradients)", "",
         markdown_table(KERNEL_COLUMNS, kernel_rows), "",
         "## b. One training step on one GPU: this runtime vs PyTorch", "",
@@ -549,7 +551,27 @@ def plot(kernel_rows, training_rows, strategy_rows, path) -> None:
     plt.close(fig)
 
 
-def run(out_dir="results", quick=False):
+PARTS = ("kernels", "training", "strategies")
+
+
+def earlier_rows(out_dir) -> tuple[dict, dict]:
+    """The rows of each part in `out_dir`/gpu.json and when they were measured ({} where none)."""
+    path = Path(out_dir) / "gpu.json"
+    if not path.exists():
+        return {}, {}
+    record = json.loads(path.read_text())
+    rows = {"kernels": record.get("kernels", []), "training": record.get("rows", []),
+            "strategies": record.get("strategies", [])}
+    measured = record.get("measured") or {part: record["date"] for part in PARTS}
+    return {part: r for part, r in rows.items() if r}, measured
+
+
+def run(out_dir="results", quick=False, parts=PARTS):
+    """`parts`: which parts to run; the others keep their rows from an earlier gpu.json in `out_dir`
+    (a machine lent for minutes at a time can complete the report over several runs)."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise SystemExit(f"bench gpu: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     require_gpu()
     config = QUICK if quick else FULL
     log(f"{'quick' if quick else 'full'} run; output in {out_dir}/gpu.*")
@@ -557,8 +579,11 @@ def run(out_dir="results", quick=False):
             "settings": {k: v for k, v in config.items() if k != "strategy_network"},
             "strategy_network": list(config["strategy_network"]), "caveat": CAVEAT}
     log("; ".join(f"{k} {v}" for k, v in meta["gpu"].items()))
-    kernel_rows, training_rows, strategy_rows, errors = [], [], [], {}
-    parts = {
+    kept, measured = earlier_rows(out_dir) if set(parts) != set(PARTS) else ({}, {})
+    kernel_rows, training_rows, strategy_rows, errors = (kept.get("kernels", []), kept.get("training", []),
+                                                        kept.get("strategies", []), {})
+    meta["measured"] = {part: measured[part] for part in kept if part not in parts}
+    steps = {
         "kernels": (kernel_part, kernel_rows, config["networks"], config["kernel_warmup"], config["kernel_repeats"]),
         "training": (training_part, training_rows, config["networks"], config["step_warmup"],
                      config["step_repeats"]),
@@ -566,9 +591,26 @@ def run(out_dir="results", quick=False):
                        config["strategy_repeats"]),
     }
     meta["seconds"] = {}
-    for name, (fn, *args) in parts.items():
-        meta["seconds"][name] = run_part(name, errors, fn, *args)
+    for name, (fn, rows, *args) in steps.items():
+        if name not in parts:
+            continue
+        rows.clear()
+        meta["seconds"][name] = run_part(name, errors, fn, rows, *args)
+        meta["measured"][name] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         # after every part, so that a run stopped later (a machine's time limit) keeps what it measured
         md = write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta, errors)
     print(md.read_text())
     return {"kernels": kernel_rows, "training": training_rows, "strategies": strategy_rows, "errors": errors}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated parts to run; the others keep their rows from --out's gpu.json")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    run(args.out, args.quick, tuple(p.strip() for p in args.parts.split(",") if p.strip()))

@@ -145,6 +145,16 @@ def test_report_files(tmp_path):
     for heading in ("## a.", "## b.", "## c.", "Caveat:", "part strategies FAILED", "NVIDIA H100"):
         assert heading in text
     assert (tmp_path / "gpu.png").stat().st_size > 0
+    # a later run of some parts keeps the others' rows, and says when each was measured
+    kept, measured = gpu.earlier_rows(tmp_path)
+    assert kept == {"kernels": record["kernels"], "training": record["rows"], "strategies": record["strategies"]}
+    assert measured == {part: record["date"] for part in gpu.PARTS}
+    assert gpu.earlier_rows(tmp_path / "nothing") == ({}, {})
+
+
+def test_unknown_parts_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="unknown part.*kernel\b.*the parts are kernels, training, strategies"):
+        gpu.run(out_dir=tmp_path, parts=("kernel",))
 
 
 def test_gpu_description_says_why_a_field_is_missing():
