@@ -398,14 +398,17 @@ class CostModel:
             if cached is not None:
                 self._times[key] = tuple(cached)
             else:
-                missing.setdefault(kind, {})[sig] = (key, (op, rect, need_dx))
+                # one signature may stand for several keys: layers of different shapes whose parts
+                # have equal tiles (a pool split 2x2 in space, another split in channels)
+                keys, _ = missing.setdefault(kind, {}).setdefault(sig, ([], (op, rect, need_dx)))
+                keys.append(key)
         return key
 
     def _measure_missing(self, missing):
         for kind, items in missing.items():
             measured = self.measure(kind, {sig: item for sig, (_, item) in items.items()})
             self.cache.put_many(kind, measured)
-            self._times.update({items[sig][0]: tuple(t) for sig, t in measured.items()})
+            self._times.update({key: tuple(t) for sig, t in measured.items() for key in items[sig][0]})
 
     def part_time(self, op, rect, need_dx, device: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one part on `device`'s kind: cached, estimated or measured."""

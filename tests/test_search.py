@@ -24,6 +24,7 @@ from search import eliminate, transfer
 from search.dfs import depth_first
 from search.eliminate import evaluate, minimize
 from search.regions import Needs, overlap_volumes, part_table
+from ops.rect import Rect
 from search.space import degree_choices, layer_configs, part_memory, search_space
 from taskrt import Graph, models
 from taskrt.config import DIMS, ParallelConfig
@@ -605,6 +606,25 @@ def test_second_search_measures_nothing(machine4, tmp_path):
     assert second.measurements == 0
     assert s2 == s1
     assert s2.meta["predicted_step_s"] == pytest.approx(s1.meta["predicted_step_s"], rel=1e-12)
+
+
+def test_parts_of_different_layers_with_equal_tiles_are_measured_once_and_both_timed(machine4, tmp_path):
+    """Two pools of different shapes whose parts have equal tiles share one signature: measured once,
+    each layer gets the time (once a KeyError on a GPU machine, VGG-16 on 4 workers)."""
+    g = Graph("two-pools")
+    x = g.input("image", (4, 3, 8, 8))
+    labels = g.input("labels", (4,), dtype="int64")
+    a = g.pool2d(g.conv2d(x, 4, 1, name="conv_a"), 2, name="pool_a")  # (4, 4, 4, 4)
+    b = g.pool2d(g.conv2d(a, 8, 1, name="conv_b"), 2, name="pool_b")  # (4, 8, 2, 2)
+    g.softmax_cross_entropy(g.linear(g.flatten(b), 3, name="fc"), labels, name="loss")
+    configs = {layer.name: [ParallelConfig(devices=(0,))] for layer in g}
+    configs["pool_a"] = [ParallelConfig(h=2, w=2, devices=(0, 1, 2, 3))]  # tiles (4, 4, 2, 2)
+    configs["pool_b"] = [ParallelConfig(c=2, devices=(0, 1))]  # tiles (4, 4, 2, 2)
+    model = search.CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    tile = Rect((0, 0, 0, 0), (4, 4, 2, 2))
+    assert model.signature(g["pool_a"].op, tile, (True,)) == model.signature(g["pool_b"].op, tile, (True,))
+    tables = model.tables(g, configs)
+    assert tables.compute["pool_a"][0] > 0 and tables.compute["pool_b"][0] > 0
 
 
 # ---- 7. baseline strategies ----------------------------------------------------------------------
