@@ -152,6 +152,18 @@ def test_report_files(tmp_path):
     assert gpu.earlier_rows(tmp_path / "nothing") == ({}, {})
 
 
+def test_the_batch_send_is_timed_on_a_cpu_worker_too():
+    from taskrt.machine import Machine
+
+    with Machine.local(1, probe=False) as machine:
+        seconds = gpu.time_batch_send(machine, np.ones((64, 3, 32, 32), dtype=np.float32), 3)
+        assert 0 < seconds < 5
+        assert not machine.client.who_has()  # nothing left on the worker
+    row = gpu.training_row("alexnet", 128, "fp32", 0.1, 0.01, 6.9, 6.9)
+    row["batch_send_ms"] = 80.0
+    assert "sending the batch 80 of the runtime's 100 ms" in gpu.training_summary([row])[0]
+
+
 def test_unknown_parts_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(SystemExit, match=r"unknown part\(s\) kernel; the parts are kernels, training, strategies"):
         gpu.run(out_dir=tmp_path, parts=("kernel",))
