@@ -57,6 +57,26 @@ def strategies_for(graph, machine, cost_model) -> dict:
     return {name: s.validated(graph, machine) for name, s in out.items()}
 
 
+def compute_times(client, keys: set, since: float) -> dict:
+    """Compute seconds of each task from the scheduler's task stream."""
+    out = {}
+    for record in client.get_task_stream(start=since):
+        key = record["key"]
+        if key in keys:
+            out[key] = sum(s["stop"] - s["start"] for s in record["startstops"] if s["action"] == "compute")
+    return out
+
+
+def kernels_in_a_step(machine, trainer, x, y) -> float:
+    """Seconds the workers spent computing one more step of `trainer` (all its Dask tasks, from the
+    scheduler's task stream)."""
+    machine.client.get_task_stream()  # the first call starts the scheduler's recording
+    since = time.time()
+    future = trainer.submit(x, y)
+    future.result()
+    return sum(compute_times(machine.client, future.run.keys, since - 1).values())
+
+
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
             seed: int = 0) -> list[dict]:
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
@@ -81,11 +101,14 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             times[name].append(trainer.stats.wall_s)
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
+    in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
     rows = []
     batch = image.shape[0]
     for name, trainer in trainers.items():
         plan = trainer.plan
-        simulated = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan, trainer.executor.fused))
+        task_time = cost_model.timer(plan)
+        simulated = simulate(plan, task_time, machine, cost_model.runtime(plan, trainer.executor.fused))
+        alone = sum(task_time(task) for task in plan.tasks)
         additive = cost_model.breakdown(graph, strategies[name]).total
         measured = statistics.median(times[name])
         q1, q3 = np.percentile(times[name], [25, 75])
@@ -100,5 +123,9 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             "additive_error": (additive - measured) / measured,
             "step_times_ms": [t * 1e3 for t in times[name]],
             "search_pick": strategies[name].meta.get("chosen_by_simulation", ""),
+            # where a prediction's error comes from: the tasks' compute time inside a step (Dask's
+            # task stream) against the part timings the simulator adds up
+            "kernels_in_step_ms": in_step[name] * 1e3, "kernels_alone_ms": alone * 1e3,
+            "kernels_in_step_vs_alone": in_step[name] / alone if alone else None,
         })
     return rows

@@ -19,7 +19,7 @@ import dask
 import numpy as np
 from tqdm import tqdm
 
-from bench.measure import LOCAL_MODELS, interleaved
+from bench.measure import LOCAL_MODELS, compute_times, interleaved
 from bench.report import markdown_table, write_result
 from taskrt import models
 from taskrt.batching import INTERVAL_S
@@ -37,16 +37,6 @@ HOP_GOAL = 1.1  # taskrt's overhead against Dask's own on the same graph (equal 
 
 def data_parallel(graph, devices):
     return Strategy({l.name: ParallelConfig(n=devices) for l in graph if not l.is_input}, name="data parallel")
-
-
-def compute_times(client, keys: set, since: float) -> dict:
-    """Compute seconds of each task from the scheduler's task stream."""
-    out = {}
-    for record in client.get_task_stream(start=since):
-        key = record["key"]
-        if key in keys:
-            out[key] = sum(s["stop"] - s["start"] for s in record["startstops"] if s["action"] == "compute")
-    return out
 
 
 def batch_for(graph):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from bench.overhead import batch_for, compute_times, dask_replica, data_parallel
+from bench.measure import compute_times
+from bench.overhead import batch_for, dask_replica, data_parallel
 from taskrt import models
 from taskrt.executor import step_key
 from taskrt.machine import Machine
