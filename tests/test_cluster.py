@@ -141,3 +141,17 @@ def test_local_machines_shorten_message_batching_and_given_clusters_keep_theirs(
         theirs = intervals(client)
         assert theirs["client"] > INTERVAL_S and min(theirs["workers"].values()) > INTERVAL_S
         assert min(theirs["scheduler"]) > INTERVAL_S
+
+
+def test_the_runtimes_processor_time_per_byte_counts_moving_bytes_and_leaves_nothing(machine4):
+    costs = machine4._cpu_costs(tasks=50, nbytes=4 * 2**20, messages=2)
+    assert costs["cpu_per_task_s"] > 0
+    # moving a byte costs at least nothing and at most what a slow copy would (0.1 GB/s of processor)
+    assert 0 <= costs["cpu_per_byte_s"] < 1e-8
+    deadline = time.monotonic() + 5  # the client tells the scheduler what it released, soon after
+    while time.monotonic() < deadline:
+        held = machine4.client.run_on_scheduler(lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks])
+        if not [k for k in held if "taskrt-cpu" in k]:
+            break
+        time.sleep(0.05)
+    assert not [k for k in held if "taskrt-cpu" in k]
