@@ -47,7 +47,8 @@ from taskrt.params import resolve_dtype
 from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
-CALIBRATION_FORMAT = 3  # Machine.calibrate: hops between computing tasks, across devices, intake; CPU per byte moved alone
+# Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved
+CALIBRATION_FORMAT = 3
 
 
 def default_cache_path() -> Path:

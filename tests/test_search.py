@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import search
+from ops.rect import Rect
 from search import eliminate, transfer
 from search.dfs import depth_first
 from search.eliminate import evaluate, minimize
 from search.regions import Needs, overlap_volumes, part_table
-from ops.rect import Rect
 from search.space import degree_choices, layer_configs, part_memory, search_space
 from taskrt import Graph, models
 from taskrt.config import DIMS, ParallelConfig
