@@ -47,8 +47,9 @@ from taskrt.params import resolve_dtype
 from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
-# Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved
-CALIBRATION_FORMAT = 3
+# Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
+# per message
+CALIBRATION_FORMAT = 4
 
 
 def default_cache_path() -> Path:
@@ -534,7 +535,8 @@ class CostModel:
                        start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
                                 + carried * c["inline_per_byte_s"] + intake),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
-                       cpu_per_task_s=c["cpu_per_task_s"], cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
+                       cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),
+                       cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 
     def measure(self, kind, items: dict, timing=None, what="part kernels") -> dict:
         """Time each item on a device of this kind (one at a time, as in training) with `timing`

@@ -318,10 +318,11 @@ class Machine:
         })
         return out
 
-    def _cpu_costs(self, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int = 4) -> dict:
+    def _cpu_costs(self, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int = 4, small: int = 50) -> dict:
         """Processor time the runtime itself spends (workers, and this process where the local
-        scheduler runs): per task, and per byte moved between two devices.  On a machine whose
-        devices share few cores this time competes with the kernels."""
+        scheduler runs): per task, per message between two devices (beyond the task reading it;
+        `small` messages of 1 KiB) and per byte moved between them (`messages` of `nbytes`).  On
+        a machine whose devices share few cores this time competes with the kernels."""
 
         import dask
 
@@ -336,8 +337,9 @@ class Machine:
             before = total()
             client.gather(client.get(dsk, list(dsk), sync=False))
             per_task = (total() - before) / tasks
-        per_byte = 0.0
+        per_byte = per_message = 0.0
         if self.num_devices > 1:
+            per_message = self._cpu_per_message(total, small)
             rounds = []
             for r in range(3):  # the first round's receiver takes its first large messages: the median counts
                 # the payloads are made first: filling them is a kernel's work, not moving bytes
@@ -356,7 +358,31 @@ class Machine:
                 rounds.append(max((total() - before) - messages * per_task, 0.0) / (messages * nbytes))
                 del payloads, payload
             per_byte = statistics.median(rounds)
-        return {"cpu_per_task_s": per_task, "cpu_per_byte_s": per_byte, "cores": self._effective_cores()}
+        return {"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "cpu_per_byte_s": per_byte,
+                "cores": self._effective_cores()}
+
+    def _cpu_per_message(self, total, count: int, rounds: int = 3) -> float:
+        """Processor time of one small message between devices 0 and 1: tasks reading small values
+        made on device 0, run on device 1 against the same tasks run on device 0 (median of rounds)."""
+        client, address = self.client, self.addresses()
+
+        def touch_all(values, device):
+            before = total()
+            client.gather([client.submit(_touch, v, workers=[address[device]], allow_other_workers=False,
+                                         pure=False) for v in values])
+            time.sleep(0.05)
+            return total() - before
+
+        estimates = []
+        for _ in range(rounds):
+            values = [client.submit(_payload, 1024, workers=[address[0]], allow_other_workers=False, pure=False)
+                      for _ in range(count)]
+            client.gather(values)
+            local = touch_all(values, 0)
+            remote = touch_all(values, 1)
+            estimates.append(max(remote - local, 0.0) / count)
+            del values
+        return statistics.median(estimates)
 
     def _effective_cores(self, repeats: int = 5, rounds: int = 3) -> float:
         """How many kernels the host really runs at once: the same convolution timed alone on one

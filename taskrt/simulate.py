@@ -47,6 +47,7 @@ class Runtime:
     # no shorter than all the processor time it needs divided by the cores.
     cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
     cpu_per_task_s: float = 0.0  # processor time the runtime spends per task (scheduler and worker)
+    cpu_per_message_s: float = 0.0  # processor time per message between devices, beyond its bytes
     cpu_per_byte_s: float = 0.0  # processor time per byte moved between devices (both ends)
     # The runtime runs each device's run of tasks between two waits for another device as one
     # task, and each of its values read elsewhere as a small task of its own (taskrt.fusion)
@@ -98,7 +99,8 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
         raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not background.)
-    runtime_cpu = runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_byte_s * plan.bytes_moved
+    runtime_cpu = (runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_message_s * len(plan.transfers())
+                   + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
     background = 0.0
     result = _schedule(plan, task_time, machine, runtime, background, origin)

@@ -320,6 +320,14 @@ def test_bytes_moved_count_as_runtime_work():
     assert sim.background == pytest.approx(1 / sim.step_s, abs=1e-3)
 
 
+def test_each_message_between_devices_counts_as_runtime_work():
+    p = plan_of(task("p", 0, nbytes=1000), task("c", 1, ["p"]), task("d", 1, ["p"]))  # one message: p to 1
+    m = Machine.simulated(1, 2, intra_bandwidth=math.inf, latency=0.0)
+    sim = run(p, {"p": 1.0, "c": 1.0, "d": 1.0}, m, Runtime(cores=1, cpu_per_message_s=1.0))
+    assert sim.cpu_s == 1.0 + 3.0
+    assert sim.step_s > run(p, {"p": 1.0, "c": 1.0, "d": 1.0}, m, Runtime(cores=1)).step_s
+
+
 def test_nothing_to_run_with_shared_cores():
     sim = run(plan_of(task("a", 0)), {}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
     assert sim.step_s == 0.0 and sim.cpu_s == 0.5
