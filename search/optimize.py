@@ -11,7 +11,8 @@ from search.memory import step_memory
 from taskrt.strategy import Strategy
 
 
-def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False) -> Strategy:
+def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
+             check_by_measurement: bool = False) -> Strategy:
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
@@ -29,6 +30,10 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     rather than the measure, a change must win by more than 5% (SIMULATION_MARGIN).
     meta["chosen_by_simulation"] names the start, with every candidate's simulated time;
     meta["refined_layers"] and meta["refined_step_s"] the result.
+
+    With `check_by_measurement` (a running cluster only), the result and data, model and OWT
+    parallelism are each trained a few steps on the machine (`search.measured`) and the fastest
+    is returned; meta["chosen_by_measurement"] names it, with every candidate's median step.
     """
     cost_model = cost_model or CostModel(machine)
     started = time.perf_counter()
@@ -59,9 +64,11 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation:
         strategy = _check_by_simulation(graph, machine, cost_model, strategy)
+    if check_by_measurement:
+        strategy = _check_by_measurement(graph, machine, cost_model, strategy)
     counted = time.perf_counter()
     # every layer has a valid config here: no need to validate the strategy again
-    regions = cost_model.regions if check_by_simulation else (
+    regions = cost_model.regions if check_by_simulation or check_by_measurement else (
         lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
     strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions))
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
@@ -99,6 +106,27 @@ def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
                    integrated_family(graph, machine, "grid")):
         out.update(family)
     return {name: strategy.validated(graph, machine) for name, strategy in out.items()}
+
+
+def _check_by_measurement(graph, machine, cost_model, optimum: Strategy) -> Strategy:
+    """The fastest on the machine of the optimum and the baselines (each distinct one timed once)."""
+    from search.baselines import BASELINES
+    from search.measured import pick_by_measurement
+
+    pool = {"layer-wise": optimum.validated(graph, machine)}
+    for name, make in BASELINES.items():
+        strategy = make(graph, machine).validated(graph, machine)
+        if all(strategy.configs != other.configs for other in pool.values()):
+            pool[name] = strategy
+    measured = pick_by_measurement(graph, machine, pool).meta["chosen_by_measurement"]
+    chosen = pool[measured["chosen"]]
+    meta = {**optimum.meta, "chosen_by_measurement": measured}
+    if measured["chosen"] != "layer-wise":
+        breakdown = cost_model.breakdown(graph, chosen)
+        meta["predicted_step_s"] = breakdown.total
+        meta["per_layer_s"] = {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
+                               for n in breakdown.t_c}
+    return Strategy(chosen.configs, name="layer-wise", meta=meta)
 
 
 def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:

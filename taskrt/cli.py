@@ -158,6 +158,9 @@ def cmd_search(args):
     import search
     from taskrt import models
 
+    if args.measure and not args.machine.startswith("local"):
+        raise SystemExit(f"--measure times the candidates on a running cluster: use --machine local:<devices>, "
+                         f"not {args.machine}")
     machine = parse_machine(args.machine, args.devices)
     try:
         batch = args.batch_per_device * machine.num_devices
@@ -168,12 +171,18 @@ def cmd_search(args):
             kwargs["num_classes"] = args.classes
         graph = models.get(args.model, **kwargs)
         cost_model = search.CostModel(machine, cache=args.cache, placement=args.placement)
-        strategy = search.optimize(graph, machine, cost_model)
+        strategy = search.optimize(graph, machine, cost_model, check_by_measurement=args.measure)
         meta = strategy.meta
         info = meta["search"]
         print(f"{args.model}, batch {batch} ({args.batch_per_device} per device), on {machine.description}")
         print(f"search: {info['configs']} configs, cost tables {info['tables_s']:.3f} s, node/edge elimination "
               f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})\n")
+        if args.measure:
+            measured = meta["chosen_by_measurement"]
+            print("measured on the machine (median step of " + str(measured["rounds"]) + " rounds): " + ", ".join(
+                f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(measured["median_step_s"].items(),
+                                                                               key=lambda kv: kv[1]))
+                  + f"; chosen: {measured['chosen']}\n")
         print(report(graph, strategy))
         print("\nmemory per device of one step (parameters, gradients, optimizer state, activations kept for "
               "backward, largest backward working set):")
@@ -244,6 +253,9 @@ def main(argv=None):
     find.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
     find.add_argument("--out", help="write the strategy as JSON")
     find.add_argument("--compare", action="store_true", help="also show data, model and OWT parallelism")
+    find.add_argument("--measure", action="store_true",
+                      help="local machines: time the result and data, model and OWT parallelism a few steps each "
+                           "and keep the fastest")
     find.set_defaults(func=cmd_search)
     sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m bench)")
     argv = sys.argv[1:] if argv is None else list(argv)

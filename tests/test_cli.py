@@ -27,3 +27,15 @@ def test_search_prints_memory_per_device_and_saves_it(tmp_path, capsys):
 def test_search_rejects_a_bad_machine_spec():
     with pytest.raises(SystemExit, match="expected simulated:<nodes>x<devices per node>"):
         main(["search", "--model", "lenet5", "--machine", "simulated:four"])
+
+
+def test_search_measures_only_on_a_local_machine():
+    with pytest.raises(SystemExit, match="--measure times the candidates on a running cluster.*simulated:1x4"):
+        main(["search", "--model", "lenet5", "--machine", "simulated:1x4", "--measure"])
+
+
+def test_search_measures_the_candidates_on_a_local_machine(tmp_path, capsys):
+    assert main(["search", "--model", "lenet5", "--machine", "local:2", "--batch-per-device", "4",
+                 "--image-size", "16", "--measure", "--cache", str(tmp_path / "c.json")]) == 0
+    text = capsys.readouterr().out
+    assert "measured on the machine (median step of 3 rounds): " in text and "; chosen: " in text
