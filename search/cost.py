@@ -49,7 +49,7 @@ from taskrt.plan import DATA, TASK
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
 # per message
-CALIBRATION_FORMAT = 4
+CALIBRATION_FORMAT = 5
 
 
 def default_cache_path() -> Path:

@@ -354,8 +354,8 @@ class Machine:
                     client.submit(_touch, payload, workers=[address[1]], allow_other_workers=False,
                                   pure=False).result()
                 time.sleep(0.05)
-                # the touch tasks are tasks too: count them out
-                rounds.append(max((total() - before) - messages * per_task, 0.0) / (messages * nbytes))
+                # the touch tasks are tasks, and each brings one message: both are counted apart
+                rounds.append(max((total() - before) - messages * (per_task + per_message), 0.0) / (messages * nbytes))
                 del payloads, payload
             per_byte = statistics.median(rounds)
         return {"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "cpu_per_byte_s": per_byte,
