@@ -15,6 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 import search
+from search.measured import random_batch
 from taskrt import models
 from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
@@ -70,8 +71,8 @@ def compute_times(client, keys: set, since: float) -> dict:
 def kernels_in_a_step(machine, trainer, x, y) -> float:
     """Seconds the workers spent computing one more step of `trainer` (all its Dask tasks, from the
     scheduler's task stream)."""
-    machine.client.get_task_stream()  # the first call starts the scheduler's recording
     since = time.time()
+    machine.client.get_task_stream(start=since)  # the first call starts the scheduler's recording
     future = trainer.submit(x, y)
     future.result()
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
@@ -80,11 +81,8 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
             seed: int = 0) -> list[dict]:
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
-    rng = np.random.default_rng(seed)
     image = graph.inputs[0]
-    classes = graph[graph.losses[0].inputs[0]].shape[1]
-    x = rng.standard_normal(image.shape).astype(np.float32)
-    y = rng.integers(0, classes, graph.inputs[1].shape)
+    x, y = random_batch(graph, seed)
     # a small learning rate keeps random-data training finite: inf and NaN would change kernel speed
     trainers = {name: Trainer(graph, s, machine, lr=1e-4, momentum=0.9, seed=seed) for name, s in strategies.items()}
     for trainer in trainers.values():

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from bench.measure import LOCAL_MODELS, compute_times, interleaved
 from bench.report import markdown_table, write_result
+from search.measured import random_batch
 from taskrt import models
 from taskrt.batching import INTERVAL_S
 from taskrt.config import ParallelConfig
@@ -36,12 +37,6 @@ HOP_GOAL = 1.1  # taskrt's overhead against Dask's own on the same graph (equal 
 
 def data_parallel(graph, devices):
     return Strategy({l.name: ParallelConfig(n=devices) for l in graph if not l.is_input}, name="data parallel")
-
-
-def batch_for(graph):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(graph.inputs[0].shape).astype(np.float32)
-    return x, rng.integers(0, graph[graph.losses[0].inputs[0]].shape[1], graph.inputs[1].shape)
 
 
 LOOP = 8  # steps per round of the training loop that submits each step before waiting for the last
@@ -67,7 +62,7 @@ def single_device_rows(models_: dict, rounds: int) -> list[dict]:
     with Machine.local(1, probe=False) as machine, threadpool_limits(1):
         for name, make in models_.items():
             graph = make()
-            x, y = batch_for(graph)
+            x, y = random_batch(graph)
             hyper = {"lr": 1e-4, "momentum": 0.9}
             runners = {"in-process": SingleDeviceTrainer(graph, **hyper)}
             one = data_parallel(graph, 1)
@@ -96,7 +91,7 @@ def measure_model(machine, name, graph, steps, warmup=2):
     strategy = data_parallel(graph, machine.num_devices)
     trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, fused=False)
     fused = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9)
-    x, y = batch_for(graph)
+    x, y = random_batch(graph)
     for _ in range(warmup):
         trainer.step(x, y)
         fused.step(x, y)

@@ -18,8 +18,9 @@ import time
 
 import search
 from bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
-from bench.overhead import batch_for, data_parallel
+from bench.overhead import data_parallel
 from bench.report import markdown_table, write_result
+from search.measured import random_batch
 from taskrt.machine import Machine
 from taskrt.params import init_parameters
 from taskrt.reference import SingleDeviceTrainer
@@ -51,7 +52,7 @@ def one_thread_rows(chosen: dict, rounds: int) -> list[dict]:
     with Machine.local(1, probe=False) as machine, threadpool_limits(1):
         for name, make in chosen.items():
             graph = make()
-            x, y = batch_for(graph)
+            x, y = random_batch(graph)
             runners = {"pytorch": torch_step(graph, 1),
                        "in-process": SingleDeviceTrainer(graph, **HYPER).step,
                        "local(1)": Trainer(graph, data_parallel(graph, 1), machine, **HYPER).step}
@@ -74,7 +75,7 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
         cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json")
         for name, make in chosen.items():
             graph = make()
-            x, y = batch_for(graph)
+            x, y = random_batch(graph)
             start = time.perf_counter()
             searched = search.optimize(graph, machine, cost_model, check_by_simulation=True)
             search_s = time.perf_counter() - start

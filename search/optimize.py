@@ -122,11 +122,16 @@ def _check_by_measurement(graph, machine, cost_model, optimum: Strategy) -> Stra
     chosen = pool[measured["chosen"]]
     meta = {**optimum.meta, "chosen_by_measurement": measured}
     if measured["chosen"] != "layer-wise":
-        breakdown = cost_model.breakdown(graph, chosen)
-        meta["predicted_step_s"] = breakdown.total
-        meta["per_layer_s"] = {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
-                               for n in breakdown.t_c}
+        meta.update(_predicted(graph, cost_model, chosen))
     return Strategy(chosen.configs, name="layer-wise", meta=meta)
+
+
+def _predicted(graph, cost_model, strategy) -> dict:
+    """The meta entries of a strategy's predicted cost (equation 1), for a result other than the optimum."""
+    breakdown = cost_model.breakdown(graph, strategy)
+    return {"predicted_step_s": breakdown.total,
+            "per_layer_s": {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
+                            for n in breakdown.t_c}}
 
 
 def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:
@@ -168,8 +173,5 @@ def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strat
             "refined_layers": changed, "refined_step_s": best}
     chosen = Strategy(configs)
     if start != "layer-wise optimum" or changed:
-        breakdown = cost_model.breakdown(graph, chosen)
-        meta["predicted_step_s"] = breakdown.total
-        meta["per_layer_s"] = {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
-                               for n in breakdown.t_c}
+        meta.update(_predicted(graph, cost_model, chosen))
     return Strategy(chosen.validated(graph, machine).configs, name="layer-wise", meta=meta)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from bench.measure import compute_times
-from bench.overhead import batch_for, dask_replica, data_parallel
+from bench.overhead import dask_replica, data_parallel
+from search.measured import random_batch
 from taskrt import models
 from taskrt.executor import step_key
 from taskrt.machine import Machine
@@ -17,7 +18,7 @@ def test_the_dask_replica_runs_the_plans_tasks_on_their_devices_for_their_times(
     graph = models.lenet5(batch=8)
     with Machine.local(2, probe=False) as machine:
         trainer = Trainer(graph, data_parallel(graph, 2), machine, fused=False)
-        x, y = batch_for(graph)
+        x, y = random_batch(graph)
         machine.client.get_task_stream()  # the first call starts the scheduler's recording
         trainer.step(x, y)
         since = time.time()
