@@ -40,6 +40,7 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, PartTable, grid_parts, part_table
 from search.space import config_grid, layer_configs, search_space
+from search.step_costs import step_cpu_costs
 from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
@@ -48,8 +49,8 @@ from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
-# per message
-CALIBRATION_FORMAT = 5
+# per message; CPU per task and message fitted to training steps where devices share cores
+CALIBRATION_FORMAT = 6
 
 
 def default_cache_path() -> Path:
@@ -166,7 +167,9 @@ class CostModel:
 
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
-        """The cluster's runtime costs (`Machine.calibrate`), cached like part timings."""
+        """The cluster's runtime costs (`Machine.calibrate`), cached like part timings.  Where
+        devices share the host's cores, the runtime's processor time per task and message is
+        fitted to training steps instead (`search.step_costs`), the no-op tasks' kept beside."""
         if self.estimated:
             kind = self.machine.devices[0].kind
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
@@ -174,9 +177,18 @@ class CostModel:
         cached = self.cache.data["overhead"].get(key)
         if cached is None or cached.get("format") != CALIBRATION_FORMAT:
             cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
+            if self.machine.num_devices > 1 and self._shared_cores():
+                cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
+                cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
+                cached.update(step_cpu_costs(self.machine, cached["cpu_per_byte_s"]))
             self.cache.data["overhead"][key] = cached
             self.cache.save()
         return cached
+
+    def _shared_cores(self) -> bool:
+        """Whether the devices are CPU workers on one host, sharing its cores with the runtime."""
+        return all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
+            {d.node for d in self.machine.devices}) == 1
 
     # ---- tables -----------------------------------------------------------------------------
     def space(self, graph) -> dict[str, list[ParallelConfig]]:
@@ -520,8 +532,7 @@ class CostModel:
         receivers = set(by_device) - inline
         scattered = sum(by_device[d] for d in receivers)
         carried = sum(by_device[d] for d in inline)
-        shared_cores = all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
-            {d.node for d in self.machine.devices}) == 1
+        shared_cores = self._shared_cores()
         # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
         cross = c.get("per_cross_hop_s")
         fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - float(self.latency[1, 0]), 0.0)
