@@ -176,11 +176,19 @@ class CostModel:
         key = f"{self.machine.devices[0].kind}|{self.machine.num_devices} devices"
         cached = self.cache.data["overhead"].get(key)
         if cached is None or cached.get("format") != CALIBRATION_FORMAT:
-            cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
-            if self.machine.num_devices > 1 and self._shared_cores():
-                cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
-                cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
-                cached.update(step_cpu_costs(self.machine, cached["cpu_per_byte_s"]))
+            from tqdm import tqdm
+
+            steps = self.machine.num_devices > 1 and self._shared_cores()
+            # about 8 s, and 3 s more of training steps: once per cluster, then cached
+            with tqdm(total=2 if steps else 1, desc="calibrating the runtime's costs (once per cluster)",
+                      disable=not self.progress or None, leave=False) as bar:
+                cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
+                bar.update()
+                if steps:
+                    cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
+                    cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
+                    cached.update(step_cpu_costs(self.machine, cached["cpu_per_byte_s"]))
+                    bar.update()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
         return cached
