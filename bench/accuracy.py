@@ -35,13 +35,27 @@ def ranking(rows) -> str:
             f"{len(groups)} networks on two devices" + (f" ({'; '.join(wrong)})" if wrong else ""))
 
 
+def calibration_line(calibrations: dict) -> str:
+    """The runtime's costs each machine size was calibrated to (they move from run to run)."""
+    parts = []
+    for devices, c in sorted(calibrations.items()):
+        text = f"{devices} device(s): per hop {c['per_hop_s'] * 1e3:.2f} ms, processor time per task " \
+               f"{c['cpu_per_task_s'] * 1e3:.2f} ms"
+        if "noop_cpu_per_task_s" in c:
+            text += (f" (fitted to training steps; {c['noop_cpu_per_task_s'] * 1e3:.2f} ms for no-op tasks), per "
+                     f"message {c['cpu_per_message_s'] * 1e3:.2f} ms")
+        parts.append(text + f", per byte {c['cpu_per_byte_s'] * 1e9:.2f} ns")
+    return "runtime costs calibrated in this run: " + "; ".join(parts)
+
+
 def run(out_dir="results", quick=False):
     chosen = QUICK_MODELS if quick else LOCAL_MODELS
     rounds = 4 if quick else 10
-    rows = []
+    rows, calibrations = [], {}
     for devices in (1, 2):
         with Machine.local(devices) as machine, tempfile.TemporaryDirectory() as tmp:
             cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json")
+            calibrations[devices] = cost_model.calibration  # what the predictions rest on, to compare runs
             for label, make in chosen.items():
                 graph = make()
                 rows += measure(machine, graph, strategies_for(graph, machine, cost_model), cost_model, rounds, label)
@@ -65,6 +79,7 @@ def run(out_dir="results", quick=False):
             f"(median {statistics.median(ratios):.2f}x); above 1, kernels ran slower inside the step than timed "
             "alone, which the simulator does not foresee")
     summary.append(ranking(rows))
+    summary.append(calibration_line(calibrations))
     summary += [f"MISS: {r['model']} {r['strategy']} on {r['devices']}: {r['simulated_error']:+.1%}" for r in misses]
     columns = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"), ("measured_ms", "measured ms"),
                ("iqr_ms", "IQR ms"), ("simulated_ms", "simulated ms"), ("simulated_error", "simulated error"),
@@ -74,6 +89,7 @@ def run(out_dir="results", quick=False):
     for row in rows:
         row["simulated_error"] = round(row["simulated_error"], 4)
         row["additive_error"] = round(row["additive_error"], 4)
-    md = write_result(out_dir, "accuracy", rows, columns, {"rounds": rounds, "goal": GOAL}, summary)
+    md = write_result(out_dir, "accuracy", rows, columns, {"rounds": rounds, "goal": GOAL, "calibration": calibrations},
+                      summary)
     print(md.read_text())
     return rows

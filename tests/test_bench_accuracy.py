@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.accuracy import ranking
+from bench.accuracy import calibration_line, ranking
 
 
 def row(model, devices, strategy, measured, simulated):
@@ -18,3 +18,12 @@ def test_ranking_names_the_networks_whose_simulated_pick_is_not_the_measured_fas
     assert line.startswith("ranking: the simulation's fastest strategy is the measured fastest for 1 of 2 networks")
     assert "b on 2: simulated fastest layer-wise measured 1.20x the step of data" in line
     assert "a on 2" not in line
+
+
+def test_the_calibration_line_says_which_costs_were_fitted_to_steps():
+    one = {"per_hop_s": 0.002, "cpu_per_task_s": 0.001, "cpu_per_byte_s": 1e-9}
+    two = {**one, "cpu_per_task_s": 0.003, "noop_cpu_per_task_s": 0.001, "cpu_per_message_s": 0.0}
+    line = calibration_line({1: one, 2: two})
+    assert line.startswith("runtime costs calibrated in this run: 1 device(s): per hop 2.00 ms, processor time per "
+                           "task 1.00 ms, per byte 1.00 ns; 2 device(s):")
+    assert "task 3.00 ms (fitted to training steps; 1.00 ms for no-op tasks), per message 0.00 ms" in line
