@@ -105,8 +105,7 @@ def _worker_cpu() -> tuple[float, float]:
 
     import psutil
 
-    process = psutil.Process()
+    from taskrt.machine import _process_cpu
+
     runs_tasks = {t.native_id for t in threading.enumerate() if "Dask-Default-Threads" in t.name}
-    times = process.cpu_times()
-    return (times.user + times.system,
-            sum(t.user_time + t.system_time for t in process.threads() if t.id in runs_tasks))
+    return _process_cpu(), sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in runs_tasks)
