@@ -161,7 +161,7 @@ def test_the_batch_send_is_timed_on_a_cpu_worker_too():
         assert not machine.client.who_has()  # nothing left on the worker
     row = gpu.training_row("alexnet", 128, "fp32", 0.1, 0.01, 6.9, 6.9)
     row["batch_send_ms"] = 80.0
-    assert "sending the batch 80 of the runtime's 100 ms" in gpu.training_summary([row])[0]
+    assert "sending the batch alone takes 80 ms, the runtime's step 100 ms" in gpu.training_summary([row])[0]
 
 
 def test_unknown_parts_are_refused_before_anything_runs(tmp_path):
