@@ -49,8 +49,9 @@ from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
-# per message; CPU per task and message fitted to training steps where devices share cores
-CALIBRATION_FORMAT = 6
+# per message; CPU per task and message fitted to training steps where devices share cores; the scheduler's
+# answer to which workers there are
+CALIBRATION_FORMAT = 7
 
 
 def default_cache_path() -> Path:
@@ -533,7 +534,7 @@ class CostModel:
 
         if self.estimated:
             return Runtime()
-        from taskrt.executor import data_bytes_by_device, inline_data_devices
+        from taskrt.executor import client_seconds, data_bytes_by_device, inline_data_devices
 
         c = self.calibration
         by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
@@ -548,10 +549,14 @@ class CostModel:
         # what a one-task graph waits for its task beyond submitting one task and sending it out: the
         # scheduler taking the graph in, once a step
         intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
+        # before the graph leaves, the client asks which devices have a worker, then builds and
+        # serializes the step's graph: timed here on this plan
+        gpus = frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
+        client = c.get("check_s", 0.0) + client_seconds(plan, gpus, self.machine.tag, fused)
         return Runtime(dispatch_s=dispatch, task_s=c["per_task_s"], fetch_s=fetch,
                        export_s=c["export_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),
-                       start_s=(len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
+                       start_s=(client + len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
                                 + carried * c["inline_per_byte_s"] + intake),
                        per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),

@@ -250,7 +250,8 @@ class Machine:
     def calibrate(self) -> dict:
         """What the runtime costs on this cluster, measured: Dask's time per task and per dependent
         hop (`task_overhead`), graph submission per task, from sending a one-task graph to its task
-        starting (`first_start_s`), one scatter call, the client's
+        starting (`first_start_s`), asking the scheduler for the workers (`check_s`, as every step
+        does first), one scatter call, the client's
         bandwidth to a worker, directly and carried in a graph through the scheduler, the end of
         a run to the client, and a device's memory bandwidth (an array copy)."""
 
@@ -301,6 +302,11 @@ class Machine:
             if ended is not None:
                 answer.append(time.time() - ended[0])
             del future
+        check = []
+        for _ in range(7):  # a step first asks which devices have a worker (Trainer._check_state)
+            start = time.perf_counter()
+            self.live_devices()
+            check.append(time.perf_counter() - start)
         copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
         fresh = client.run(_copy_rate, fresh=True, workers=[address[0]])[address[0]]
         out.update(self._cpu_costs())
@@ -312,6 +318,7 @@ class Machine:
             "fresh_copy_bandwidth": fresh,
             "answer_s": statistics.median(answer) if answer else out["per_hop_s"],
             "first_start_s": max(statistics.median(first), 0.0),  # a one-task graph sent: its task starts
+            "check_s": statistics.median(check),  # one question to the scheduler: the workers now
             # what carrying a byte in a graph adds (on a quiet local host: below the noise, 0)
             "inline_per_byte_s": max(statistics.median(inline[INLINE_PROBE_BYTES]) - statistics.median(inline[8]),
                                      0.0) / INLINE_PROBE_BYTES,

@@ -10,8 +10,9 @@ bandwidth), one transfer at a time per link, and traffic between nodes also pass
 shared network interface.  On a runtime that schedules centrally (Dask), each task also waits
 for the scheduler to hear that its inputs are done and to send it to its device (`dispatch_s`),
 then for its device to fetch what it reads from other devices (`fetch_s` per message, beyond the
-link), and costs its device some time beyond its kernel (`task_s`); a step starts after its data is
-sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
+link), and costs its device some time beyond its kernel (`task_s`); a step starts after the
+client's own work on it (asking which devices have a worker, building and serializing its graph),
+its data sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
 `answer_s` after the runs computing them end (taskrt.worker_reads).  Which bytes move comes from
 the plan itself, as in the executor.
 """
@@ -41,7 +42,8 @@ class Runtime:
     # device time of an export (a value taken out of a fused run), which workers run on their event
     # loop (taskrt.worker_setup.InlineExecutor); None: the same as any task
     export_s: float | None = None
-    start_s: float = 0.0  # before the first task: sending the step's data and submitting its graph
+    # before the first task: the client's own work on the step, sending its data, submitting its graph
+    start_s: float = 0.0
     per_task_submit_s: float = 0.0  # submission time per Dask task (graph serialization, scheduler ingestion)
     # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
     # no shorter than all the processor time it needs divided by the cores.

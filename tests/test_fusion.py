@@ -276,3 +276,30 @@ def test_state_the_next_step_reads_as_keys_is_named_where_it_is_computed():
         nxt, _, _ = step_graph(plan, "7-mn", {k: RunValue(None, f"run-{k}", 0) if kept else f"f-{k}" for k in state},
                                tiles, hyper)
         assert not [k for k in nxt if k[0].split("-it")[0].endswith("-state")]  # nothing named at the start
+
+
+def test_the_clients_work_on_a_step_is_timed_without_a_cluster():
+    """`client_seconds` builds and serializes a step's graph (the simulator's start of a step)
+    with stand-ins for every kind of input a step has: state, batch norm statistics, data
+    tiles scattered (above INLINE_DATA_BYTES on a device) and carried in the graph."""
+    from search.baselines import BASELINES
+    from taskrt.executor import INLINE_DATA_BYTES, client_seconds, data_bytes_by_device, inline_data_devices
+    from taskrt.graph import Graph
+    from taskrt.machine import Machine
+    from taskrt.plan import BUFFER, STATE
+
+    g = Graph("bn")
+    x = g.input("image", (64, 3, 64, 64))
+    y = g.batch_norm(g.conv2d(x, 4, 3, padding=1, name="conv"), name="bn")
+    g.softmax_cross_entropy(g.linear(g.flatten(y, name="flat"), 5, name="fc"), name="loss")
+    machine = Machine.simulated(1, 2)
+    plan = lower(g, BASELINES["data"](g, machine).validated(g, machine))
+    kinds = {d.kind for t in plan.tasks for d in t.deps}
+    assert {STATE, BUFFER} <= kinds
+    assert max(data_bytes_by_device(plan).values()) > INLINE_DATA_BYTES > 0
+    assert not inline_data_devices(plan)  # the images go by scatter; a plan with only small data next
+    assert 0 < client_seconds(plan) < 1
+    small = lower(models.lenet5(batch=8), BASELINES["model"](models.lenet5(batch=8), machine).validated(
+        models.lenet5(batch=8), machine))
+    assert inline_data_devices(small)
+    assert 0 < client_seconds(small) < 1

@@ -38,13 +38,25 @@ def test_the_fit_explains_the_steps_and_more_tasks_cost_more(machine4):
 
 
 def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, monkeypatch):
+    """The runtime's costs the simulator gets: the processor time fitted to steps, and a step's
+    start counting the client's own work: the scheduler's answer to which workers there are
+    (measured by Machine.calibrate) and building and serializing the step's graph (timed on the plan)."""
+    import taskrt.executor
+
     fitted = {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.001, "step_cpu_rows": []}
     monkeypatch.setattr(search.cost, "step_cpu_costs", lambda machine, per_byte: fitted)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
     assert model.calibration["cpu_per_task_s"] == 0.003 and model.calibration["cpu_per_message_s"] == 0.001
     assert "noop_cpu_per_task_s" in model.calibration
-    runtime = model.runtime(_plan(machine4))
+    plan = _plan(machine4)
+    runtime = model.runtime(plan)
     assert runtime.cpu_per_task_s == 0.003 and runtime.cpu_per_message_s == 0.001
+    assert 0 < model.calibration["check_s"] < 1
+    monkeypatch.setattr(taskrt.executor, "client_seconds", lambda *a, **k: 0.0)
+    without = model.runtime(plan).start_s
+    assert without >= model.calibration["check_s"]
+    monkeypatch.setattr(taskrt.executor, "client_seconds", lambda *a, **k: 0.25)
+    assert model.runtime(plan).start_s == pytest.approx(without + 0.25, abs=1e-12)
 
 
 def test_a_simulated_machine_runs_no_steps(monkeypatch):
