@@ -335,33 +335,17 @@ def time_runtime(machine, graph, strategy, x, y, precision, warmup, repeats) -> 
 
 
 def time_batch_send(machine, x, repeats: int) -> float:
-    """Median seconds to send the batch `x` from the client to device 0's worker and onto its
-    device, as a step sends its data (through shared memory to a worker on this host, else by
-    Dask message): part of the runtime's step time that the PyTorch peer, its batch on the GPU,
-    does not pay."""
-    from taskrt import staging
-    from taskrt.device import to_device
-
+    """Median seconds to send the batch `x` from the client to device 0's worker, as a step sends
+    its data: part of the runtime's step time that the PyTorch peer, its batch on the GPU, does not pay."""
     address = machine.addresses()[0]
-    local = staging.available() and staging.on_this_host(address)
 
     def send():
-        if local:
-            tile = staging.staging().put(address, x)
-            future = machine.client.submit(staging.read_staged, tile, workers=[address], pure=False)
-        else:
-            [sent] = machine.client.scatter([x], workers=[address], hash=False, direct=True)
-            future = machine.client.submit(to_device, sent, workers=[address], pure=False)
-        there = machine.client.submit(_nbytes, future, workers=[address], pure=False)
-        there.result()  # on the device, not back here
-        machine.client.cancel([there, future])
+        [future] = machine.client.scatter([x], workers=[address], hash=False, direct=True)
+        future.result()
+        machine.client.cancel([future])
 
     seconds, _ = time_steps(send, 1, repeats)
     return seconds
-
-
-def _nbytes(array) -> int:
-    return int(array.nbytes)
 
 
 def time_peer(graph, params, x, y, precision, warmup, repeats) -> tuple[float, float]:

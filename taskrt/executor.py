@@ -20,13 +20,11 @@ from operator import getitem
 import dask
 import numpy as np
 
-from taskrt import staging
 from taskrt.device import to_device, to_host
 from taskrt.fusion import RunValue, export_source, fuse, held_outputs, run_of, state_read_as_keys, step_done_keys
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan, keys_of, map_outputs, output_keys
-from taskrt.staging import StagedTile, read_staged
 from taskrt.tasks import Received
 from taskrt.worker_reads import TIMED_OUT, ask, reads_of
 from taskrt.worker_setup import INLINE
@@ -91,9 +89,8 @@ class Executor:
         self.client = machine.client
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
-        """Send each input tile straight to its device; returns {(layer, part): future}, the tile
-        itself where the step's graph carries it (`inline_data_devices`), or where the device's
-        worker runs on this host, the tile's place in shared memory (`taskrt.staging`).
+        """Send each input tile straight to its device; returns {(layer, part): future}, or the
+        tile itself where the step's graph carries it (`inline_data_devices`).
         `address`: the devices' worker addresses, if the caller just asked for them."""
         inline = inline_data_devices(plan)
         futures, by_device = {}, {}
@@ -106,19 +103,6 @@ class Executor:
         if not by_device:
             return futures
         address = address or self.machine.addresses()
-        if staging.available():
-            for device in [d for d in by_device if staging.on_this_host(address[d])]:
-                left = []
-                for name, tile in by_device.pop(device):
-                    staged = staging.staging().put(address[device], tile)
-                    if staged is None:
-                        left.append((name, tile))  # every slot taken: by message
-                    else:
-                        futures[name] = staged
-                if left:
-                    by_device[device] = left
-        if not by_device:
-            return futures
         devices = list(by_device)
 
         async def to_every_device():  # at once: one round trip for all devices, not one per device
@@ -153,7 +137,7 @@ class Executor:
             return RunValue(None, by_key[key.run], key.index) if isinstance(key, RunValue) else by_key[key]
 
         out = map_outputs(outputs, held)
-        keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, (np.ndarray, StagedTile))}
+        keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, np.ndarray)}
         device_by_tag = {self.machine.tag(d.id): d.id for d in self.machine.devices}
 
         def device_of(key):
@@ -318,11 +302,6 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         if dep.kind == DATA:
             home, tile = plan.device_of(dep), data[dep.key]
             layer, part = dep.key
-            if isinstance(tile, StagedTile):  # in shared memory: a task on its device copies it out
-                key = step_key((f"{layer}-data", part), tag)
-                if key not in dsk:
-                    given.add(add(key, (read_staged, tile), home))
-                return key
             if isinstance(tile, np.ndarray):  # carried by the graph: a task on its device gives it
                 key = step_key((f"{layer}-data", part), tag)
             elif home not in gpu_devices:

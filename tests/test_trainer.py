@@ -331,43 +331,31 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
     assert stats_f.measured_bytes == stats_f.planned_bytes
 
 
-def test_data_carried_in_the_graph_equals_staged_and_scattered_data(machine4, monkeypatch, tmp_path):
-    """Small batches ride in the step's graph (taskrt.executor.INLINE_DATA_BYTES); larger ones go
-    through shared memory to workers on this host (taskrt.staging), or are scattered to their
-    devices: the same losses and parameters bit for bit, the same bytes moved."""
+def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch):
+    """Small batches ride in the step's graph (taskrt.executor.INLINE_DATA_BYTES), larger ones are
+    scattered to their devices: the same losses and parameters bit for bit, the same bytes moved."""
     import taskrt.executor
-    import taskrt.staging
 
     graph = small_lenet()
     data = batches(graph, 3)
     runs = {}
-    taskrt.staging.staging().close()  # slots of earlier tests: new ones go to tmp_path
-    for way, limit, shared in (("carried", taskrt.executor.INLINE_DATA_BYTES, tmp_path), ("staged", 0, tmp_path),
-                               ("scattered", 0, tmp_path / "absent")):
+    for limit in (taskrt.executor.INLINE_DATA_BYTES, 0):
         monkeypatch.setattr(taskrt.executor, "INLINE_DATA_BYTES", limit)
-        monkeypatch.setattr(taskrt.staging, "SHARED_DIR", str(shared))
         trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
         futures = [trainer.submit(x, y) for x, y in data]
         losses = [f.result() for f in futures]
-        keys = futures[-1].run.keys
-        runs[way] = {"losses": losses, "params": trainer.parameters(), "stats": trainer.stats,
-                     "carried": taskrt.executor.inline_data_devices(trainer.plan),
-                     "scattered": [k for k in keys if isinstance(k, str) and k.startswith("ndarray-")],
-                     "data tasks": [k for k in keys if isinstance(k, tuple) and "-data-it" in k[0]],
-                     "slots": sorted(p.name for p in tmp_path.glob("taskrt-*"))}
+        carried = taskrt.executor.inline_data_devices(trainer.plan)
+        scattered = [k for k in futures[-1].run.keys if isinstance(k, str) and k.startswith("ndarray-")]
+        runs[limit] = (losses, trainer.parameters(), carried, scattered, trainer.stats)
+    (loss_in, params_in, carried, scattered_in, stats_in), (loss_sc, params_sc, none, scattered, _) = runs.values()
     tiles = [p for parts in trainer.plan.data.values() for p in parts]
-    carried, staged, scattered = runs["carried"], runs["staged"], runs["scattered"]
-    assert carried["carried"] == {p.device for p in tiles} and not carried["scattered"]  # every tile is small here
-    assert not staged["carried"] and not staged["scattered"] and len(staged["data tasks"]) == len(tiles)
-    assert staged["slots"] and not carried["slots"]  # one slot per tile in flight, in the shared directory
-    assert not scattered["carried"] and len(scattered["scattered"]) == len(tiles) and not scattered["data tasks"]
-    for way in ("staged", "scattered"):
-        assert runs[way]["losses"] == carried["losses"], way
-        for layer in carried["params"]:
-            for name in carried["params"][layer]:
-                np.testing.assert_array_equal(runs[way]["params"][layer][name], carried["params"][layer][name])
-        assert runs[way]["stats"].measured_bytes == runs[way]["stats"].planned_bytes
-    taskrt.staging.staging().close()  # slots in tmp_path: gone with it
+    assert carried == {p.device for p in tiles} and not scattered_in  # every device's tiles are small here
+    assert not none and len(scattered) == len(tiles)
+    assert loss_in == loss_sc
+    for layer in params_sc:
+        for name in params_sc[layer]:
+            np.testing.assert_array_equal(params_in[layer][name], params_sc[layer][name])
+    assert stats_in.measured_bytes == stats_in.planned_bytes
 
 
 def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
