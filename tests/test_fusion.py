@@ -299,7 +299,7 @@ def test_the_clients_work_on_a_step_is_timed_without_a_cluster():
     assert max(data_bytes_by_device(plan).values()) > INLINE_DATA_BYTES > 0
     assert not inline_data_devices(plan)  # the images go by scatter; a plan with only small data next
     assert 0 < client_seconds(plan) < 1
-    small = lower(models.lenet5(batch=8), BASELINES["model"](models.lenet5(batch=8), machine).validated(
-        models.lenet5(batch=8), machine))
+    lenet = models.lenet5(batch=8)
+    small = lower(lenet, BASELINES["model"](lenet, machine).validated(lenet, machine))
     assert inline_data_devices(small)
     assert 0 < client_seconds(small) < 1
