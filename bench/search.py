@@ -6,7 +6,8 @@ The headline is what a user waits for: `search.optimize` end to end from a fresh
 memory per device of the result), median of several runs after one warm-up run that compiles
 (or loads) the numba kernels.  Nothing carries over from one run to the next but numba's
 compiled kernels: each run's CostModel starts empty.  The parts are beside it, and the CPU time
-of the whole, which other processes on a shared machine do not inflate as much as wall time.
+of the whole (of both threads: the t_x kernels run on two), which other processes on a shared
+machine do not inflate as much as wall time.
 The baseline is the paper's depth-first search over all strategies on the same tables, stopped
 at a time limit.  Goal (issue 14): end to end within a quarter of the paper's time.
 """

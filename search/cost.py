@@ -18,6 +18,9 @@
   and for replicated weights the gradient extraction and weight fetch).  Zero for simulated
   machines unless given: the paper's runtime assumption.
 
+The t_x kernels release the GIL: a search runs them on this thread and a helper thread at once
+(`run_jobs`), once every edge's arguments are prepared.
+
 A layer's tables depend only on its op and configs, its configs, parts and grid only on its
 output shape, and an edge's t_x only on its two grids and what the consumer reads per block, so
 a CostModel computes each once (a network's repeated layers share them, and so does a second
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -164,7 +168,7 @@ class CostModel:
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
         self._per_channel: dict = {}  # op -> channel_params(op)
-        self._edges: dict[tuple, np.ndarray] = {}
+        self._edges: dict[tuple, tuple] = {}  # (table, None), or (None, its jobs) until computed
 
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
@@ -229,8 +233,10 @@ class CostModel:
                 chosen[layer.name] = space.configs
                 sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(space.configs)])
         seconds["sync"] = lap()
-        edges = [(src, layer.name, j, self._edge(graph[src], spaces[src], spaces[layer.name], j, src in needed))
+        edges = [(src, layer.name, j, self._edge_key(graph[src], spaces[src], spaces[layer.name], j, src in needed))
                  for layer in graph for j, src in enumerate(layer.inputs)]
+        self._compute_edges([key for *_, key in edges])
+        edges = [(src, dst, j, self._edges[key][0]) for src, dst, j, key in edges]
         seconds["edges"] = lap()
         notes = ["t_c estimated by roofline (simulated machine)"] if self.estimated else []
         return Tables(chosen, compute, sync, edges, self.estimated, notes, seconds)
@@ -346,15 +352,27 @@ class CostModel:
             space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
         return space.cheaper
 
-    def _edge(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> np.ndarray:
+    def _edge_key(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> tuple:
+        """The key of an edge's t_x table in `_edges`, which holds (table, None) once computed and
+        (None, its jobs) until then."""
         itemsize = 8 if producer.is_input and producer.op.dtype == "int64" else self.itemsize
         # t_x depends on the ops only through the consumer's needs: e.g. every batch norm reading a
         # convolution of one output shape has the same table
         key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
-        table = self._edges.get(key)
-        if table is None:
-            table = self._edges[key] = _read_only(self.transfer_costs(u, v, v.needs[j], itemsize, backward))
-        return table
+        if key not in self._edges:
+            self._edges[key] = (None, self.transfer_jobs(u, v, v.needs[j], itemsize, backward))
+        return key
+
+    def _compute_edges(self, keys):
+        """Compute the tables of `keys` not yet known, their kernels on two threads."""
+        todo = [k for k in dict.fromkeys(keys) if self._edges[k][0] is None]
+        owner = [k for k in todo for _ in self._edges[k][1][0]]
+        results = run_jobs([job for k in todo for job in self._edges[k][1][0]])
+        parts = {}
+        for k, table in zip(owner, results):
+            parts.setdefault(k, []).append(table)
+        for k in todo:
+            self._edges[k] = (_read_only(self._edges[k][1][1](parts[k])), None)
 
     def breakdown(self, graph, strategy) -> Breakdown:
         """Predicted cost of `strategy` under the model, layer by layer."""
@@ -611,15 +629,52 @@ class CostModel:
     # ---- t_x --------------------------------------------------------------------------------
     def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
         """(configs of u) x (configs of v): see search.transfer."""
+        jobs, combine = self.transfer_jobs(u, v, needs, itemsize, backward)
+        return combine([job() for job in jobs])
+
+    def transfer_jobs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool):
+        """`transfer_costs` as (functions to call, a function of their results giving the table)."""
         if backward and u.grid is v.grid and needs.reads_own_part:
             # Same configs on both sides and each part reads its own Rect (batch norm, relu): the
             # gradients retrace the activations' paths, so backward of (a, b) is forward of (b, a).
-            forward = self.transfer_costs(u, v, needs, itemsize, False)
-            return forward + forward.T
-        fast = transfer.separable(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
+            jobs, combine = self.transfer_jobs(u, v, needs, itemsize, False)
+            return jobs, lambda results: _plus_transpose(combine(results))
+        fast = transfer.separable_jobs(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
         if fast is not None:
-            return fast
-        return transfer.general(u.parts, needs.table, self.links, itemsize, backward)
+            return fast, transfer.sum_of
+        return [lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)], transfer.sum_of
+
+
+def _plus_transpose(table: np.ndarray) -> np.ndarray:
+    return table + table.T
+
+
+_HELPER: tuple | None = None  # (process id, executor): a forked child starts its own
+
+
+def run_jobs(jobs: list) -> list:
+    """Each job's result, the jobs shared by this thread and one helper thread (started once per
+    process): the t_x kernels release the GIL, so on two cores they run at once.  (Started while
+    this thread still prepared tables, the helper waited for the GIL up to Python's switch
+    interval at every job: slower than one thread.)"""
+    global _HELPER
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2:
+        return [job() for job in jobs]
+    if _HELPER is None or _HELPER[0] != os.getpid():
+        _HELPER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="taskrt-tables"))
+    results = [None] * len(jobs)
+    order = iter(range(len(jobs)))  # each index taken once: next() on it holds the GIL
+
+    def drain():
+        for i in order:
+            results[i] = jobs[i]()
+
+    helper = _HELPER[1].submit(drain)
+    try:
+        drain()
+    finally:
+        helper.result()  # its error, if it had one; never left running
+    return results
 
 
 @dataclass

@@ -221,6 +221,22 @@ def _grid_index(block, device, starts, first, degrees, node, none, index):
 def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int,
               backward: bool) -> np.ndarray | None:
     """The same table as `general`, or None when the shortcut does not apply."""
+    jobs = separable_jobs(u, v, consumer, needs, links, itemsize, backward)
+    return None if jobs is None else sum_of([job() for job in jobs])
+
+
+def sum_of(tables: list) -> np.ndarray:
+    """The tables added up, into the first (each a kernel's own new array)."""
+    out = tables[0]
+    for t in tables[1:]:
+        out += t
+    return out
+
+
+def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
+    """`separable`'s kernels as functions to call, the activations' table and (`backward`) the
+    gradients', whose sum is the table; None when the shortcut does not apply.  The kernels
+    release the GIL: a search runs them on two threads (search.cost.run_jobs)."""
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
         return None
@@ -236,21 +252,27 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
     u_lo, u_hi = u.slots
     if int(u_hi.max(initial=0)) * len(links.node) >= FLOAT32_EXACT:
         return None  # box sums the kernels could not hold exactly (see _gathered)
-    forward = np.empty((len(u.degrees), len(v.degrees)))
-    _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, needs.reads_nothing,
-             needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi, links.node, weights, itemsize, nic,
-             forward)
-    if not backward:
-        return forward
     producer = u.table
-    gradients = np.empty_like(forward)
-    _backward(v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi,
-              need.has_constant, u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node, weights,
-              itemsize, nic, gradients)
-    return forward + gradients
+    shape = (len(u.degrees), len(v.degrees))
+
+    def activations() -> np.ndarray:
+        out = np.empty(shape)
+        _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts,
+                 needs.reads_nothing, needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi,
+                 links.node, weights, itemsize, nic, out)
+        return out
+
+    def gradients() -> np.ndarray:
+        out = np.empty(shape)
+        _backward(v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi,
+                  need.has_constant, u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node,
+                  weights, itemsize, nic, out)
+        return out
+
+    return [activations, gradients] if backward else [activations]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empty, driver, need_lo, need_hi,
              constant_lo, constant_hi, node, weights, itemsize, nic, out):
     """out[a, b]: the time for consumer config b's parts to receive their needs from producer
@@ -295,7 +317,7 @@ def _forward(tuple_of, tuples, slot_lo, slot_hi, part_slot, device, starts, empt
         _config_costs(slowest, inter, itemsize, nic, out[:, b])
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _backward(tuple_of, tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, slot_lo,
               slot_hi, part_slot, device, starts, node, weights, itemsize, nic, out):
     """out[a, b]: the time for producer config a's parts to receive their output gradients
