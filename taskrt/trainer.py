@@ -364,11 +364,12 @@ class Trainer:
     def _hyper(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
 
-    def _run(self, mode, data, step, hyper=None, tag=None, check=True, address=None):
+    def _run(self, mode, data, step, hyper=None, tag=None, check=True, address=None, started=None):
         """Submit a plan; `check`: first make sure the devices and state are there (recovering
         when elastic); without, a missing device raises MachineError.  `address`: the devices'
-        worker addresses, when the caller has just checked them."""
-        started = time.perf_counter()  # the step's time includes sending its data
+        worker addresses, when the caller has just checked them; `started`: when it began to."""
+        if started is None:  # the step's time includes checking its devices and sending its data
+            started = time.perf_counter()
         if address is None:
             address = self._check_state(step) if check else self.machine.addresses()
         plan = self._plan(mode)
@@ -378,11 +379,12 @@ class Trainer:
         run.submitted, run.address = started, address
         return run
 
-    def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None) -> StepRun:
+    def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None, started=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
         checked the devices: a check here could recover, and the recovery replays the log.)"""
         tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
-        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False, address=address)
+        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False, address=address,
+                        started=started)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
         self._buffers = run.outputs["buffers"]
         return run
@@ -392,13 +394,14 @@ class Trainer:
         arrays = bind_inputs(self.graph, data, self.dtype)
         if self._in_flight and len(self._in_flight) >= MAX_IN_FLIGHT:
             self._in_flight.pop(0).result()  # bounds the history Dask keeps (see _cut_lineage)
+        started = time.perf_counter()  # the step's time begins with checking its devices, as in _run
         address = self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
         self.steps_done += 1
         entry = LoggedStep(self.steps_done, arrays, self._hyper())
         if self.elastic:
             self._log.append(entry)
         try:
-            run = self._run_logged(entry, address=address)
+            run = self._run_logged(entry, address=address, started=started)
         except Exception as error:
             # a device lost while the step was being sent: recover, which replays it from the log
             if not self.elastic:
