@@ -552,7 +552,7 @@ class CostModel:
 
         if self.estimated:
             return Runtime()
-        from taskrt.executor import client_seconds, data_bytes_by_device, inline_data_devices
+        from taskrt.executor import data_bytes_by_device, graph_seconds, inline_data_devices
 
         c = self.calibration
         by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
@@ -568,9 +568,11 @@ class CostModel:
         # scheduler taking the graph in, once a step
         intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
         # before the graph leaves, the client asks which devices have a worker, then builds and
-        # serializes the step's graph: timed here on this plan
+        # serializes the step's graph; on its way the graph is read and written again (beyond a
+        # one-task graph's way, in first_start_s): timed here on this plan
         gpus = frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
-        client = c.get("check_s", 0.0) + client_seconds(plan, gpus, self.machine.tag, fused)
+        graph = graph_seconds(plan, gpus, self.machine.tag, fused)
+        client = c.get("check_s", 0.0) + graph.client_s + graph.transit_s
         return Runtime(dispatch_s=dispatch, task_s=c["per_task_s"], fetch_s=fetch,
                        export_s=c["export_s"],
                        answer_s=c.get("answer_s", c["per_hop_s"]),

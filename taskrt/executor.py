@@ -345,17 +345,37 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
 
 @dataclass(frozen=True)
 class StandIn:
-    """In place of a future, where a step's graph is built only to time it (`client_seconds`)."""
+    """In place of a future, where a step's graph is built only to time it (`graph_seconds`)."""
 
     key: tuple
 
 
-def client_seconds(plan: Plan, gpu_devices=frozenset(), device_tag=resource_tag, fused: bool = True,
-                   repeats: int = 2) -> float:
-    """Seconds this process spends on a step of `plan` before its graph leaves: building the
-    graph (`step_graph`) and serializing it as the client does, the state and scattered data
-    stand-ins for their futures, the carried data tiles of their real size (fastest of `repeats`
-    after one untimed build)."""
+@dataclass(frozen=True)
+class GraphTimes:
+    """Seconds to build a step's graph, to serialize it and to read it back (`graph_seconds`)."""
+
+    build_s: float
+    dumps_s: float
+    loads_s: float
+    devices: int  # devices with tasks in the graph
+
+    @property
+    def client_s(self) -> float:
+        """This process's work on a step before its graph leaves: building and serializing it."""
+        return self.build_s + self.dumps_s
+
+    @property
+    def transit_s(self) -> float:
+        """On the graph's way to its first task: the scheduler reads it, then writes each task for
+        its worker, which reads it (a device's share of the graph)."""
+        return self.loads_s + (self.dumps_s + self.loads_s) / max(self.devices, 1)
+
+
+def graph_seconds(plan: Plan, gpu_devices=frozenset(), device_tag=resource_tag, fused: bool = True,
+                  repeats: int = 2) -> GraphTimes:
+    """A step of `plan`'s graph built (`step_graph`), serialized as the client does and read back,
+    timed: the state and scattered data stand-ins for their futures, the carried data tiles of
+    their real size (each the fastest of `repeats` after one untimed round)."""
     from distributed.protocol import pickle
 
     inline = inline_data_devices(plan)
@@ -371,10 +391,15 @@ def client_seconds(plan: Plan, gpu_devices=frozenset(), device_tag=resource_tag,
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        dsk, _, _ = step_graph(plan, "timing", state, data, hyper, gpu_devices, buffers, device_tag, fused)
-        pickle.dumps(dsk)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+        dsk, restriction, _ = step_graph(plan, "timing", state, data, hyper, gpu_devices, buffers, device_tag, fused)
+        built = time.perf_counter()
+        blob = pickle.dumps(dsk)
+        dumped = time.perf_counter()
+        pickle.loads(blob)
+        times.append((built - start, dumped - built, time.perf_counter() - dumped))
+    build, dumps, loads = (min(t[i] for t in times[1:]) for i in range(3))
+    devices = len({next(iter(r)) for r in restriction.values()})
+    return GraphTimes(build, dumps, loads, devices)
 
 
 def _through_messages(plan: Plan, dep, device: int) -> bool:

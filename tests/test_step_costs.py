@@ -40,7 +40,8 @@ def test_the_fit_explains_the_steps_and_more_tasks_cost_more(machine4):
 def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, monkeypatch):
     """The runtime's costs the simulator gets: the processor time fitted to steps, and a step's
     start counting the client's own work: the scheduler's answer to which workers there are
-    (measured by Machine.calibrate) and building and serializing the step's graph (timed on the plan)."""
+    (measured by Machine.calibrate), building and serializing the step's graph and its way to the
+    first task (timed on the plan)."""
     import taskrt.executor
 
     fitted = {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.001, "step_cpu_rows": []}
@@ -52,11 +53,14 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
     runtime = model.runtime(plan)
     assert runtime.cpu_per_task_s == 0.003 and runtime.cpu_per_message_s == 0.001
     assert 0 < model.calibration["check_s"] < 1
-    monkeypatch.setattr(taskrt.executor, "client_seconds", lambda *a, **k: 0.0)
+    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0, 0, 0, 1))
     without = model.runtime(plan).start_s
     assert without >= model.calibration["check_s"]
-    monkeypatch.setattr(taskrt.executor, "client_seconds", lambda *a, **k: 0.25)
-    assert model.runtime(plan).start_s == pytest.approx(without + 0.25, abs=1e-12)
+    # built in 0.25 s, written in 0.5 and read in 0.125, on two devices: the client's 0.75 s, then the
+    # scheduler reads it (0.125) and writes half of it for a worker, which reads that (0.3125)
+    times = taskrt.executor.GraphTimes(0.25, 0.5, 0.125, 2)
+    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
+    assert model.runtime(plan).start_s == pytest.approx(without + 0.75 + 0.125 + 0.3125, abs=1e-12)
 
 
 def test_a_simulated_machine_runs_no_steps(monkeypatch):
