@@ -75,6 +75,12 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     machine.client.get_task_stream(start=since)  # the first call starts the scheduler's recording
     future = trainer.submit(x, y)
     future.result()
+    # the step's losses come straight from its workers (taskrt.worker_reads), maybe before the
+    # scheduler has heard its tasks end and put them in the task stream: wait for that too
+    held = future.run.futures()
+    deadline = time.monotonic() + 5.0
+    while not all(f.done() for f in held) and time.monotonic() < deadline:
+        time.sleep(0.001)
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
