@@ -8,10 +8,12 @@ and the task-graph simulator.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import numpy as np
+from distributed import wait
 from tqdm import tqdm
 
 import search
@@ -77,10 +79,8 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     future.result()
     # the step's losses come straight from its workers (taskrt.worker_reads), maybe before the
     # scheduler has heard its tasks end and put them in the task stream: wait for that too
-    held = future.run.futures()
-    deadline = time.monotonic() + 5.0
-    while not all(f.done() for f in held) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    with machine.client.as_current(), contextlib.suppress(TimeoutError):
+        wait(future.run.futures(), timeout=5.0)
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 

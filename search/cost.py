@@ -168,7 +168,7 @@ class CostModel:
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
         self._compute: dict[tuple, np.ndarray] = {}
         self._per_channel: dict = {}  # op -> channel_params(op)
-        self._edges: dict[tuple, tuple] = {}  # (table, None), or (None, its jobs) until computed
+        self._edges: dict[tuple, np.ndarray] = {}
 
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
@@ -233,10 +233,12 @@ class CostModel:
                 chosen[layer.name] = space.configs
                 sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(space.configs)])
         seconds["sync"] = lap()
-        edges = [(src, layer.name, j, self._edge_key(graph[src], spaces[src], spaces[layer.name], j, src in needed))
+        pending = {}  # key -> (jobs, combine) of the tables not yet known
+        edges = [(src, layer.name, j, self._edge_key(graph[src], spaces[src], spaces[layer.name], j, src in needed,
+                                                     pending))
                  for layer in graph for j, src in enumerate(layer.inputs)]
-        self._compute_edges([key for *_, key in edges])
-        edges = [(src, dst, j, self._edges[key][0]) for src, dst, j, key in edges]
+        self._compute_edges(pending)
+        edges = [(src, dst, j, self._edges[key]) for src, dst, j, key in edges]
         seconds["edges"] = lap()
         notes = ["t_c estimated by roofline (simulated machine)"] if self.estimated else []
         return Tables(chosen, compute, sync, edges, self.estimated, notes, seconds)
@@ -352,27 +354,26 @@ class CostModel:
             space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
         return space.cheaper
 
-    def _edge_key(self, producer, u: LayerSpace, v: LayerSpace, j, backward) -> tuple:
-        """The key of an edge's t_x table in `_edges`, which holds (table, None) once computed and
-        (None, its jobs) until then."""
+    def _edge_key(self, producer, u: LayerSpace, v: LayerSpace, j, backward, pending: dict) -> tuple:
+        """The key of an edge's t_x table in `_edges`; a table not known yet gets its jobs in
+        `pending` (`_compute_edges`)."""
         itemsize = 8 if producer.is_input and producer.op.dtype == "int64" else self.itemsize
         # t_x depends on the ops only through the consumer's needs: e.g. every batch norm reading a
         # convolution of one output shape has the same table
         key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
-        if key not in self._edges:
-            self._edges[key] = (None, self.transfer_jobs(u, v, v.needs[j], itemsize, backward))
+        if key not in self._edges and key not in pending:
+            pending[key] = self.transfer_jobs(u, v, v.needs[j], itemsize, backward)
         return key
 
-    def _compute_edges(self, keys):
-        """Compute the tables of `keys` not yet known, their kernels on two threads."""
-        todo = [k for k in dict.fromkeys(keys) if self._edges[k][0] is None]
-        owner = [k for k in todo for _ in self._edges[k][1][0]]
-        results = run_jobs([job for k in todo for job in self._edges[k][1][0]])
+    def _compute_edges(self, pending: dict):
+        """The tables of `pending` ({key: (jobs, combine)}) into `_edges`, their kernels on two threads."""
+        owner = [key for key, (jobs, _) in pending.items() for _ in jobs]
+        results = run_jobs([job for jobs, _ in pending.values() for job in jobs])
         parts = {}
-        for k, table in zip(owner, results):
-            parts.setdefault(k, []).append(table)
-        for k in todo:
-            self._edges[k] = (_read_only(self._edges[k][1][1](parts[k])), None)
+        for key, table in zip(owner, results):
+            parts.setdefault(key, []).append(table)
+        for key, (_, combine) in pending.items():
+            self._edges[key] = _read_only(combine(parts[key]))
 
     def breakdown(self, graph, strategy) -> Breakdown:
         """Predicted cost of `strategy` under the model, layer by layer."""
@@ -552,7 +553,7 @@ class CostModel:
 
         if self.estimated:
             return Runtime()
-        from taskrt.executor import data_bytes_by_device, graph_seconds, inline_data_devices
+        from taskrt.executor import data_bytes_by_device, gpu_devices, graph_seconds, inline_data_devices
 
         c = self.calibration
         by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
@@ -570,8 +571,7 @@ class CostModel:
         # before the graph leaves, the client asks which devices have a worker, then builds and
         # serializes the step's graph; on its way the graph is read and written again (beyond a
         # one-task graph's way, in first_start_s): timed here on this plan
-        gpus = frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
-        graph = graph_seconds(plan, gpus, self.machine.tag, fused)
+        graph = graph_seconds(plan, gpu_devices(self.machine), self.machine.tag, fused)
         client = c.get("check_s", 0.0) + graph.client_s + graph.transit_s
         return Runtime(dispatch_s=dispatch, task_s=c["per_task_s"], fetch_s=fetch,
                        export_s=c["export_s"],

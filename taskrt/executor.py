@@ -52,6 +52,11 @@ def inline_data_devices(plan: Plan) -> frozenset:
     return frozenset(d for d, nbytes in data_bytes_by_device(plan).items() if nbytes <= INLINE_DATA_BYTES)
 
 
+def gpu_devices(machine) -> frozenset:
+    """The machine's GPU devices: their steps convert data on arrival and bring outputs back to host."""
+    return frozenset(d.id for d in machine.devices if d.kind.startswith("gpu:"))
+
+
 def step_key(key: tuple, step) -> tuple:
     """('conv1-fwd', 0) at step '7-ab12' -> ('conv1-fwd-it7-ab12', 0), shown as 'conv1-fwd'."""
     return (f"{key[0]}-it{step}", *key[1:])
@@ -182,7 +187,7 @@ class Executor:
 
     @property
     def gpu_devices(self) -> frozenset:
-        return frozenset(d.id for d in self.machine.devices if d.kind.startswith("gpu:"))
+        return gpu_devices(self.machine)
 
     def cut_lineage(self, values: dict, tag: str) -> dict:
         """The same values under fresh keys that have no dependencies: {name: future}.
