@@ -44,7 +44,14 @@ def calibration_line(calibrations: dict) -> str:
         if "noop_cpu_per_task_s" in c:
             text += (f" (fitted to training steps; {c['noop_cpu_per_task_s'] * 1e3:.2f} ms for no-op tasks), per "
                      f"message {c['cpu_per_message_s'] * 1e3:.2f} ms")
-        parts.append(text + f", per byte {c['cpu_per_byte_s'] * 1e9:.2f} ns")
+        text += f", per byte {c['cpu_per_byte_s'] * 1e9:.2f} ns"
+        if "step_start_extra_s" in c:  # latencies read from training steps (search.step_costs)
+            text += (f"; from training steps: dispatch {c.get('step_dispatch_s', 0) * 1e3:.2f} ms"
+                     + (f", fetch {c['step_fetch_s'] * 1e3:.2f} ms" if "step_fetch_s" in c else "")
+                     + f", answer {c.get('step_answer_s', 0) * 1e3:.2f} ms, start "
+                     f"{c['step_start_extra_s'] * 1e3:+.2f} ms {c['step_start_extra_per_task_s'] * 1e3:+.3f} ms per "
+                     "task beyond the modeled one")
+        parts.append(text)
     return "runtime costs calibrated in this run: " + "; ".join(parts)
 
 

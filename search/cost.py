@@ -44,7 +44,7 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, PartTable, grid_parts, part_table
 from search.space import config_grid, layer_configs, search_space
-from search.step_costs import step_cpu_costs
+from search.step_costs import step_costs, trimmed_mean
 from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
@@ -54,8 +54,8 @@ from taskrt.plan import DATA, TASK
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
 # per message; CPU per task and message fitted to training steps where devices share cores; the scheduler's
-# answer to which workers there are
-CALIBRATION_FORMAT = 7
+# answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
+CALIBRATION_FORMAT = 8
 
 
 def default_cache_path() -> Path:
@@ -183,25 +183,76 @@ class CostModel:
         if cached is None or cached.get("format") != CALIBRATION_FORMAT:
             from tqdm import tqdm
 
-            steps = self.machine.num_devices > 1 and self._shared_cores()
-            # about 8 s, and 3 s more of training steps: once per cluster, then cached
-            with tqdm(total=2 if steps else 1, desc="calibrating the runtime's costs (once per cluster)",
+            timed = self._cpu_workers()  # training steps measure the latencies
+            fit_cpu = timed and self.machine.num_devices > 1 and self._shared_cores()
+            # about 8 s, and 4 s more of training steps: once per cluster, then cached
+            with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
                       disable=not self.progress or None, leave=False) as bar:
                 cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
                 bar.update()
-                if steps:
-                    cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
-                    cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
-                    cached.update(step_cpu_costs(self.machine, cached["cpu_per_byte_s"]))
+                if timed:
+                    measured = step_costs(self.machine, cached["cpu_per_byte_s"], fit_cpu=fit_cpu)
+                    if fit_cpu:
+                        cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
+                        cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
+                        cached.update({k: measured[k] for k in ("cpu_per_task_s", "cpu_per_message_s",
+                                                                 "step_cpu_rows")})
+                    cached.update(self._step_latencies(cached, measured))
                     bar.update()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
         return cached
 
+    def _step_latencies(self, calibration: dict, measured: dict) -> dict:
+        """The simulator's latencies from training steps (`search.step_costs`), as `runtime` uses
+        them: the dispatch of a task whose inputs are on its device and the fetch beyond it of one
+        reading another device (each gap less the device's own time per task, which the simulator
+        charges inside the task), the answer, and the start beyond what `runtime` models, fitted
+        as a + b * tasks to the steps' first task (least squares)."""
+        from taskrt.fusion import fused_plan
+
+        def net(gaps):
+            return [g - (calibration["export_s"] if phase == "export" else calibration["per_task_s"])
+                    for g, phase in gaps]
+
+        out = {}
+        same, cross = (trimmed_mean(net(measured["step_gaps"][k])) for k in ("same", "cross"))
+        if same is not None:
+            out["step_dispatch_s"] = max(same, 0.0)
+        if cross is not None:
+            dispatch = out.get("step_dispatch_s", self._noop_dispatch(calibration))
+            out["step_fetch_s"] = max(cross - dispatch, 0.0)
+        if measured["step_answers"]:
+            out["step_answer_s"] = max(trimmed_mean(measured["step_answers"]), 0.0)
+        self.calibration = {**calibration, **out}  # the start as modeled without a fitted extra
+        rows = []
+        for plan, firsts in measured["step_starts"]:
+            if firsts:
+                runtime, tasks = self.runtime(plan), len(fused_plan(plan)[0].tasks)
+                modeled = runtime.start_s + runtime.per_task_submit_s * tasks + runtime.dispatch_s + runtime.task_s
+                rows.append((tasks, float(np.median(firsts)) - modeled))
+        if rows:
+            tasks, extra = np.array(rows).T
+            if np.ptp(tasks) > 0:
+                slope, intercept = np.polyfit(tasks, extra, 1)
+            else:
+                slope, intercept = 0.0, float(np.mean(extra))
+            out.update({"step_start_extra_s": float(intercept), "step_start_extra_per_task_s": float(slope),
+                        "step_start_rows": [[int(t), float(e)] for t, e in rows]})
+        return out
+
+    @staticmethod
+    def _noop_dispatch(calibration: dict) -> float:
+        """A dependent task's dispatch between no-op tasks: a hop less the device's time per task."""
+        return max(calibration["per_hop_s"] - calibration["per_task_s"], 0.0)
+
+    def _cpu_workers(self) -> bool:
+        """Whether the devices are CPU workers (of a Dask cluster)."""
+        return all(d.kind.startswith("cpu:") for d in self.machine.devices)
+
     def _shared_cores(self) -> bool:
         """Whether the devices are CPU workers on one host, sharing its cores with the runtime."""
-        return all(d.kind.startswith("cpu:") for d in self.machine.devices) and len(
-            {d.node for d in self.machine.devices}) == 1
+        return self._cpu_workers() and len({d.node for d in self.machine.devices}) == 1
 
     # ---- tables -----------------------------------------------------------------------------
     def space(self, graph) -> dict[str, list[ParallelConfig]]:
@@ -564,21 +615,25 @@ class CostModel:
         # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
         cross = c.get("per_cross_hop_s")
         fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - float(self.latency[1, 0]), 0.0)
-        dispatch = max(c["per_hop_s"] - c["per_task_s"], 0.0)
+        noop_dispatch = self._noop_dispatch(c)
         # what a one-task graph waits for its task beyond submitting one task and sending it out: the
         # scheduler taking the graph in, once a step
-        intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
+        intake = max(c["first_start_s"] - c["submit_per_task_s"] - noop_dispatch, 0.0)
         # before the graph leaves, the client asks which devices have a worker, then builds and
         # serializes the step's graph; on its way the graph is read and written again (beyond a
         # one-task graph's way, in first_start_s): timed here on this plan
         graph = graph_seconds(plan, gpu_devices(self.machine), self.machine.tag, fused)
         client = c.get("check_s", 0.0) + graph.client_s + graph.transit_s
-        return Runtime(dispatch_s=dispatch, task_s=c["per_task_s"], fetch_s=fetch,
-                       export_s=c["export_s"],
-                       answer_s=c.get("answer_s", c["per_hop_s"]),
-                       start_s=(client + len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
-                                + carried * c["inline_per_byte_s"] + intake),
-                       per_task_submit_s=c["submit_per_task_s"], cores=c["cores"] if shared_cores else 0,
+        start = (client + len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
+                 + carried * c["inline_per_byte_s"] + intake)
+        # Measured on training steps where there are (CPU workers): what no-op tasks miss of a
+        # real step's hops, its answer and its start (`_step_latencies`)
+        return Runtime(dispatch_s=c.get("step_dispatch_s", noop_dispatch), task_s=c["per_task_s"],
+                       fetch_s=c.get("step_fetch_s", fetch), export_s=c["export_s"],
+                       answer_s=c.get("step_answer_s", c.get("answer_s", c["per_hop_s"])),
+                       start_s=max(start + c.get("step_start_extra_s", 0.0), 0.0),
+                       per_task_submit_s=max(c["submit_per_task_s"] + c.get("step_start_extra_per_task_s", 0.0), 0.0),
+                       cores=c["cores"] if shared_cores else 0,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),
                        cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 

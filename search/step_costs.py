@@ -1,22 +1,32 @@
-"""The runtime's processor time per Dask task and per message, fitted to real training steps.
+"""The runtime's costs measured on real training steps: processor time per Dask task and per
+message, and the latencies of a step's start, of each hop between tasks and of its end.
 
-Where devices share a host's cores with the runtime (CPU workers on one host), the scheduler,
-the client and the workers' event loops take processor time from the kernels
-(taskrt.simulate: the background).  Costs measured on no-op tasks submitted all at once
-(`Machine.calibrate`) miss most of what a step's tasks cost: dependent tasks scheduled one
-wave at a time, their specs, the exports of a fused run, each step's graph built and
-submitted.  So a small calibration network, none of the benchmark's, trains a few steps under
-data, model and OWT parallelism and a spatial split; all processes' CPU time over the steps,
-less the workers' task threads' own, is fitted by non-negative least squares to each
-step's fused tasks and messages between devices: the quantities the simulator
-charges (`taskrt.simulate.Runtime`), less the bytes' share measured apart.
+Costs measured on no-op tasks (`Machine.calibrate`) miss much of what a step's tasks cost:
+dependent tasks scheduled one wave at a time, their specs, the exports of a fused run, each
+step's graph built, submitted and taken in by the scheduler.  So a small calibration network,
+none of the benchmark's, trains a few steps under data, model and OWT parallelism, a spatial
+split and (with two devices or more) on one device alone, and the steps are measured as the
+simulator sees them (`taskrt.simulate.Runtime`):
+
+- processor time (where devices share a host's cores with the runtime, CPU workers on one
+  host): all processes' CPU time over the steps, less the workers' task threads' own, fitted by
+  non-negative least squares to each step's fused tasks and messages between devices, less the
+  bytes' share measured apart;
+- latencies, from the scheduler's task stream of a few more steps (`step_timings`): from a task's
+  inputs being done to its start, on its own device and from another one beyond the link's time;
+  from the step's start to its first task; from the runs computing its outputs ending to the
+  client having them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 
-STEPS, WARMUP = 4, 2
+STEPS, WARMUP, TIMED = 4, 2, 3  # steps per strategy: untimed first, CPU measured, task stream read
+TRIM = 0.1  # latencies are means of the middle 80%: a device busy with another task, a slow moment
 
 
 def calibration_network(batch: int = 32):
@@ -39,25 +49,37 @@ def calibration_network(batch: int = 32):
 
 
 def strategies(graph, machine) -> dict:
-    """Data, model and OWT parallelism, and conv and pool layers split in height (the rest over
-    samples): few tasks and many bytes, many tasks and few bytes, and between."""
+    """Data, model and OWT parallelism, conv and pool layers split in height (the rest over
+    samples), and every layer on device 0: few tasks and many bytes, many tasks and few bytes,
+    between, and one task (a step that fuses into a single run)."""
     from search.baselines import BASELINES
     from taskrt.config import ParallelConfig
     from taskrt.strategy import Strategy
 
-    out = {name: make(graph, machine) for name, make in BASELINES.items()}
     d = machine.num_devices
+    if d == 1:  # every strategy is the same one on a single device
+        return {"one device": BASELINES["data"](graph, machine).validated(graph, machine)}
+    out = {name: make(graph, machine) for name, make in BASELINES.items()}
     out["height"] = Strategy({
         layer.name: ParallelConfig(**{"h" if "h" in layer.dims else "n": d}, devices=tuple(range(d)))
         for layer in graph if not layer.is_input}, name="height")
+    out["one device"] = Strategy({layer.name: ParallelConfig(devices=(0,)) for layer in graph if not layer.is_input},
+                                 name="one device")
     return {name: s.validated(graph, machine) for name, s in out.items()}
 
 
-def step_cpu_costs(machine, cpu_per_byte_s: float, steps: int = STEPS, warmup: int = WARMUP) -> dict:
-    """{"cpu_per_task_s", "cpu_per_message_s"} fitted to training steps of `calibration_network`
-    (module docstring) less `cpu_per_byte_s` for each byte moved, and the rows fitted
-    ("step_cpu_rows").  The calibration network moves too few bytes to tell their cost apart
-    from the noise: `Machine.calibrate` measures it on large messages."""
+def step_costs(machine, cpu_per_byte_s: float = 0.0, fit_cpu: bool = True, steps: int = STEPS,
+               warmup: int = WARMUP, timed: int = TIMED) -> dict:
+    """The runtime's costs measured on training steps of `calibration_network` (module docstring).
+
+    With `fit_cpu`: {"cpu_per_task_s", "cpu_per_message_s"} fitted to the steps' processor time
+    less `cpu_per_byte_s` for each byte moved, and the rows fitted ("step_cpu_rows").  (The
+    calibration network moves too few bytes to tell their cost apart from the noise:
+    `Machine.calibrate` measures it on large messages.)  Always the latencies, `step_timings` of
+    `timed` more steps per strategy, pooled: {"step_gaps": {"same": [...], "cross": [...]},
+    "step_answers": [...]}, and per strategy its plan and the start of each step's first task
+    ("step_starts": [(plan, [seconds])]; the cost model compares them with the start it models
+    for the plan)."""
     from scipy.optimize import nnls
 
     from search.measured import random_batch
@@ -67,26 +89,139 @@ def step_cpu_costs(machine, cpu_per_byte_s: float, steps: int = STEPS, warmup: i
     graph = calibration_network()
     x, y = random_batch(graph, 0)
     client = machine.client
-    rows = []
+    client.get_task_stream(start=time.time())  # the first call starts the scheduler's recording
+    rows, gaps, answers, starts = [], {"same": [], "cross": []}, [], []
     for name, strategy in strategies(graph, machine).items():
         # no snapshots: training takes one rarely enough to cost under 5%, not in every few steps
         trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, snapshot_every=None)
         for _ in range(warmup):
             trainer.step(x, y)
-        before = _cpu(client)
-        for _ in range(steps):
-            trainer.step(x, y)
-        total, task_threads = (after - start for after, start in zip(_cpu(client), before))
         fused, _ = fused_plan(trainer.plan)
-        rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
-                     "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0) / steps})
+        if fit_cpu:
+            before = _cpu(client)
+            for _ in range(steps):
+                trainer.step(x, y)
+            total, task_threads = (after - start for after, start in zip(_cpu(client), before))
+            rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
+                         "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0) / steps})
+        firsts = []
+        for _ in range(timed):
+            measured = _timed_step(trainer, x, y, fused, machine)
+            if measured is None:
+                continue
+            for kind in gaps:
+                gaps[kind] += measured["gaps"][kind]
+            answers.append(measured["answer_s"])
+            firsts.append(measured["first_start_s"])
+        starts.append((trainer.plan, firsts))
         del trainer
-    features = np.array([[r["tasks"], r["messages"]] for r in rows], dtype=float)
-    scale = np.maximum(features.max(axis=0), 1.0)  # columns of comparable size for nnls
-    net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] for r in rows])
-    coef, _ = nnls(features / scale, np.maximum(net, 0.0))
-    per_task, per_message = (coef / scale).tolist()
-    return {"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "step_cpu_rows": rows}
+    out = {"step_gaps": gaps, "step_answers": answers, "step_starts": starts}
+    if fit_cpu:
+        features = np.array([[r["tasks"], r["messages"]] for r in rows], dtype=float)
+        scale = np.maximum(features.max(axis=0), 1.0)  # columns of comparable size for nnls
+        net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] for r in rows])
+        coef, _ = nnls(features / scale, np.maximum(net, 0.0))
+        per_task, per_message = (coef / scale).tolist()
+        out.update({"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "step_cpu_rows": rows})
+    return out
+
+
+def _timed_step(trainer, x, y, fused, machine) -> dict | None:
+    """One step of `trainer`, its tasks' times read from the scheduler's task stream (`step_timings`);
+    None if the stream lacks some of them."""
+    from distributed import wait
+
+    client = machine.client
+    began = time.time()  # the task stream's clock
+    future = trainer.submit(x, y)
+    future.result()
+    ended = time.time()
+    # the losses come straight from the workers (taskrt.worker_reads), maybe before the scheduler
+    # has heard the step's tasks end: wait for that too
+    with client.as_current(), contextlib.suppress(TimeoutError):
+        wait(future.run.futures(), timeout=5.0)
+    return step_timings(fused, client.get_task_stream(start=began), future.run.tag, began, ended,
+                        machine.latency, machine.bandwidth)
+
+
+def step_timings(fused, records, tag: str, began: float, ended: float, latency, bandwidth) -> dict | None:
+    """What one step took beyond its tasks, from the scheduler's task stream `records` of its
+    `fused` plan's tasks (keys tagged `tag`), all on the task stream's clock; None if the stream
+    lacks one of the plan's fused runs.
+
+    - "gaps": (seconds, the task's phase) from a task's inputs being done (the last task it reads
+      ending) to its start, where its device was not busy with another task meanwhile: "same"
+      where all its inputs are on its device, "cross" (less the link's latency and bandwidth for
+      what it reads from each other device, as the simulator books them) where some are not;
+    - "first_start_s": from `began` (the client starting the step) to its first task's start;
+    - "answer_s": from the last run computing one of the step's outputs ending to `ended` (the
+      client having the values it waits for), as the simulator ends a step: negative where a
+      device still updated its state after the client had the losses."""
+    from taskrt.plan import TASK, output_keys
+
+    suffix = f"-it{tag}"
+    spans = {}  # plan key -> (start, stop)
+    for record in records:
+        key = record["key"]
+        if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].endswith(suffix)):
+            continue
+        for span in record["startstops"]:
+            if span["action"] == "compute":
+                spans[(key[0][: -len(suffix)], *key[1:])] = (span["start"], span["stop"])
+
+    def span_of(key):  # an export missing from the stream: its run's
+        if key not in spans and fused.by_key[key].phase == "export":
+            key = fused.by_key[key].deps[0].key
+        return spans.get(key)
+
+    runs = [t for t in fused.tasks if t.phase == "fused"]
+    if not runs or any(t.key not in spans for t in runs):
+        return None
+    on_device = {}  # device -> sorted stops of its tasks
+    for task in fused.tasks:
+        if task.key in spans:
+            on_device.setdefault(task.device, []).append(spans[task.key][1])
+    for stops in on_device.values():
+        stops.sort()
+    gaps = {"same": [], "cross": []}
+    for task in fused.tasks:
+        inputs = [d.key for d in task.deps if d.kind == TASK]
+        if not inputs or task.key not in spans or any(span_of(k) is None for k in inputs):
+            continue
+        ready, start = max(span_of(k)[1] for k in inputs), spans[task.key][0]
+        stops = on_device[task.device]
+        before = stops[max(np.searchsorted(stops, start, side="right") - 1, 0)]
+        if ready < before <= start:  # its device ran another task after its inputs were done
+            continue
+        link = {}
+        for key in inputs:
+            source = fused.by_key[key].device
+            if source != task.device:
+                link[source] = link.get(source, 0) + (fused.nbytes_of(_dep(task, key)) or 0)
+        if link:
+            seconds = max(float(latency[s, task.device]) + n / float(bandwidth[s, task.device])
+                          for s, n in link.items())
+            gaps["cross"].append((start - ready - seconds, task.phase))
+        else:
+            gaps["same"].append((start - ready, task.phase))
+    first = min(s for s, _ in spans.values())
+    outputs = [k for k in output_keys(fused.outputs) if k in fused.by_key]
+    computed = [span_of(fused.by_key[k].deps[0].key if fused.by_key[k].phase == "export" else k) for k in outputs]
+    last = max((s[1] for s in computed if s is not None), default=max(s[1] for s in spans.values()))
+    return {"gaps": gaps, "first_start_s": first - began, "answer_s": ended - last}
+
+
+def _dep(task, key):
+    from taskrt.plan import TASK
+
+    return next(d for d in task.deps if d.kind == TASK and d.key == key)
+
+
+def trimmed_mean(values) -> float | None:
+    """The mean of the middle 80% of `values` (None for none)."""
+    from scipy.stats import trim_mean
+
+    return float(trim_mean(np.asarray(values, dtype=float), TRIM)) if len(values) else None
 
 
 def _cpu(client) -> tuple[float, float]:
