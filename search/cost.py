@@ -222,8 +222,8 @@ class CostModel:
         if cross is not None:
             dispatch = out.get("step_dispatch_s", self._noop_dispatch(calibration))
             out["step_fetch_s"] = max(cross - dispatch, 0.0)
-        if measured["step_answers"]:
-            out["step_answer_s"] = max(trimmed_mean(measured["step_answers"]), 0.0)
+        if measured["step_answers"]:  # the median: a few steps, one of them may be slow
+            out["step_answer_s"] = max(float(np.median(measured["step_answers"])), 0.0)
         self.calibration = {**calibration, **out}  # the start as modeled without a fitted extra
         rows = []
         for plan, firsts in measured["step_starts"]:

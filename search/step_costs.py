@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-STEPS, WARMUP, TIMED = 4, 2, 3  # steps per strategy: untimed first, CPU measured, task stream read
+STEPS, WARMUP, TIMED = 4, 2, 5  # steps per strategy: untimed first, CPU measured, task stream read
 TRIM = 0.1  # latencies are means of the middle 80%: a device busy with another task, a slow moment
 
 
