@@ -79,8 +79,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     kernels share the cores with each other and with the runtime's own work (scheduler, worker
     event loops moving bytes): each runs at min(1, cores / (kernels running + background)),
     where the background is the runtime's processor time spread over the step, found by
-    fixed-point iteration; a message between devices takes at least its bytes' processor time
-    at the share of a core it gets (`_schedule`'s transfer).
+    fixed-point iteration.
 
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed
@@ -146,17 +145,9 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     start: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}  # (dependency, device) -> when its value is there
 
-    running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
-
     def transfer(src, dst, nbytes, at):
-        """Book one message on the link (and the nodes' interfaces); returns its arrival time.
-        Where devices share the host's cores, moving the bytes is processor work too (both ends'
-        `cpu_per_byte_s`): the message is no faster than that work at the share of a core it gets
-        beside the kernels running when it is sent (the background is mostly such work itself)."""
+        """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
         seconds = nbytes / bandwidth[src, dst]
-        if runtime.cores and runtime.cpu_per_byte_s:
-            share = min(1.0, runtime.cores / (len(running) + 1))
-            seconds = max(seconds, nbytes * runtime.cpu_per_byte_s / share)
         begin = max(at, link_free[(src, dst)])
         if nic and node[src] != node[dst]:
             seconds = max(seconds, nbytes / nic)
@@ -177,6 +168,7 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
             ready = _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime)
             heapq.heappush(pending, (ready, order[task.key], task))
     queued = [[] for _ in range(n)]  # per device, tasks whose inputs are there
+    running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
     now = origin
 
     def rate():
