@@ -185,19 +185,19 @@ def step_timings(fused, records, tag: str, began: float, ended: float, latency, 
         stops.sort()
     gaps = {"same": [], "cross": []}
     for task in fused.tasks:
-        inputs = [d.key for d in task.deps if d.kind == TASK]
-        if not inputs or task.key not in spans or any(span_of(k) is None for k in inputs):
+        inputs = [d for d in task.deps if d.kind == TASK]
+        if not inputs or task.key not in spans or any(span_of(d.key) is None for d in inputs):
             continue
-        ready, start = max(span_of(k)[1] for k in inputs), spans[task.key][0]
+        ready, start = max(span_of(d.key)[1] for d in inputs), spans[task.key][0]
         stops = on_device[task.device]
         before = stops[max(np.searchsorted(stops, start, side="right") - 1, 0)]
         if ready < before <= start:  # its device ran another task after its inputs were done
             continue
-        link = {}
-        for key in inputs:
-            source = fused.by_key[key].device
+        link = {}  # source device -> bytes read from it
+        for dep in inputs:
+            source = fused.by_key[dep.key].device
             if source != task.device:
-                link[source] = link.get(source, 0) + (fused.nbytes_of(_dep(task, key)) or 0)
+                link[source] = link.get(source, 0) + (fused.nbytes_of(dep) or 0)
         if link:
             seconds = max(float(latency[s, task.device]) + n / float(bandwidth[s, task.device])
                           for s, n in link.items())
@@ -209,12 +209,6 @@ def step_timings(fused, records, tag: str, began: float, ended: float, latency, 
     computed = [span_of(fused.by_key[k].deps[0].key if fused.by_key[k].phase == "export" else k) for k in outputs]
     last = max((s[1] for s in computed if s is not None), default=max(s[1] for s in spans.values()))
     return {"gaps": gaps, "first_start_s": first - began, "answer_s": ended - last}
-
-
-def _dep(task, key):
-    from taskrt.plan import TASK
-
-    return next(d for d in task.deps if d.kind == TASK and d.key == key)
 
 
 def trimmed_mean(values) -> float | None:
