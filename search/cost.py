@@ -53,9 +53,9 @@ from taskrt.plan import DATA, TASK
 
 CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
-# per message; CPU per task and message fitted to training steps where devices share cores; the scheduler's
+# per message; CPU per task fitted to training steps where devices share cores; the scheduler's
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
-CALIBRATION_FORMAT = 8
+CALIBRATION_FORMAT = 9
 
 
 def default_cache_path() -> Path:
@@ -173,8 +173,9 @@ class CostModel:
     # ---- runtime overhead -------------------------------------------------------------------
     def _calibrate(self) -> dict:
         """The cluster's runtime costs (`Machine.calibrate`), cached like part timings.  Where
-        devices share the host's cores, the runtime's processor time per task and message is
-        fitted to training steps instead (`search.step_costs`), the no-op tasks' kept beside."""
+        devices share the host's cores, the runtime's processor time per task is fitted to
+        training steps instead (`search.step_costs`), the no-op tasks' kept beside; on CPU
+        workers the latencies come from training steps too (`_step_latencies`)."""
         if self.estimated:
             kind = self.machine.devices[0].kind
             return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
@@ -191,12 +192,11 @@ class CostModel:
                 cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
                 bar.update()
                 if timed:
-                    measured = step_costs(self.machine, cached["cpu_per_byte_s"], fit_cpu=fit_cpu)
+                    measured = step_costs(self.machine, cached["cpu_per_byte_s"], cached["cpu_per_message_s"],
+                                          fit_cpu=fit_cpu)
                     if fit_cpu:
                         cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
-                        cached["noop_cpu_per_message_s"] = cached["cpu_per_message_s"]
-                        cached.update({k: measured[k] for k in ("cpu_per_task_s", "cpu_per_message_s",
-                                                                 "step_cpu_rows")})
+                        cached.update({k: measured[k] for k in ("cpu_per_task_s", "step_cpu_rows")})
                     cached.update(self._step_latencies(cached, measured))
                     bar.update()
             self.cache.data["overhead"][key] = cached

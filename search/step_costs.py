@@ -9,9 +9,9 @@ split and (with two devices or more) on one device alone, and the steps are meas
 simulator sees them (`taskrt.simulate.Runtime`):
 
 - processor time (where devices share a host's cores with the runtime, CPU workers on one
-  host): all processes' CPU time over the steps, less the workers' task threads' own, fitted by
-  non-negative least squares to each step's fused tasks and messages between devices, less the
-  bytes' share measured apart;
+  host): all processes' CPU time over the steps, less the workers' task threads' own and the
+  share of their messages and bytes measured apart, fitted by non-negative least squares to
+  each step's fused tasks;
 - latencies, from the scheduler's task stream of a few more steps (`step_timings`): from a task's
   inputs being done to its start, on its own device and from another one beyond the link's time;
   from the step's start to its first task; from the runs computing its outputs ending to the
@@ -68,18 +68,20 @@ def strategies(graph, machine) -> dict:
     return {name: s.validated(graph, machine) for name, s in out.items()}
 
 
-def step_costs(machine, cpu_per_byte_s: float = 0.0, fit_cpu: bool = True, steps: int = STEPS,
-               warmup: int = WARMUP, timed: int = TIMED) -> dict:
+def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 0.0, fit_cpu: bool = True,
+               steps: int = STEPS, warmup: int = WARMUP, timed: int = TIMED) -> dict:
     """The runtime's costs measured on training steps of `calibration_network` (module docstring).
 
-    With `fit_cpu`: {"cpu_per_task_s", "cpu_per_message_s"} fitted to the steps' processor time
-    less `cpu_per_byte_s` for each byte moved, and the rows fitted ("step_cpu_rows").  (The
-    calibration network moves too few bytes to tell their cost apart from the noise:
-    `Machine.calibrate` measures it on large messages.)  Always the latencies, `step_timings` of
-    `timed` more steps per strategy, pooled: {"step_gaps": {"same": [...], "cross": [...]},
-    "step_answers": [...]}, and per strategy its plan and the start of each step's first task
-    ("step_starts": [(plan, [seconds])]; the cost model compares them with the start it models
-    for the plan)."""
+    With `fit_cpu`: {"cpu_per_task_s"} fitted to the steps' processor time less `cpu_per_byte_s`
+    for each byte moved and `cpu_per_message_s` for each message between devices, and the rows
+    fitted ("step_cpu_rows").  (The calibration network moves too few bytes to tell their cost
+    apart from the noise, and its steps' messages come with their tasks, about one for every 2.5
+    whatever the split, so a fit of both gave anything from 0 to 7 ms a message from run to run:
+    `Machine.calibrate` measures both apart, on large messages and on small ones.)  Always the
+    latencies, `step_timings` of `timed` more steps per strategy, pooled: {"step_gaps": {"same":
+    [...], "cross": [...]}, "step_answers": [...]}, and per strategy its plan and the start of
+    each step's first task ("step_starts": [(plan, [seconds])]; the cost model compares them with
+    the start it models for the plan)."""
     from scipy.optimize import nnls
 
     from search.measured import random_batch
@@ -117,12 +119,11 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, fit_cpu: bool = True, steps
         del trainer
     out = {"step_gaps": gaps, "step_answers": answers, "step_starts": starts}
     if fit_cpu:
-        features = np.array([[r["tasks"], r["messages"]] for r in rows], dtype=float)
-        scale = np.maximum(features.max(axis=0), 1.0)  # columns of comparable size for nnls
-        net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] for r in rows])
-        coef, _ = nnls(features / scale, np.maximum(net, 0.0))
-        per_task, per_message = (coef / scale).tolist()
-        out.update({"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "step_cpu_rows": rows})
+        tasks = np.array([[r["tasks"]] for r in rows], dtype=float)
+        net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] - cpu_per_message_s * r["messages"]
+                        for r in rows])
+        (per_task,), _ = nnls(tasks, np.maximum(net, 0.0))
+        out.update({"cpu_per_task_s": float(per_task), "cpu_per_message_s": cpu_per_message_s, "step_cpu_rows": rows})
     return out
 
 
