@@ -224,11 +224,11 @@ class CostModel:
             out["step_fetch_s"] = max(cross - dispatch, 0.0)
         if measured["step_answers"]:  # the median: a few steps, one of them may be slow
             out["step_answer_s"] = max(float(np.median(measured["step_answers"])), 0.0)
-        self.calibration = {**calibration, **out}  # the start as modeled without a fitted extra
+        unfitted = {**calibration, **out}  # the start as modeled without a fitted extra
         rows = []
         for plan, firsts in measured["step_starts"]:
             if firsts:
-                runtime, tasks = self.runtime(plan), len(fused_plan(plan)[0].tasks)
+                runtime, tasks = self._runtime(unfitted, plan), len(fused_plan(plan)[0].tasks)
                 modeled = runtime.start_s + runtime.per_task_submit_s * tasks + runtime.dispatch_s + runtime.task_s
                 rows.append((tasks, float(np.median(firsts)) - modeled))
         if rows:
@@ -604,9 +604,13 @@ class CostModel:
 
         if self.estimated:
             return Runtime()
-        from taskrt.executor import data_bytes_by_device, gpu_devices, graph_seconds, inline_data_devices
+        return self._runtime(self.calibration, plan, fused)
 
-        c = self.calibration
+    def _runtime(self, c: dict, plan, fused: bool = True):
+        """`runtime` under the calibration `c` (`_step_latencies` asks it before the fitted start)."""
+        from taskrt.executor import data_bytes_by_device, gpu_devices, graph_seconds, inline_data_devices
+        from taskrt.simulate import Runtime
+
         by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
         receivers = set(by_device) - inline
         scattered = sum(by_device[d] for d in receivers)
@@ -684,13 +688,9 @@ class CostModel:
         return {"ps": ps, "allreduce": allreduce}
 
     # ---- t_x --------------------------------------------------------------------------------
-    def transfer_costs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool) -> np.ndarray:
-        """(configs of u) x (configs of v): see search.transfer."""
-        jobs, combine = self.transfer_jobs(u, v, needs, itemsize, backward)
-        return combine([job() for job in jobs])
-
     def transfer_jobs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool):
-        """`transfer_costs` as (functions to call, a function of their results giving the table)."""
+        """The t_x table of an edge, (configs of u) x (configs of v) (see search.transfer), as
+        (functions to call, a function of their results giving the table)."""
         if backward and u.grid is v.grid and needs.reads_own_part:
             # Same configs on both sides and each part reads its own Rect (batch norm, relu): the
             # gradients retrace the activations' paths, so backward of (a, b) is forward of (b, a).
