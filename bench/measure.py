@@ -8,16 +8,15 @@ and the task-graph simulator.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
 import numpy as np
-from distributed import wait
 from tqdm import tqdm
 
 import search
 from search.measured import random_batch
+from search.step_costs import recorded_step
 from taskrt import models
 from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
@@ -73,14 +72,8 @@ def compute_times(client, keys: set, since: float) -> dict:
 def kernels_in_a_step(machine, trainer, x, y) -> float:
     """Seconds the workers spent computing one more step of `trainer` (all its Dask tasks, from the
     scheduler's task stream)."""
-    since = time.time()
-    machine.client.get_task_stream(start=since)  # the first call starts the scheduler's recording
-    future = trainer.submit(x, y)
-    future.result()
-    # the step's losses come straight from its workers (taskrt.worker_reads), maybe before the
-    # scheduler has heard its tasks end and put them in the task stream: wait for that too
-    with machine.client.as_current(), contextlib.suppress(TimeoutError):
-        wait(future.run.futures(), timeout=5.0)
+    machine.client.get_task_stream(start=time.time())  # the first call starts the scheduler's recording
+    future, since, _ = recorded_step(trainer, x, y)
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 

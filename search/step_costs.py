@@ -130,19 +130,26 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
 def _timed_step(trainer, x, y, fused, machine) -> dict | None:
     """One step of `trainer`, its tasks' times read from the scheduler's task stream (`step_timings`);
     None if the stream lacks some of them."""
+    future, began, ended = recorded_step(trainer, x, y)
+    return step_timings(fused, machine.client.get_task_stream(start=began), future.run.tag, began, ended,
+                        machine.latency, machine.bandwidth)
+
+
+def recorded_step(trainer, x, y) -> tuple:
+    """One step of `trainer` on a cluster whose task stream is recording: (its StepFuture, when the
+    client began it, when the client had it), on the task stream's clock, once the scheduler has
+    heard its runs end.  (A step's losses come straight from its workers, taskrt.worker_reads,
+    maybe before the scheduler has put its tasks in the task stream.)"""
     from distributed import wait
 
-    client = machine.client
-    began = time.time()  # the task stream's clock
+    client = trainer.machine.client
+    began = time.time()
     future = trainer.submit(x, y)
     future.result()
     ended = time.time()
-    # the losses come straight from the workers (taskrt.worker_reads), maybe before the scheduler
-    # has heard the step's tasks end: wait for that too
     with client.as_current(), contextlib.suppress(TimeoutError):
         wait(future.run.futures(), timeout=5.0)
-    return step_timings(fused, client.get_task_stream(start=began), future.run.tag, began, ended,
-                        machine.latency, machine.bandwidth)
+    return future, began, ended
 
 
 def step_timings(fused, records, tag: str, began: float, ended: float, latency, bandwidth) -> dict | None:
