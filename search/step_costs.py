@@ -158,7 +158,8 @@ def step_timings(fused, records, tag: str, began: float, ended: float, latency, 
     lacks one of the plan's fused runs.
 
     - "gaps": (seconds, the task's phase) from a task's inputs being done (the last task it reads
-      ending) to its start, where its device was not busy with another task meanwhile: "same"
+      ending) to its start, where its device was not busy with another task meanwhile and the task
+      did not start first (then the graph Dask ran did not have that dependency): "same"
       where all its inputs are on its device, "cross" (less the link's latency and bandwidth for
       what it reads from each other device, as the simulator books them) where some are not;
     - "first_start_s": from `began` (the client starting the step) to its first task's start;
@@ -199,6 +200,8 @@ def step_timings(fused, records, tag: str, began: float, ended: float, latency, 
         ready, start = max(span_of(d.key)[1] for d in inputs), spans[task.key][0]
         stops = on_device[task.device]
         before = stops[max(np.searchsorted(stops, start, side="right") - 1, 0)]
+        if start < ready:  # not a dependency in the graph Dask ran (the executor sends some values itself)
+            continue
         if ready < before <= start:  # its device ran another task after its inputs were done
             continue
         link = {}  # source device -> bytes read from it

@@ -169,6 +169,16 @@ def test_step_timings_reads_the_gaps_of_a_schedule():
     assert {p for _, p in out["gaps"]["same"] + out["gaps"]["cross"]} <= {t.phase for t in fused.tasks}
     outputs = [k for k in output_keys(fused.outputs) if k in fused.by_key]
     assert out["answer_s"] >= 0.0015 - 1e-12 and outputs
+    # a task that started before an input ended did not wait for it (the executor's graph lacked
+    # that dependency): no gap of it is read
+    late = next(t for t in fused.tasks if t.phase != "export" and any(
+        d.kind == TASK and fused.by_key[d.key].device == t.device for d in t.deps))
+    ready = max(spans[d.key][1] for d in late.deps if d.kind == TASK)
+    moved = [{**r, "startstops": [{"action": "compute", "start": ready - 0.001, "stop": ready}]}
+             if r["key"] == (f"{late.key[0]}-it{tag}", *late.key[1:]) else r for r in records]
+    again = step_timings(fused, moved, tag, began, ended, latency, bandwidth)
+    assert len(again["gaps"]["same"]) + len(again["gaps"]["cross"]) == len(same) + len(cross) - 1
+    assert all(g >= 0 for g, _ in again["gaps"]["same"] + again["gaps"]["cross"])
     # a fused run missing from the stream: nothing read
     run = next(t.key for t in fused.tasks if t.phase == "fused")
     assert step_timings(fused, [r for r in records if r["key"][1:] != run[1:] or not r["key"][0].startswith(run[0])],
