@@ -18,8 +18,8 @@
   and for replicated weights the gradient extraction and weight fetch).  Zero for simulated
   machines unless given: the paper's runtime assumption.
 
-The t_x kernels release the GIL: a search runs them on this thread and a helper thread at once
-(`run_jobs`), once every edge's arguments are prepared.
+The t_x kernels release the GIL: a helper thread runs each edge's as soon as both its layers are
+prepared, while this thread prepares the next layers and the t_c and t_s tables (`Kernels`).
 
 A layer's tables depend only on its op and configs, its configs, parts and grid only on its
 output shape, and an edge's t_x only on its two grids and what the consumer reads per block, so
@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -269,28 +272,32 @@ class CostModel:
 
         choose_sync = configs is None  # the space: each config gets the cheaper sync method
         needed = graph.needs_backward()
-        spaces = {layer.name: self.layer_space(layer, None if configs is None else configs[layer.name])
-                  for layer in graph}
-        seconds = {"space and regions": lap()}
-        compute = self.compute_costs(graph, spaces, needed)
-        seconds["compute"] = lap()
-        sync, chosen = {}, {}
-        for layer in graph:
-            space = spaces[layer.name]
-            if choose_sync:
-                chosen[layer.name], sync[layer.name] = self._cheaper_sync(layer, space)
-            else:
-                methods = self.sync_methods(layer, space.parts)
-                chosen[layer.name] = space.configs
-                sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(space.configs)])
-        seconds["sync"] = lap()
-        pending = {}  # key -> (jobs, combine) of the tables not yet known
-        edges = [(src, layer.name, j, self._edge_key(graph[src], spaces[src], spaces[layer.name], j, src in needed,
-                                                     pending))
-                 for layer in graph for j, src in enumerate(layer.inputs)]
-        self._compute_edges(pending)
+        with Kernels() as kernels:
+            # Each edge's t_x kernels start on the helper as soon as both its layers have their space
+            # (layers come in topological order), while this thread goes on with the next layers.
+            spaces, edges = {}, []
+            for layer in graph:
+                spaces[layer.name] = space = self.layer_space(layer, None if configs is None else configs[layer.name])
+                for j, src in enumerate(layer.inputs):
+                    edges.append((src, layer.name, j, self._edge_key(graph[src], spaces[src], space, j,
+                                                                     src in needed, kernels)))
+            seconds = {"space and regions": lap()}
+            compute = self.compute_costs(graph, spaces, needed)
+            seconds["compute"] = lap()
+            sync, chosen = {}, {}
+            for layer in graph:
+                space = spaces[layer.name]
+                if choose_sync:
+                    chosen[layer.name], sync[layer.name] = self._cheaper_sync(layer, space)
+                else:
+                    methods = self.sync_methods(layer, space.parts)
+                    chosen[layer.name] = space.configs
+                    sync[layer.name] = np.array([methods[c.sync][i] for i, c in enumerate(space.configs)])
+            seconds["sync"] = lap()
+            for key, table in kernels.tables().items():
+                self._edges[key] = _read_only(table)
         edges = [(src, dst, j, self._edges[key]) for src, dst, j, key in edges]
-        seconds["edges"] = lap()
+        seconds["edges"] = lap()  # waiting for the kernels not done meanwhile
         notes = ["t_c estimated by roofline (simulated machine)"] if self.estimated else []
         return Tables(chosen, compute, sync, edges, self.estimated, notes, seconds)
 
@@ -405,26 +412,16 @@ class CostModel:
             space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
         return space.cheaper
 
-    def _edge_key(self, producer, u: LayerSpace, v: LayerSpace, j, backward, pending: dict) -> tuple:
-        """The key of an edge's t_x table in `_edges`; a table not known yet gets its jobs in
-        `pending` (`_compute_edges`)."""
+    def _edge_key(self, producer, u: LayerSpace, v: LayerSpace, j, backward, kernels: Kernels) -> tuple:
+        """The key of an edge's t_x table in `_edges`; a table not known yet has its kernels
+        started in `kernels`."""
         itemsize = 8 if producer.is_input and producer.op.dtype == "int64" else self.itemsize
         # t_x depends on the ops only through the consumer's needs: e.g. every batch norm reading a
         # convolution of one output shape has the same table
         key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
-        if key not in self._edges and key not in pending:
-            pending[key] = self.transfer_jobs(u, v, v.needs[j], itemsize, backward)
+        if key not in self._edges and key not in kernels:
+            kernels.start(key, *self.transfer_jobs(u, v, v.needs[j], itemsize, backward))
         return key
-
-    def _compute_edges(self, pending: dict):
-        """The tables of `pending` ({key: (jobs, combine)}) into `_edges`, their kernels on two threads."""
-        owner = [key for key, (jobs, _) in pending.items() for _ in jobs]
-        results = run_jobs([job for jobs, _ in pending.values() for job in jobs])
-        parts = {}
-        for key, table in zip(owner, results):
-            parts.setdefault(key, []).append(table)
-        for key, (_, combine) in pending.items():
-            self._edges[key] = _read_only(combine(parts[key]))
 
     def breakdown(self, graph, strategy) -> Breakdown:
         """Predicted cost of `strategy` under the model, layer by layer."""
@@ -707,31 +704,92 @@ def _plus_transpose(table: np.ndarray) -> np.ndarray:
 
 
 _HELPER: tuple | None = None  # (process id, executor): a forked child starts its own
+_SWITCH = threading.Lock()
+_switch = {"users": 0, "saved": None}
 
 
-def run_jobs(jobs: list) -> list:
-    """Each job's result, the jobs shared by this thread and one helper thread (started once per
-    process): the t_x kernels release the GIL, so on two cores they run at once.  (Started while
-    this thread still prepared tables, the helper waited for the GIL up to Python's switch
-    interval at every job: slower than one thread.)"""
-    global _HELPER
-    if len(jobs) < 2 or (os.cpu_count() or 1) < 2:
-        return [job() for job in jobs]
-    if _HELPER is None or _HELPER[0] != os.getpid():
-        _HELPER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="taskrt-tables"))
-    results = [None] * len(jobs)
-    order = iter(range(len(jobs)))  # each index taken once: next() on it holds the GIL
+class Kernels:
+    """Tables whose kernels run on one helper thread as soon as they are started, while this
+    thread goes on preparing other tables; `tables()` runs on this thread too whatever the
+    helper has not begun, and gives every table.  The t_x kernels release the GIL, so on two
+    cores they overlap this thread's Python.  Meanwhile Python's switch interval is shortened
+    (SWITCH_INTERVAL_S): a helper wanting the GIL back to start its next kernel would otherwise
+    wait up to 5 ms for this thread to let it go at every kernel (slower than one thread)."""
 
-    def drain():
-        for i in order:
-            results[i] = jobs[i]()
+    SWITCH_INTERVAL_S = 1e-4
 
-    helper = _HELPER[1].submit(drain)
-    try:
-        drain()
-    finally:
-        helper.result()  # its error, if it had one; never left running
-    return results
+    def __init__(self):
+        self.combine, self.parts, self.results = {}, {}, []
+        self.queue = queue.SimpleQueue()
+        self.helper = None
+
+    def __contains__(self, key) -> bool:
+        return key in self.combine
+
+    def __enter__(self) -> Kernels:
+        global _HELPER
+        if (os.cpu_count() or 1) >= 2:
+            if _HELPER is None or _HELPER[0] != os.getpid():
+                _HELPER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="taskrt-tables"))
+            with _SWITCH:
+                if _switch["users"] == 0:
+                    _switch["saved"] = sys.getswitchinterval()
+                    sys.setswitchinterval(min(self.SWITCH_INTERVAL_S, _switch["saved"]))
+                _switch["users"] += 1
+            self.helper = _HELPER[1].submit(self._drain, True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.helper is not None:  # an error before tables(): drop what is queued, stop the helper
+            try:
+                while True:
+                    self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.queue.put(None)
+            try:
+                self.helper.result()
+            finally:
+                self.helper = None
+                self._restore()
+        return False
+
+    def start(self, key, jobs: list, combine):
+        """The table `key` is `combine(results of jobs)`; its jobs start."""
+        self.combine[key] = combine
+        self.parts[key] = []
+        for job in jobs:
+            slot = len(self.results)
+            self.results.append(None)
+            self.parts[key].append(slot)
+            self.queue.put((slot, job))
+
+    def tables(self) -> dict:
+        self._drain(False)
+        if self.helper is not None:
+            self.queue.put(None)
+            self.helper.result()
+            self.helper = None
+            self._restore()
+        return {key: combine([self.results[i] for i in self.parts[key]]) for key, combine in self.combine.items()}
+
+    def _drain(self, wait: bool):
+        """Run queued jobs; the helper (`wait`) until told to stop, this thread until none is left."""
+        while True:
+            try:
+                item = self.queue.get() if wait else self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            slot, job = item
+            self.results[slot] = job()
+
+    def _restore(self):
+        with _SWITCH:
+            _switch["users"] -= 1
+            if _switch["users"] == 0:
+                sys.setswitchinterval(_switch["saved"])
 
 
 @dataclass

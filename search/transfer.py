@@ -236,7 +236,7 @@ def sum_of(tables: list) -> np.ndarray:
 def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
     """`separable`'s kernels as functions to call, the activations' table and (`backward`) the
     gradients', whose sum is the table; None when the shortcut does not apply.  The kernels
-    release the GIL: a search runs them on two threads (search.cost.run_jobs)."""
+    release the GIL: a search runs them on a helper thread (search.cost.Kernels)."""
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
         return None

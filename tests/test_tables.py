@@ -165,3 +165,56 @@ def test_an_output_dimension_driving_two_input_dimensions_takes_the_general_path
         edge = next(m for src, dst, _, m in cm.tables(g).edges if dst == "conv1")
         np.testing.assert_allclose(edge, transfer.general(image.parts, space.needs[0].table, cm.links, 4, False),
                                    rtol=1e-12)
+
+
+def test_kernels_run_on_the_helper_and_restore_the_switch_interval():
+    import sys
+    import threading
+
+    from search.cost import Kernels
+
+    before = sys.getswitchinterval()
+    ran_on = []
+
+    def job(value):
+        def run():
+            ran_on.append(threading.current_thread().name)
+            return np.full(2, float(value))
+        return run
+
+    with Kernels() as kernels:
+        import os
+
+        assert sys.getswitchinterval() <= Kernels.SWITCH_INTERVAL_S or (os.cpu_count() or 1) < 2
+        for key in range(20):
+            kernels.start(key, [job(key), job(1)], transfer.sum_of)
+        assert 3 in kernels and 20 not in kernels
+        tables = kernels.tables()
+    assert sys.getswitchinterval() == before
+    assert {k: t.tolist() for k, t in tables.items()} == {k: [k + 1.0, k + 1.0] for k in range(20)}
+    assert len(ran_on) == 40
+
+
+def test_kernels_stop_the_helper_on_an_error():
+    import sys
+
+    from search.cost import Kernels
+
+    before = sys.getswitchinterval()
+
+    def fails():
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with Kernels() as kernels:
+            kernels.start("a", [fails], transfer.sum_of)
+            kernels.tables()
+    assert sys.getswitchinterval() == before
+    with pytest.raises(KeyError):  # an error while preparing: queued kernels are dropped
+        with Kernels() as kernels:
+            kernels.start("b", [lambda: np.zeros(1)] * 50, transfer.sum_of)
+            raise KeyError("while preparing")
+    assert sys.getswitchinterval() == before
+    with Kernels() as kernels:  # the helper is free again
+        kernels.start("c", [lambda: np.ones(1)], transfer.sum_of)
+        assert kernels.tables()["c"].tolist() == [1.0]
