@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 import search
 from search.measured import random_batch
-from search.step_costs import recorded_step
+from search.step_costs import processor_time, recorded_step
 from taskrt import models
 from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
@@ -77,6 +77,15 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
+def processor_per_step(machine, trainer, x, y, steps: int = 2) -> float:
+    """Processor seconds per step of `trainer`: all the workers' and this process's (where a
+    local scheduler runs), over `steps` more steps."""
+    before = processor_time(machine.client)[0]
+    for _ in range(steps):
+        trainer.step(x, y)
+    return (processor_time(machine.client)[0] - before) / steps
+
+
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
             seed: int = 0) -> list[dict]:
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
@@ -99,12 +108,15 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
+    cpu = {name: processor_per_step(machine, trainer, x, y) for name, trainer in trainers.items()}
     rows = []
     batch = image.shape[0]
     for name, trainer in trainers.items():
         plan = trainer.plan
         task_time = cost_model.timer(plan)
-        simulated = simulate(plan, task_time, machine, cost_model.runtime(plan, trainer.executor.fused))
+        runtime = cost_model.runtime(plan, trainer.executor.fused)
+        simulated = simulate(plan, task_time, machine, runtime)
+        cores = runtime.cores
         alone = sum(task_time(task) for task in plan.tasks)
         additive = cost_model.breakdown(graph, strategies[name]).total
         measured = statistics.median(times[name])
@@ -124,5 +136,10 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             # task stream) against the part timings the simulator adds up
             "kernels_in_step_ms": in_step[name] * 1e3, "kernels_alone_ms": alone * 1e3,
             "kernels_in_step_vs_alone": in_step[name] / alone if alone else None,
+            # where devices share the host's cores: the processor time of a step (all processes)
+            # against the simulator's, and the cores' idle time in the step, measured and simulated
+            "cpu_ms": cpu[name] * 1e3, "simulated_cpu_ms": simulated.cpu_s * 1e3 if simulated.cpu_s else None,
+            "idle_core_ms": (cores * measured - cpu[name]) * 1e3 if cores else None,
+            "simulated_idle_core_ms": (cores * simulated.step_s - simulated.cpu_s) * 1e3 if cores else None,
         })
     return rows

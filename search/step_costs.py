@@ -100,10 +100,10 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
             trainer.step(x, y)
         fused, _ = fused_plan(trainer.plan)
         if fit_cpu:
-            before = _cpu(client)
+            before = processor_time(client)
             for _ in range(steps):
                 trainer.step(x, y)
-            total, task_threads = (after - start for after, start in zip(_cpu(client), before))
+            total, task_threads = (after - start for after, start in zip(processor_time(client), before))
             rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
                          "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0) / steps})
         firsts = []
@@ -229,7 +229,7 @@ def trimmed_mean(values) -> float | None:
     return float(trim_mean(np.asarray(values, dtype=float), TRIM)) if len(values) else None
 
 
-def _cpu(client) -> tuple[float, float]:
+def processor_time(client) -> tuple[float, float]:
     """Processor seconds of all the workers and this process (where a local scheduler runs), and
     of the workers' task threads alone: kernels slowed by the runtime's work take no more
     processor time, only more wall time, so the task stream's durations would not do."""

@@ -1,8 +1,8 @@
-"""The accuracy benchmark's ranking line, on made-up rows."""
+"""The accuracy benchmark's summary lines, on made-up rows."""
 
 from __future__ import annotations
 
-from bench.accuracy import calibration_line, ranking
+from bench.accuracy import calibration_line, processor_line, ranking
 
 
 def row(model, devices, strategy, measured, simulated):
@@ -27,3 +27,16 @@ def test_the_calibration_line_says_which_costs_were_fitted_to_steps():
     assert line.startswith("runtime costs calibrated in this run: 1 device(s): per hop 2.00 ms, processor time per "
                            "task 1.00 ms, per byte 1.00 ns; 2 device(s):")
     assert "task 3.00 ms (fitted to training steps; 1.00 ms for no-op tasks), per message 0.00 ms" in line
+
+
+def test_the_processor_line_compares_processor_time_and_names_the_idle_cores_of_short_predictions():
+    rows = [{**row("a", 2, "data", 100, 95), "simulated_error": -0.05, "cpu_ms": 180, "simulated_cpu_ms": 171,
+             "idle_core_ms": 20, "simulated_idle_core_ms": 19},
+            {**row("a", 2, "model", 100, 80), "simulated_error": -0.2, "cpu_ms": 150, "simulated_cpu_ms": 165,
+             "idle_core_ms": 50, "simulated_idle_core_ms": -5},
+            {**row("a", 1, "single device", 10, 9), "simulated_error": -0.1, "simulated_cpu_ms": None}]
+    line = processor_line(rows)
+    assert line.startswith("processor time per step (all processes), simulated against measured: -5% to +10%")
+    assert "a model on 2 measured 50 ms, simulated -5 ms" in line
+    assert "a data on 2 measured" not in line
+    assert processor_line([rows[2]]) is None
