@@ -8,6 +8,7 @@ and the task-graph simulator.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -77,13 +78,14 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
-def processor_per_step(machine, trainer, x, y, steps: int = 2) -> float:
-    """Processor seconds per step of `trainer`: all the workers' and this process's (where a
-    local scheduler runs), over `steps` more steps."""
-    before = processor_time(machine.client)[0]
+def processor_per_step(machine, trainer, x, y, steps: int = 2) -> tuple[float, float]:
+    """Processor seconds per step of `trainer` (all the workers' and this process's, where a local
+    scheduler runs) and wall seconds per step, over `steps` more steps."""
+    before, start = processor_time(machine.client)[0], time.perf_counter()
     for _ in range(steps):
         trainer.step(x, y)
-    return (processor_time(machine.client)[0] - before) / steps
+    wall = time.perf_counter() - start
+    return (processor_time(machine.client)[0] - before) / steps, wall / steps
 
 
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
@@ -108,7 +110,9 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
-    cpu = {name: processor_per_step(machine, trainer, x, y) for name, trainer in trainers.items()}
+    # over about half a second of steps: reading the processes' times costs a round trip to each
+    cpu = {name: processor_per_step(machine, trainer, x, y, min(20, max(2, math.ceil(0.5 / min(times[name])))))
+           for name, trainer in trainers.items()}
     rows = []
     batch = image.shape[0]
     for name, trainer in trainers.items():
@@ -137,9 +141,10 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             "kernels_in_step_ms": in_step[name] * 1e3, "kernels_alone_ms": alone * 1e3,
             "kernels_in_step_vs_alone": in_step[name] / alone if alone else None,
             # where devices share the host's cores: the processor time of a step (all processes)
-            # against the simulator's, and the cores' idle time in the step, measured and simulated
-            "cpu_ms": cpu[name] * 1e3, "simulated_cpu_ms": simulated.cpu_s * 1e3 if simulated.cpu_s else None,
-            "idle_core_ms": (cores * measured - cpu[name]) * 1e3 if cores else None,
+            # against the simulator's, and the cores' idle time in a step, measured (over the same
+            # steps as the processor time) and simulated
+            "cpu_ms": cpu[name][0] * 1e3, "simulated_cpu_ms": simulated.cpu_s * 1e3 if simulated.cpu_s else None,
+            "idle_core_ms": (cores * cpu[name][1] - cpu[name][0]) * 1e3 if cores else None,
             "simulated_idle_core_ms": (cores * simulated.step_s - simulated.cpu_s) * 1e3 if cores else None,
         })
     return rows
