@@ -66,6 +66,9 @@ class Simulation:
     bytes_moved: int = 0
     cpu_s: float = 0.0  # processor time the step needs, where devices share cores (0: not modeled)
     background: float = 0.0  # cores' worth of runtime work competing with kernels (shared cores)
+    # from the step sent to its end, the integral of the share of its demand the runtime's work is
+    # served (min(1, cores / (kernels running + background))): seconds at full speed
+    runtime_share_s: float = 0.0
 
     @property
     def critical_device(self) -> int:
@@ -77,9 +80,9 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
 
     Where devices share a host's processor cores with the runtime (`runtime.cores`), running
     kernels share the cores with each other and with the runtime's own work (scheduler, worker
-    event loops moving bytes): each runs at min(1, cores / (kernels running + background)),
-    where the background is the runtime's processor time spread over the step, found by
-    fixed-point iteration.
+    event loops moving bytes): each runs at min(1, cores / (kernels running + background)), and so
+    does the runtime's work, whose demand (the background, in cores) is found by fixed-point
+    iteration such that all its processor time is served within the step.
 
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed
@@ -107,11 +110,14 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     background = 0.0
     result = _schedule(plan, task_time, machine, runtime, background, origin)
     if runtime.cores:
+        # The runtime's work gets its share of the cores as the kernels do: at `background` cores'
+        # demand it is served background * min(1, cores / (kernels running + background)), so
+        # while the cores are oversubscribed it falls behind and must ask for more; the fixed point
+        # serves all of it within the step (whose processor time then fits in cores x step).
         for _ in range(100):
-            running = result.step_s - origin
-            if running <= 0:  # nothing takes time: no kernels for the runtime to slow down
+            if result.runtime_share_s <= 0:  # nothing takes time: no kernels for the runtime to slow down
                 break
-            wanted = runtime_cpu / running
+            wanted = runtime_cpu / result.runtime_share_s
             if abs(wanted - background) < 1e-6:
                 break
             background = wanted
@@ -176,6 +182,11 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
             return 1.0
         return min(1.0, runtime.cores / (len(running) + background))
 
+    def served():  # the share of its demand the runtime's work gets now
+        return min(1.0, runtime.cores / (len(running) + background)) if runtime.cores and background else 1.0
+
+    share = 0.0
+
     while pending or running or any(queued):
         while pending and pending[0][0] <= now:  # before devices choose: ties go by plan order
             ready, position, task = heapq.heappop(pending)
@@ -189,6 +200,7 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
         next_ready = pending[0][0] if pending else np.inf
         later = min(next_finish, next_ready)
+        share += (later - now) * served()
         for item in running.values():  # a task due by `later` is done (no rounding residue left)
             item[1] = 0.0 if now + item[1] / speed <= later else item[1] - (later - now) * speed
         now = later
@@ -212,7 +224,9 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     # only what is left of them beyond that lengthens the step.
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, max(finish.values(), default=origin) - origin)
-    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+    if end > now:  # after the last kernel: the runtime alone
+        share += (end - now) * served()
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, runtime_share_s=share)
 
 
 def _task_overhead(task, runtime: Runtime) -> float:
