@@ -765,6 +765,8 @@ class Kernels:
             self.queue.put((slot, job))
 
     def tables(self) -> dict:
+        """Every started table by key, once its kernels are done (this thread runs those the
+        helper has not begun)."""
         self._drain(False)
         if self.helper is not None:
             self.queue.put(None)
