@@ -183,3 +183,33 @@ def test_step_timings_reads_the_gaps_of_a_schedule():
     run = next(t.key for t in fused.tasks if t.phase == "fused")
     assert step_timings(fused, [r for r in records if r["key"][1:] != run[1:] or not r["key"][0].startswith(run[0])],
                         tag, began, ended, latency, bandwidth) is None
+
+
+def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monkeypatch):
+    """Start and answer are read off the same steps: where the fitted start would be negative, the
+    step's start plus answer stays what was measured (the answer shorter, the start zero)."""
+    import taskrt.executor
+
+    graph = calibration_network(batch=8)
+    plan = lower(graph, strategies(graph, machine4)["one device"])
+
+    def measured(machine, per_byte, per_message, fit_cpu):
+        return {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.0, "step_cpu_rows": [],
+                "step_gaps": {"same": [], "cross": []}, "step_answers": [0.02] * 5,
+                "step_starts": [(plan, [0.001] * 3)]}  # its first task long before the modeled start
+
+    monkeypatch.setattr(search.cost, "step_costs", measured)
+    times = taskrt.executor.GraphTimes(0.01, 0.01, 0.01, 1)
+    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
+    model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
+    extra = model.calibration["step_start_extra_s"]
+    assert extra < 0
+    other = lower(graph, strategies(graph, machine4)["data"])  # a plan whose modeled start is no longer
+    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0.001, 0.001,
+                                                                                                     0.001, 1))
+    runtime = model.runtime(other)
+    unfitted = model._runtime({k: v for k, v in model.calibration.items() if k != "step_start_extra_s"}, other)
+    assert unfitted.start_s + extra < 0
+    assert runtime.start_s == 0.0
+    assert runtime.answer_s == pytest.approx(max(0.02 + unfitted.start_s + extra, 0.0), abs=1e-12)
+    assert runtime.answer_s < model.calibration["step_answer_s"]
