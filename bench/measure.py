@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import search
 from search.measured import random_batch
-from search.step_costs import processor_time, recorded_step
+from search.step_costs import processor_over_steps, recorded_step
 from taskrt import models
 from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
@@ -78,16 +78,6 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
-def processor_per_step(machine, trainer, x, y, steps: int = 2) -> tuple[float, float]:
-    """Processor seconds per step of `trainer` (all the workers' and this process's, where a local
-    scheduler runs) and wall seconds per step, over `steps` more steps."""
-    before, start = processor_time(machine.client)[0], time.perf_counter()
-    for _ in range(steps):
-        trainer.step(x, y)
-    wall = time.perf_counter() - start
-    return (processor_time(machine.client)[0] - before) / steps, wall / steps
-
-
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
             seed: int = 0) -> list[dict]:
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
@@ -111,7 +101,7 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
     # over about half a second of steps: reading the processes' times costs a round trip to each
-    cpu = {name: processor_per_step(machine, trainer, x, y, min(20, max(2, math.ceil(0.5 / min(times[name])))))
+    cpu = {name: processor_over_steps(trainer, x, y, min(20, max(2, math.ceil(0.5 / min(times[name])))))
            for name, trainer in trainers.items()}
     rows = []
     batch = image.shape[0]
@@ -144,7 +134,7 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             # against the simulator's, and the cores' idle time in a step, measured (over the same
             # steps as the processor time) and simulated
             "cpu_ms": cpu[name][0] * 1e3, "simulated_cpu_ms": simulated.cpu_s * 1e3 if simulated.cpu_s else None,
-            "idle_core_ms": (cores * cpu[name][1] - cpu[name][0]) * 1e3 if cores else None,
+            "idle_core_ms": (cores * cpu[name][2] - cpu[name][0]) * 1e3 if cores else None,
             "simulated_idle_core_ms": (cores * simulated.step_s - simulated.cpu_s) * 1e3 if cores else None,
         })
     return rows

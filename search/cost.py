@@ -746,18 +746,7 @@ class Kernels:
         return self
 
     def __exit__(self, *exc):
-        if self.helper is not None:  # an error before tables(): drop what is queued, stop the helper
-            try:
-                while True:
-                    self.queue.get_nowait()
-            except queue.Empty:
-                pass
-            self.queue.put(None)
-            try:
-                self.helper.result()
-            finally:
-                self.helper = None
-                self._restore()
+        self._stop()  # after an error before tables(): what is still queued is dropped
         return False
 
     def start(self, key, jobs: list, combine):
@@ -774,11 +763,7 @@ class Kernels:
         """Every started table by key, once its kernels are done (this thread runs those the
         helper has not begun)."""
         self._drain(False)
-        if self.helper is not None:
-            self.queue.put(None)
-            self.helper.result()
-            self.helper = None
-            self._restore()
+        self._stop()
         return {key: combine([self.results[i] for i in self.parts[key]]) for key, combine in self.combine.items()}
 
     def _drain(self, wait: bool):
@@ -793,11 +778,25 @@ class Kernels:
             slot, job = item
             self.results[slot] = job()
 
-    def _restore(self):
-        with _SWITCH:
-            _switch["users"] -= 1
-            if _switch["users"] == 0:
-                sys.setswitchinterval(_switch["saved"])
+    def _stop(self):
+        """Stop the helper (its error, if it had one, raised here), dropping any job still queued,
+        and give back the switch interval."""
+        if self.helper is None:
+            return
+        try:
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        self.queue.put(None)
+        try:
+            self.helper.result()
+        finally:
+            self.helper = None
+            with _SWITCH:
+                _switch["users"] -= 1
+                if _switch["users"] == 0:
+                    sys.setswitchinterval(_switch["saved"])
 
 
 @dataclass

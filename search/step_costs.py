@@ -100,12 +100,9 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
             trainer.step(x, y)
         fused, _ = fused_plan(trainer.plan)
         if fit_cpu:
-            before = processor_time(client)
-            for _ in range(steps):
-                trainer.step(x, y)
-            total, task_threads = (after - start for after, start in zip(processor_time(client), before))
+            total, task_threads, _ = processor_over_steps(trainer, x, y, steps)
             rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
-                         "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0) / steps})
+                         "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0)})
         firsts = []
         for _ in range(timed):
             measured = _timed_step(trainer, x, y, fused, machine)
@@ -227,6 +224,18 @@ def trimmed_mean(values) -> float | None:
     from scipy.stats import trim_mean
 
     return float(trim_mean(np.asarray(values, dtype=float), TRIM)) if len(values) else None
+
+
+def processor_over_steps(trainer, x, y, steps: int) -> tuple[float, float, float]:
+    """Per step, over `steps` more steps of `trainer`: the processor seconds of all processes and
+    of the workers' task threads (`processor_time`), and the wall seconds."""
+    client = trainer.machine.client
+    before, start = processor_time(client), time.perf_counter()
+    for _ in range(steps):
+        trainer.step(x, y)
+    wall = time.perf_counter() - start
+    total, task_threads = ((after - begin) / steps for after, begin in zip(processor_time(client), before))
+    return total, task_threads, wall / steps
 
 
 def processor_time(client) -> tuple[float, float]:

@@ -5,6 +5,9 @@ form against each op's own `input_rects`, the search space built from arrays aga
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import threading
 from unittest import mock
 
 import numpy as np
@@ -12,7 +15,7 @@ import pytest
 
 from ops.rect import Rect
 from search import CostModel, regions, transfer
-from search.cost import channel_params
+from search.cost import Kernels, channel_params
 from search.regions import Needs, input_ranges, part_table
 from search.space import layer_configs, part_memory
 from taskrt import models
@@ -168,11 +171,6 @@ def test_an_output_dimension_driving_two_input_dimensions_takes_the_general_path
 
 
 def test_kernels_run_on_the_helper_and_restore_the_switch_interval():
-    import sys
-    import threading
-
-    from search.cost import Kernels
-
     before = sys.getswitchinterval()
     ran_on = []
 
@@ -183,8 +181,6 @@ def test_kernels_run_on_the_helper_and_restore_the_switch_interval():
         return run
 
     with Kernels() as kernels:
-        import os
-
         assert sys.getswitchinterval() <= Kernels.SWITCH_INTERVAL_S or (os.cpu_count() or 1) < 2
         for key in range(20):
             kernels.start(key, [job(key), job(1)], transfer.sum_of)
@@ -196,10 +192,6 @@ def test_kernels_run_on_the_helper_and_restore_the_switch_interval():
 
 
 def test_kernels_stop_the_helper_on_an_error():
-    import sys
-
-    from search.cost import Kernels
-
     before = sys.getswitchinterval()
 
     def fails():
