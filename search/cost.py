@@ -35,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
@@ -45,7 +46,7 @@ import numpy as np
 
 from ops.rect import Rect
 from search import transfer
-from search.regions import Needs, PartTable, grid_parts, part_table
+from search.regions import Needs, PartTable, part_table
 from search.space import config_grid, layer_configs, search_space
 from search.step_costs import step_costs, trimmed_mean
 from taskrt.config import DIMS, ParallelConfig
@@ -97,7 +98,7 @@ class CostCache:
 class Tables:
     """Cost vectors and matrices of one graph over its search space (seconds)."""
 
-    configs: dict[str, list[ParallelConfig]]
+    configs: dict[str, Sequence[ParallelConfig]]
     compute: dict[str, np.ndarray]
     sync: dict[str, np.ndarray]
     edges: list[tuple[str, str, int, np.ndarray]]  # (producer, consumer, input index, Cu x Cv)
@@ -165,7 +166,7 @@ class CostModel:
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
-        self._grids: dict[tuple, tuple] = {}  # largest degree per dimension -> config_grid and its configs
+        self._grids: dict[tuple, tuple] = {}  # largest degree per dimension -> config_grid
         self._geometries: dict[tuple, Geometry] = {}  # (dims, shape, kept) -> Geometry
         self._configs: dict[tuple, ParallelConfig] = {}  # (degrees, first device, sync) -> the config
         self._spaces: dict[tuple, LayerSpace] = {}  # (op, given configs or None) -> LayerSpace
@@ -360,25 +361,17 @@ class CostModel:
             # the configs depend on each dimension's size only up to the device count
             limits = tuple(min(shape[dims.index(dim)], self.machine.num_devices) if dim in dims else 1 for dim in DIMS)
             if limits not in self._grids:
-                degrees, first = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two, self.placement)
-                configs = [self._config(tuple(d), s) for d, s in zip(degrees.tolist(), first.tolist())]
-                self._grids[limits] = degrees, first, configs
-            degrees, first, configs = self._grids[limits]
+                self._grids[limits] = config_grid(dims, shape, self.machine.num_devices, self.powers_of_two,
+                                                  self.placement)
+            degrees, first = self._grids[limits]
             if keep is not None:
-                degrees, first, configs = degrees[keep], first[keep], [c for c, k in zip(configs, keep.tolist()) if k]
-            parts = grid_parts(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first=first)
-            self._geometries[key] = Geometry(configs, parts,
-                                             transfer.Grid(parts, shape, self.links.node, self.machine.num_devices))
+                degrees, first = degrees[keep], first[keep]
+            configs = Configs(degrees, first, self._config)
+            grid = transfer.Grid.of_blocks(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first,
+                                           self.links.node, self.machine.num_devices)
+            self._geometries[key] = Geometry(configs, grid.table, grid)
         return self._geometries[key]
 
-    def _allreduce(self, geometry, i) -> ParallelConfig:
-        """The geometry's config i with sync "allreduce"."""
-        if geometry.allreduce is None:
-            geometry.allreduce = [None] * len(geometry.configs)
-        if geometry.allreduce[i] is None:
-            c = geometry.configs[i]
-            geometry.allreduce[i] = self._config((c.n, c.c, c.h, c.w), c.devices[0], "allreduce")
-        return geometry.allreduce[i]
 
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
@@ -404,11 +397,9 @@ class CostModel:
             methods = self.sync_methods(layer, space.parts)
             ps, allreduce = methods["ps"], methods["allreduce"]
             configs = space.configs
-            cheaper = np.flatnonzero(allreduce < ps).tolist()
-            if cheaper:
-                configs = list(configs)
-                for i in cheaper:
-                    configs[i] = self._allreduce(space.geometry, i)
+            cheaper = allreduce < ps
+            if cheaper.any():
+                configs = configs.with_allreduce(cheaper)
             space.cheaper = (configs, _read_only(np.minimum(ps, allreduce)))
         return space.cheaper
 
@@ -804,11 +795,33 @@ class Geometry:
     """Configs splitting a layer's output, with their part table and block grid: the same for
     every layer with the same output shape (a convolution, its batch norm and its relu)."""
 
-    configs: list[ParallelConfig]
+    configs: Sequence[ParallelConfig]
     parts: PartTable
     grid: transfer.Grid
-    allreduce: list | None = None  # each config with sync "allreduce", once needed
     index: dict | None = None  # position of each config by its split and devices
+
+
+class Configs(Sequence):
+    """A layer's configs as (configs, 4) degrees over (n, c, h, w) and each one's first device,
+    each ParallelConfig made when first read: a search reads only the ones it chooses.
+    `allreduce` marks those that synchronize by all-reduce (the others: "ps")."""
+
+    def __init__(self, degrees: np.ndarray, first: np.ndarray, make, allreduce: np.ndarray | None = None):
+        self.degrees, self.first, self.allreduce = degrees, first, allreduce
+        self._make = make  # (degrees, first device, sync) -> ParallelConfig, shared by every layer
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices; IndexError past the end
+        sync = "allreduce" if self.allreduce is not None and self.allreduce[i] else "ps"
+        return self._make(tuple(self.degrees[i].tolist()), int(self.first[i]), sync)
+
+    def with_allreduce(self, allreduce: np.ndarray) -> Configs:
+        return Configs(self.degrees, self.first, self._make, allreduce)
 
 
 @dataclass
@@ -822,7 +835,7 @@ class LayerSpace:
     cheaper: tuple | None = None  # the configs with the cheaper sync method, and its t_s
 
     @property
-    def configs(self) -> list[ParallelConfig]:
+    def configs(self) -> Sequence[ParallelConfig]:
         return self.geometry.configs
 
     @property

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from search.regions import PartTable, overlap_volumes
+from search.regions import PartTable, Slots, _grid_parts, _slots, overlap_volumes
 
 
 @dataclass
@@ -134,6 +134,41 @@ class Grid:
         if not self.ok:
             return
         self.tuple_of, self.tuples = _distinct_tuples(index)
+
+    @classmethod
+    def of_blocks(cls, shape, degrees: np.ndarray, first: np.ndarray, node: np.ndarray, num_devices: int) -> Grid:
+        """The grid (and its part table, `table`) of configs given as (configs, rank) degrees, each
+        on its block of devices from `first`: `search.regions.grid_parts`, the slots and the grid
+        in one compiled call, as a search makes one per layer shape."""
+        (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
+         tuples) = _layout(np.asarray(shape, dtype=np.int64), degrees, first, node, num_devices)
+        table = PartTable(lo, hi, device, starts, block, degrees, config)
+        table._slots = Slots(slot_first, slot_lo, slot_hi, counts.tolist(), part_slot)
+        grid = cls.__new__(cls)
+        grid.table, grid.degrees, grid.slots, grid.part_slot = table, degrees, (slot_lo, slot_hi), part_slot
+        grid.ok = ok
+        if ok:
+            grid.tuple_of, grid.tuples = tuple_of, tuples
+        return grid
+
+
+@numba.njit(cache=True)
+def _layout(shape, degrees, first, node, num_devices):
+    """`Grid.of_blocks`: the part table's arrays, the slots' and the grid's."""
+    starts, config, block, lo, hi, device = _grid_parts(shape, degrees, first)
+    counts, slot_first, slot_lo, slot_hi = _slots(shape, degrees)
+    part_slot = np.empty_like(block)
+    for row in range(len(config)):
+        for e in range(block.shape[1]):
+            part_slot[row, e] = slot_first[config[row], e] + block[row, e]
+    index = np.empty((num_devices, len(shape), len(degrees), 5), dtype=np.int64)
+    ok = _grid_index(block, device, starts, slot_first, degrees, node, slot_lo.shape[1], index)
+    if ok:
+        tuple_of, tuples = _distinct_tuples(index)
+    else:
+        tuple_of, tuples = np.empty((0, 0, 0), dtype=np.uint32), np.empty((0, 0, 5), dtype=np.int64)
+    return (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
+            tuples)
 
 
 @numba.njit(cache=True)

@@ -16,7 +16,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import search
@@ -225,6 +225,34 @@ def test_separable_equals_general(graph, nodes, placement):
         np.testing.assert_allclose(fast, slow, rtol=1e-9, atol=1e-15, err_msg=f"{e['src']} -> {e['dst']}")
         count += 1
     assert count == sum(len(layer.inputs) for layer in g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       rows=st.lists(st.tuples(st.lists(st.sampled_from([1, 2, 4]), min_size=4, max_size=4), st.integers(0, 7)),
+                     min_size=1, max_size=6),
+       nodes=st.sampled_from([1, 2, 4]))
+def test_grid_of_blocks_equals_grid_of_its_part_table(shape, rows, nodes):
+    """The one-call layout a search uses gives the part table, slots and grid that building each
+    in turn gives, also where a config's parts on a node are no box of blocks (ok False)."""
+    shape = tuple(shape)
+    num_devices, node = 8, np.repeat(np.arange(nodes), 8 // nodes)
+    degrees = np.array([[min(d, size) for d, size in zip(ds, shape)] for ds, _ in rows], dtype=np.int64)
+    assume(all(np.prod(d) <= num_devices for d in degrees))
+    first = np.array([min(f, num_devices - int(np.prod(d))) for d, (_, f) in zip(degrees, rows)], dtype=np.int64)
+    from search.regions import grid_parts
+    expected = transfer.Grid(grid_parts(shape, degrees, first=first), shape, node, num_devices)
+    got = transfer.Grid.of_blocks(shape, degrees, first, node, num_devices)
+    for name in ("lo", "hi", "device", "starts", "block", "degrees", "config"):
+        np.testing.assert_array_equal(getattr(got.table, name), getattr(expected.table, name), err_msg=name)
+    want, have = expected.table.slots(shape), got.table.slots(shape)
+    for name in ("first", "lo", "hi", "part"):
+        np.testing.assert_array_equal(getattr(have, name), getattr(want, name), err_msg=name)
+    assert have.count == want.count and got.ok == expected.ok
+    np.testing.assert_array_equal(got.part_slot, expected.part_slot)
+    if expected.ok:
+        np.testing.assert_array_equal(got.tuple_of, expected.tuple_of)
+        np.testing.assert_array_equal(got.tuples, expected.tuples)
 
 
 def test_box_sums_float32_cannot_hold_take_the_general_path():
