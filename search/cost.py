@@ -313,7 +313,7 @@ class CostModel:
             else:
                 parts = part_table(layer.shape, configs)
                 geometry = Geometry(list(configs), parts,
-                                    transfer.Grid(parts, layer.shape, self.links.node, self.machine.num_devices))
+                                    transfer.Grid(parts, layer.shape, self.links.node))
                 needs = [Needs(layer.op, j, parts) for j in range(len(layer.inputs))]
             space = self._spaces[key] = LayerSpace(key, geometry, needs)
         return space
@@ -368,7 +368,7 @@ class CostModel:
                 degrees, first = degrees[keep], first[keep]
             configs = Configs(degrees, first, self._config)
             grid = transfer.Grid.of_blocks(shape, np.ascontiguousarray(degrees[:, : len(shape)]), first,
-                                           self.links.node, self.machine.num_devices)
+                                           self.links.node)
             self._geometries[key] = Geometry(configs, grid.table, grid)
         return self._geometries[key]
 

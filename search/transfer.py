@@ -121,27 +121,24 @@ class Grid:
     the block of its part on r itself (the slot count, a slot of zeros, if none).  Few of these
     tuples differ: `tuples[e]` lists the distinct ones and `tuple_of[r, e, a]` points into it."""
 
-    def __init__(self, table: PartTable, shape, node: np.ndarray, num_devices: int):
+    def __init__(self, table: PartTable, shape, node: np.ndarray):
         self.table = table
         self.degrees = table.degrees
         slots = table.slots(shape)
         self.slots = slots.lo, slots.hi
         self.part_slot = slots.part
-        rank, configs = len(shape), len(self.degrees)
-        index = np.empty((num_devices, rank, configs, 5), dtype=np.int64)
-        self.ok = _grid_index(table.block, table.device, table.starts, slots.first, self.degrees, node,
-                              slots.lo.shape[1], index)
-        if not self.ok:
-            return
-        self.tuple_of, self.tuples = _distinct_tuples(index)
+        self.ok, tuple_of, tuples = _grid_tuples(table.block, table.device, table.starts, slots.first, self.degrees,
+                                                 node, slots.lo.shape[1])
+        if self.ok:
+            self.tuple_of, self.tuples = tuple_of, tuples
 
     @classmethod
-    def of_blocks(cls, shape, degrees: np.ndarray, first: np.ndarray, node: np.ndarray, num_devices: int) -> Grid:
+    def of_blocks(cls, shape, degrees: np.ndarray, first: np.ndarray, node: np.ndarray) -> Grid:
         """The grid (and its part table, `table`) of configs given as (configs, rank) degrees, each
         on its block of devices from `first`: `search.regions.grid_parts`, the slots and the grid
         in one compiled call, as a search makes one per layer shape."""
         (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
-         tuples) = _layout(np.asarray(shape, dtype=np.int64), degrees, first, node, num_devices)
+         tuples) = _layout(np.asarray(shape, dtype=np.int64), degrees, first, node)
         table = PartTable(lo, hi, device, starts, block, degrees, config)
         table._slots = Slots(slot_first, slot_lo, slot_hi, counts.tolist(), part_slot)
         grid = cls.__new__(cls)
@@ -153,7 +150,7 @@ class Grid:
 
 
 @numba.njit(cache=True)
-def _layout(shape, degrees, first, node, num_devices):
+def _layout(shape, degrees, first, node):
     """`Grid.of_blocks`: the part table's arrays, the slots' and the grid's."""
     starts, config, block, lo, hi, device = _grid_parts(shape, degrees, first)
     counts, slot_first, slot_lo, slot_hi = _slots(shape, degrees)
@@ -161,96 +158,109 @@ def _layout(shape, degrees, first, node, num_devices):
     for row in range(len(config)):
         for e in range(block.shape[1]):
             part_slot[row, e] = slot_first[config[row], e] + block[row, e]
-    index = np.empty((num_devices, len(shape), len(degrees), 5), dtype=np.int64)
-    ok = _grid_index(block, device, starts, slot_first, degrees, node, slot_lo.shape[1], index)
-    if ok:
-        tuple_of, tuples = _distinct_tuples(index)
-    else:
-        tuple_of, tuples = np.empty((0, 0, 0), dtype=np.uint32), np.empty((0, 0, 5), dtype=np.int64)
+    ok, tuple_of, tuples = _grid_tuples(block, device, starts, slot_first, degrees, node, slot_lo.shape[1])
     return (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
             tuples)
 
 
-@numba.njit(cache=True)
-def _distinct_tuples(index):
-    """Per dimension, the distinct slot tuples of index (receivers, rank, configs, 5) and which
-    one each (receiver, config) has; unsigned, so numba indexes with it without checking for
-    negative indices.  Tuples are told apart by a hash table of their five slot positions
-    (each below 2**12) packed into one number."""
-    devices, rank, configs, _ = index.shape
-    tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
-    tuples = np.zeros((rank, devices * configs, 5), dtype=np.int64)
-    mask = 1
-    while mask < 4 * devices * configs:
-        mask *= 2
-    mask -= 1
-    table_key = np.empty(mask + 1, dtype=np.int64)
-    table_id = np.empty(mask + 1, dtype=np.int64)
-    count = 0
-    for e in range(rank):
-        table_key[:] = -1
-        distinct = 0
-        for r in range(devices):
-            for a in range(configs):
-                key = 0
-                for i in range(5):
-                    key |= index[r, e, a, i] << (12 * i)
-                h = (key ^ (key >> 13) ^ (key >> 29) ^ (key >> 47)) & mask
-                while table_key[h] != -1 and table_key[h] != key:
-                    h = (h + 1) & mask
-                if table_key[h] == -1:
-                    table_key[h], table_id[h] = key, distinct
-                    tuples[e, distinct] = index[r, e, a]
-                    distinct += 1
-                tuple_of[r, e, a] = table_id[h]
-        count = max(count, distinct)
-    return tuple_of, tuples[:, :count].copy()
+FIBONACCI = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / the golden ratio, as a signed 64-bit number
 
 
 @numba.njit(cache=True)
-def _grid_index(block, device, starts, first, degrees, node, none, index):
-    """Fill the five slot positions of each (receiver, dimension, config); False if some config
-    is not on a contiguous block of devices or the parts of some config on one node do not form
-    a box of blocks."""
+def _grid_tuples(block, device, starts, first, degrees, node, none):
+    """(ok, tuple_of, tuples): per dimension the distinct slot tuples (Grid) and which one each
+    (receiver, config) has; ok False (and the arrays unfilled) if some config is not on a
+    contiguous block of devices or the parts of some config on one node do not form a box of
+    blocks.  A receiver holding no part of a config sees it as the others on its node do, so
+    each (config, node) has one such tuple and each part one of its own: few to tell apart.
+    Tuples are told apart by a hash table of their five slot positions (each below 2**12)
+    packed into one number; tuple_of is unsigned, so numba indexes with it without checking for
+    negative indices."""
     configs, rank = degrees.shape
     parts, devices = len(device), len(node)
     nodes = node.max() + 1
-    box_lo = np.empty((nodes, rank), dtype=np.int64)
-    box_hi = np.empty((nodes, rank), dtype=np.int64)
+    box_lo = np.zeros((configs, nodes, rank), dtype=np.int64)
+    box_hi = np.zeros((configs, nodes, rank), dtype=np.int64)
     count = np.empty(nodes, dtype=np.int64)
+    tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
+    most = configs * nodes + parts  # distinct tuples along a dimension at most
+    tuples = np.zeros((rank, most, 5), dtype=np.int64)
     for a in range(configs):
         r0, r1 = starts[a], starts[a + 1] if a + 1 < configs else parts
-        box_lo[:] = np.iinfo(np.int64).max
-        box_hi[:] = -1
+        box_lo[a] = 1 << 62
+        box_hi[a] = -1
         count[:] = 0
         for row in range(r0, r1):
             if device[row] != device[r0] + row - r0:
-                return False
+                return False, tuple_of, tuples
             k = node[device[row]]
             count[k] += 1
             for e in range(rank):
-                box_lo[k, e] = min(box_lo[k, e], block[row, e])
-                box_hi[k, e] = max(box_hi[k, e], block[row, e] + 1)
+                box_lo[a, k, e] = min(box_lo[a, k, e], block[row, e])
+                box_hi[a, k, e] = max(box_hi[a, k, e], block[row, e] + 1)
         for k in range(nodes):
             volume = 1
             for e in range(rank):
-                volume *= box_hi[k, e] - box_lo[k, e]
+                volume *= box_hi[a, k, e] - box_lo[a, k, e]
             if count[k] == 0:
-                box_lo[k, :] = 0
-                box_hi[k, :] = 0
+                box_lo[a, k, :] = 0
+                box_hi[a, k, :] = 0
             elif volume != count[k]:
-                return False
-        for r in range(devices):
-            k = node[r]
-            here = device[r0] <= r < device[r0] + r1 - r0  # the config's part on r, if any
-            for e in range(rank):
-                f = first[a, e]
-                index[r, e, a, 0] = f
-                index[r, e, a, 1] = f + box_lo[k, e]
-                index[r, e, a, 2] = f + box_hi[k, e]
-                index[r, e, a, 3] = f + degrees[a, e]
-                index[r, e, a, 4] = f + block[r0 + r - device[r0], e] if here else none
-    return True
+                return False, tuple_of, tuples
+    mask = 1
+    while mask < 2 * most:
+        mask *= 2
+    mask -= 1  # below 2**24: the hash keeps 24 bits
+    table_key = np.empty(mask + 1, dtype=np.int64)
+    table_id = np.empty(mask + 1, dtype=np.int64)
+    on_node = np.empty(nodes, dtype=np.uint32)
+    width = 0
+    for e in range(rank):
+        table_key[:] = -1
+        distinct = 0
+        for a in range(configs):
+            f, top = first[a, e], first[a, e] + degrees[a, e]
+            for k in range(nodes):  # the tuple of the node's devices that hold no part
+                lo, hi = f + box_lo[a, k, e], f + box_hi[a, k, e]
+                h = _probe(table_key, mask, f, lo, hi, top, none)
+                if table_key[h] == -1:
+                    distinct = _add(table_key, table_id, tuples[e], h, distinct, f, lo, hi, top, none)
+                on_node[k] = table_id[h]
+            for r in range(devices):
+                tuple_of[r, e, a] = on_node[node[r]]
+            for row in range(starts[a], starts[a + 1] if a + 1 < configs else parts):  # each part's own
+                k = node[device[row]]
+                lo, hi, mine = f + box_lo[a, k, e], f + box_hi[a, k, e], f + block[row, e]
+                h = _probe(table_key, mask, f, lo, hi, top, mine)
+                if table_key[h] == -1:
+                    distinct = _add(table_key, table_id, tuples[e], h, distinct, f, lo, hi, top, mine)
+                tuple_of[device[row], e, a] = table_id[h]
+        width = max(width, distinct)
+    return True, tuple_of, tuples[:, :width].copy()
+
+
+@numba.njit(cache=True, inline="always")
+def _key(p0, p1, p2, p3, p4):
+    return p0 | (p1 << 12) | (p2 << 24) | (p3 << 36) | (p4 << 48)
+
+
+@numba.njit(cache=True, inline="always")
+def _probe(table_key, mask, p0, p1, p2, p3, p4):
+    """The hash table's entry for the slot tuple (p0..p4): its own, or the free one to take."""
+    key = _key(p0, p1, p2, p3, p4)
+    h = (key * FIBONACCI >> 40) & mask  # Fibonacci hashing: the product wraps
+    while table_key[h] != -1 and table_key[h] != key:
+        h = (h + 1) & mask
+    return h
+
+
+@numba.njit(cache=True, inline="always")
+def _add(table_key, table_id, tuples, h, distinct, p0, p1, p2, p3, p4):
+    """Number the new slot tuple (p0..p4) `distinct` at entry h; the new count."""
+    table_key[h], table_id[h] = _key(p0, p1, p2, p3, p4), distinct
+    tuples[distinct, 0], tuples[distinct, 1], tuples[distinct, 2], tuples[distinct, 3], tuples[distinct, 4] = (
+        p0, p1, p2, p3, p4)
+    return distinct + 1
 
 
 def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int,

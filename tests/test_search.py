@@ -193,7 +193,7 @@ def edge_inputs(graph, cost_model):
     configs = cost_model.space(graph)
     needed = graph.needs_backward()
     parts = {layer.name: part_table(layer.shape, configs[layer.name]) for layer in graph}
-    grids = {name: transfer.Grid(table, graph[name].shape, cost_model.links.node, cost_model.machine.num_devices)
+    grids = {name: transfer.Grid(table, graph[name].shape, cost_model.links.node)
              for name, table in parts.items()}
     for layer in graph:
         for j, src in enumerate(layer.inputs):
@@ -227,32 +227,56 @@ def test_separable_equals_general(graph, nodes, placement):
     assert count == sum(len(layer.inputs) for layer in g)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
        rows=st.lists(st.tuples(st.lists(st.sampled_from([1, 2, 4]), min_size=4, max_size=4), st.integers(0, 7)),
                      min_size=1, max_size=6),
        nodes=st.sampled_from([1, 2, 4]))
-def test_grid_of_blocks_equals_grid_of_its_part_table(shape, rows, nodes):
-    """The one-call layout a search uses gives the part table, slots and grid that building each
-    in turn gives, also where a config's parts on a node are no box of blocks (ok False)."""
+def test_grid_slot_tuples(shape, rows, nodes):
+    """What each config looks like from each device along each dimension (Grid's five slot
+    positions), against the definition worked out part by part; the one-call layout a search
+    uses (Grid.of_blocks) gives the same part table, slots and grid as building each in turn,
+    also where a config's parts on a node are no box of blocks (ok False)."""
+    from search.regions import grid_parts
+
     shape = tuple(shape)
     num_devices, node = 8, np.repeat(np.arange(nodes), 8 // nodes)
     degrees = np.array([[min(d, size) for d, size in zip(ds, shape)] for ds, _ in rows], dtype=np.int64)
     assume(all(np.prod(d) <= num_devices for d in degrees))
     first = np.array([min(f, num_devices - int(np.prod(d))) for d, (_, f) in zip(degrees, rows)], dtype=np.int64)
-    from search.regions import grid_parts
-    expected = transfer.Grid(grid_parts(shape, degrees, first=first), shape, node, num_devices)
-    got = transfer.Grid.of_blocks(shape, degrees, first, node, num_devices)
+    table = grid_parts(shape, degrees, first=first)
+    expected = transfer.Grid(table, shape, node)
+    got = transfer.Grid.of_blocks(shape, degrees, first, node)
     for name in ("lo", "hi", "device", "starts", "block", "degrees", "config"):
-        np.testing.assert_array_equal(getattr(got.table, name), getattr(expected.table, name), err_msg=name)
-    want, have = expected.table.slots(shape), got.table.slots(shape)
+        np.testing.assert_array_equal(getattr(got.table, name), getattr(table, name), err_msg=name)
+    want, have = table.slots(shape), got.table.slots(shape)
     for name in ("first", "lo", "hi", "part"):
         np.testing.assert_array_equal(getattr(have, name), getattr(want, name), err_msg=name)
-    assert have.count == want.count and got.ok == expected.ok
-    np.testing.assert_array_equal(got.part_slot, expected.part_slot)
-    if expected.ok:
-        np.testing.assert_array_equal(got.tuple_of, expected.tuple_of)
-        np.testing.assert_array_equal(got.tuples, expected.tuples)
+    assert have.count == want.count
+    np.testing.assert_array_equal(got.part_slot, want.part)
+    boxes = {}  # (config, node) -> per dimension (lowest block, highest block + 1) of its parts there
+    for row in range(len(table.device)):
+        a, k = int(table.config[row]), int(node[table.device[row]])
+        box = boxes.setdefault((a, k), [[9, -1] for _ in shape])
+        for e, b in enumerate(table.block[row]):
+            box[e] = [min(box[e][0], b), max(box[e][1], b + 1)]
+    is_box = all(np.prod([hi - lo for lo, hi in box]) == np.sum((table.config == a) & (node[table.device] == k))
+                 for (a, k), box in boxes.items())
+    assert got.ok == expected.ok == is_box
+    if not is_box:
+        return
+    none = want.lo.shape[1]
+    for grid in (got, expected):
+        for a in range(len(degrees)):
+            rows_of = np.flatnonzero(table.config == a)
+            for r in range(num_devices):
+                mine = [row for row in rows_of if table.device[row] == r]
+                box = boxes.get((a, int(node[r])), [[0, 0] for _ in shape])
+                for e in range(len(shape)):
+                    f = want.first[a, e]
+                    slots = (f, f + box[e][0], f + box[e][1], f + degrees[a, e],
+                             f + table.block[mine[0], e] if mine else none)
+                    assert tuple(grid.tuples[e, grid.tuple_of[r, e, a]]) == slots, (a, r, e)
 
 
 def test_box_sums_float32_cannot_hold_take_the_general_path():
