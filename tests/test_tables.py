@@ -109,7 +109,7 @@ def test_space_from_arrays_is_layer_configs(graph, nodes, per_node, powers_of_tw
     space = cm.space(g)
     tables = cm.tables(g)
     for layer in g:
-        assert cm.layer_space(layer).configs == space[layer.name], layer.name
+        assert list(cm.layer_space(layer).configs) == space[layer.name], layer.name
         assert [ParallelConfig(c.n, c.c, c.h, c.w, c.devices) for c in tables.configs[layer.name]] == space[layer.name]
 
 
@@ -127,7 +127,7 @@ def test_space_from_arrays_drops_what_does_not_fit():
         space = cm.space(g)
         assert any(len(space[name]) < full[name] for name in full)
         for layer in g:
-            assert cm.layer_space(layer).configs == space[layer.name], (memory, layer.name)
+            assert list(cm.layer_space(layer).configs) == space[layer.name], (memory, layer.name)
     machine.devices = [dataclasses.replace(d, memory=floor - 1) for d in machine.devices]
     with pytest.raises(ValueError, match="no config fits"):
         CostModel(machine, cache=False).tables(g)
@@ -210,3 +210,18 @@ def test_kernels_stop_the_helper_on_an_error():
     with Kernels() as kernels:  # the helper is free again
         kernels.start("c", [lambda: np.ones(1)], transfer.sum_of)
         assert kernels.tables()["c"].tolist() == [1.0]
+
+
+def test_configs_made_when_read_index_like_a_list():
+    cm = CostModel(Machine.simulated(1, 4), cache=False)
+    layer = models.lenet5(batch=8)["conv1"]
+    configs = cm.layer_space(layer).configs
+    listed = list(configs)
+    assert len(listed) == len(configs) and listed == layer_configs(layer, 4)
+    assert configs[-1] == listed[-1] and configs[1:3] == listed[1:3] and configs[2] is configs[2]
+    with pytest.raises(IndexError):
+        configs[len(configs)]
+    mask = np.arange(len(configs)) % 2 == 1
+    both = configs.with_allreduce(mask)
+    assert [c.sync for c in both] == ["allreduce" if m else "ps" for m in mask]
+    assert [dataclasses.replace(c, sync="ps") for c in both] == listed
