@@ -55,7 +55,7 @@ from taskrt.machine import DEVICE_KINDS
 from taskrt.params import resolve_dtype
 from taskrt.plan import DATA, TASK
 
-CACHE_FORMAT = "taskrt-costs/2"  # parts: [forward s, backward s]
+CACHE_FORMAT = "taskrt-costs/3"  # parts: [forward s, backward s (with packing the parameter gradient)]
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
 # per message; CPU per task fitted to training steps where devices share cores; the scheduler's
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
@@ -965,9 +965,17 @@ def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency,
 def measure_parts(items, repeats, dtype):
     """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx),
     on this worker's device: on a GPU worker the arrays live on the GPU and every timing waits for
-    the device to finish (taskrt.device.synchronize)."""
+    the device to finish (taskrt.device.synchronize).  The backward includes packing the parameter
+    gradient into one flat array, as a backward task does (taskrt.tasks.Backward): for a
+    fully-connected layer that copy is as large as its weights."""
     from ops import array_module
     from taskrt.device import synchronize, to_device
+    from taskrt.params import pack
+
+    def backward(dy, xs, y, params, rect, need_dx):
+        _, dparams = op.backward(dy, xs, y, params, rect, need_dx)
+        if dparams:
+            pack(dparams, array_module(dy))
 
     rng = np.random.default_rng(0)
     out = []
@@ -984,7 +992,7 @@ def measure_parts(items, repeats, dtype):
         xs, params = [to_device(x) for x in xs], {k: to_device(v) for k, v in params.items()}
         y = op.forward(xs, params, rect)
         dy = array_module(y).ones_like(y)
-        op.backward(dy, xs, y, params, rect, need_dx)  # warm-up
+        backward(dy, xs, y, params, rect, need_dx)  # warm-up
         fwd, bwd = [], []
         for _ in range(repeats):
             synchronize()
@@ -992,7 +1000,7 @@ def measure_parts(items, repeats, dtype):
             y = op.forward(xs, params, rect)
             synchronize()
             middle = time.perf_counter()
-            op.backward(dy, xs, y, params, rect, need_dx)
+            backward(dy, xs, y, params, rect, need_dx)
             synchronize()
             fwd.append(middle - start)
             bwd.append(time.perf_counter() - middle)

@@ -225,3 +225,26 @@ def test_configs_made_when_read_index_like_a_list():
     both = configs.with_allreduce(mask)
     assert [c.sync for c in both] == ["allreduce" if m else "ps" for m in mask]
     assert [dataclasses.replace(c, sync="ps") for c in both] == listed
+
+
+def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
+    """A backward task packs its parameter gradient into one flat array (taskrt.tasks.Backward), a
+    copy as large as a fully-connected layer's weights; the part timings the simulator adds up
+    include it, for ops with parameters only."""
+    from search.cost import measure_parts
+    from taskrt import params as taskrt_params
+
+    g = models.lenet5(batch=8)
+    packed = []
+    real = taskrt_params.pack
+
+    def counting(arrays, xp=np):
+        packed.append(sorted(arrays))
+        return real(arrays, xp)
+
+    with mock.patch.object(taskrt_params, "pack", counting):
+        out = measure_parts([(g["fc1"].op, Rect.full(g["fc1"].shape), (True,)),
+                             (g["pool1"].op, Rect.full(g["pool1"].shape), (True,))], 2, "float32")
+    assert len(out) == 2 and all(f > 0 and b > 0 for f, b in out)
+    assert packed and all(names == ["bias", "weight"] for names in packed)
+    assert len(packed) == 3  # fc1's warm-up and two timed backwards; none for the pool
