@@ -442,7 +442,7 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
             which[q, e] = entry[e, i, r]
     gathered = np.empty((count, components, (configs + LANES - 1) // LANES * LANES), dtype=np.float32)
     gathered[:, :, configs:] = 0
-    sums = np.empty((tuples.shape[1], components), dtype=np.float32)
+    sums = np.empty((components, tuples.shape[1]), dtype=np.float32)
     cum_vol = np.empty(width)
     cum_cnt = np.empty(width)
     for e in range(rank):
@@ -459,20 +459,21 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
             for t in range(tuples.shape[1]):
                 first, box_lo, box_hi, top, mine = (tuples[e, t, 0], tuples[e, t, 1], tuples[e, t, 2], tuples[e, t, 3],
                                                     tuples[e, t, 4])
-                sums[t, 0] = cum_vol[box_hi] - cum_vol[box_lo]
-                sums[t, 1] = cum_cnt[box_hi] - cum_cnt[box_lo]
-                sums[t, 2] = cum_cnt[top] - cum_cnt[first]
-                sums[t, 3] = values[e, i, mine]
+                sums[0, t] = cum_vol[box_hi] - cum_vol[box_lo]
+                sums[1, t] = cum_cnt[box_hi] - cum_cnt[box_lo]
+                sums[2, t] = cum_cnt[top] - cum_cnt[first]
+                sums[3, t] = values[e, i, mine]
                 if with_total:
-                    sums[t, 4] = cum_vol[top] - cum_vol[first]
+                    sums[4, t] = cum_vol[top] - cum_vol[first]
             for r in range(devices):
                 g = entry[e, i, r]
                 if g < 0:
                     continue
-                for a in range(configs):
-                    t = tuple_of[r, e, a]
-                    for c in range(components):
-                        gathered[g, c, a] = sums[t, c]
+                view = tuple_of[r, e]
+                for c in range(components):  # rows written in order: a gather along each
+                    row, out = sums[c], gathered[g, c]
+                    for a in range(configs):
+                        out[a] = row[view[a]]
     return which, gathered
 
 
