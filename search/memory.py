@@ -25,15 +25,25 @@ from taskrt.memory import KINDS, DeviceMemory
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TRANSIENT = range(len(KINDS))
 
 
-def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, DeviceMemory]:
+def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=None) -> dict[int, DeviceMemory]:
     """Bytes per device, by kind, of one training step of `graph` under `strategy` (validated).
 
     `regions(layer, config)`, if given, returns the parts of `layer` under `config` as
     (lo, hi, device) rows and each input's needs as (lo, hi) rows (zero rows: reads nothing),
-    as `CostModel.regions` does from the search's tables; by default they are computed here."""
+    as `CostModel.regions` does from the search's tables; by default they are computed here.
+    `per_channel(op)`: `search.cost.channel_params` by default, or a CostModel's, which has them
+    already."""
     if any(not config.is_even for config in strategy.configs.values()):
         return _lowered(graph, strategy, itemsize)
     regions = regions or _regions
+    if per_channel is None:
+        known = {}
+
+        def per_channel(op) -> int:
+            if op not in known:
+                known[op] = channel_params(op)
+            return known[op]
+
     layers = {layer.name: regions(layer, strategy[layer.name]) for layer in graph}
     needed = graph.needs_backward()
     devices = 1 + max(int(parts[2].max()) for parts, _ in layers.values())
@@ -42,13 +52,10 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None) -> dict[int, D
     read = {name: np.zeros(len(parts[2]), dtype=bool) for name, (parts, _) in layers.items()}  # by a consumer part
     takes_dy = {}  # per part of a needed layer: whether its backward tasks read its output gradient
     moves = {name: [] for name in layers}  # per producer: the pieces its consumers' parts on other devices read
-    per_channel = {}
     for layer in graph:
         (lo, hi, device), needs = layers[layer.name]
         if layer.param_shapes:
-            if layer.op not in per_channel:
-                per_channel[layer.op] = channel_params(layer.op)
-            _shards(lo[:, 1], hi[:, 1], device, per_channel[layer.op], itemsize,
+            _shards(lo[:, 1], hi[:, 1], device, per_channel(layer.op), itemsize,
                     strategy[layer.name].sync == "allreduce", memory)
         if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
             _outputs(lo, hi, device, 0 if layer.kind == "softmax_cross_entropy" else itemsize, memory, present)

@@ -70,7 +70,8 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     # every layer has a valid config here: no need to validate the strategy again
     regions = cost_model.regions if check_by_simulation or check_by_measurement else (
         lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
-    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions))
+    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions,
+                                                           cost_model.channel_params))
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
     return strategy
 
@@ -79,8 +80,10 @@ def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None 
     """JSON-ready bytes per device of a training step under `strategy`, by kind: taskrt.memory's
     accounting of the plan, counted without lowering it (search.memory), from `cost_model`'s
     region tables when given."""
-    regions = cost_model.regions if cost_model is not None else None
-    return _json(step_memory(graph, strategy.validated(graph), itemsize, regions))
+    if cost_model is None:
+        return _json(step_memory(graph, strategy.validated(graph), itemsize))
+    return _json(step_memory(graph, strategy.validated(graph), itemsize, cost_model.regions,
+                             cost_model.channel_params))
 
 
 def _json(memory) -> dict:
