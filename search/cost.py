@@ -372,7 +372,6 @@ class CostModel:
             self._geometries[key] = Geometry(configs, grid.table, grid)
         return self._geometries[key]
 
-
     def _largest_part_bytes(self, op, parts, needs) -> np.ndarray:
         """Per config, `search.space.part_memory`: the footprint of its first part (the largest)."""
         volumes = tuple(n.volume for n in needs) or (np.zeros(len(parts.device), dtype=np.int64),)
