@@ -971,7 +971,7 @@ def measure_parts(items, repeats, dtype):
     from taskrt.device import synchronize, to_device
     from taskrt.params import pack
 
-    def backward(dy, xs, y, params, rect, need_dx):
+    def backward(op, dy, xs, y, params, rect, need_dx):
         _, dparams = op.backward(dy, xs, y, params, rect, need_dx)
         if dparams:
             pack(dparams, array_module(dy))
@@ -991,7 +991,7 @@ def measure_parts(items, repeats, dtype):
         xs, params = [to_device(x) for x in xs], {k: to_device(v) for k, v in params.items()}
         y = op.forward(xs, params, rect)
         dy = array_module(y).ones_like(y)
-        backward(dy, xs, y, params, rect, need_dx)  # warm-up
+        backward(op, dy, xs, y, params, rect, need_dx)  # warm-up
         fwd, bwd = [], []
         for _ in range(repeats):
             synchronize()
@@ -999,7 +999,7 @@ def measure_parts(items, repeats, dtype):
             y = op.forward(xs, params, rect)
             synchronize()
             middle = time.perf_counter()
-            backward(dy, xs, y, params, rect, need_dx)
+            backward(op, dy, xs, y, params, rect, need_dx)
             synchronize()
             fwd.append(middle - start)
             bwd.append(time.perf_counter() - middle)

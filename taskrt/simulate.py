@@ -192,15 +192,16 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
     now = origin
 
-    def rate():
-        if not runtime.cores or not running:
-            return 1.0
-        return min(1.0, runtime.cores / (len(running) + background))
+    def share():  # of the cores each kernel running and the runtime's work get now
+        return min(1.0, runtime.cores / (len(running) + background)) if runtime.cores else 1.0
 
-    def served():  # the share of its demand the runtime's work gets now
-        return min(1.0, runtime.cores / (len(running) + background)) if runtime.cores and background else 1.0
+    def rate():  # a kernel's speed
+        return share() if running else 1.0
 
-    share = 0.0
+    def served():  # the share of its demand the runtime's work gets
+        return share() if background else 1.0
+
+    served_s = 0.0  # the runtime_share_s of the Simulation
 
     while pending or running or any(queued):
         while pending and pending[0][0] <= now:  # before devices choose: ties go by plan order
@@ -215,7 +216,7 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
         next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
         next_ready = pending[0][0] if pending else np.inf
         later = min(next_finish, next_ready)
-        share += (later - now) * served()
+        served_s += (later - now) * served()
         for item in running.values():  # a task due by `later` is done (no rounding residue left)
             item[1] = 0.0 if now + item[1] / speed <= later else item[1] - (later - now) * speed
         now = later
@@ -240,8 +241,8 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, max(finish.values(), default=origin) - origin)
     if end > now:  # after the last kernel: the runtime alone
-        share += (end - now) * served()
-    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, runtime_share_s=share)
+        served_s += (end - now) * served()
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, runtime_share_s=served_s)
 
 
 def _task_overhead(task, runtime: Runtime) -> float:

@@ -687,7 +687,6 @@ def test_long_steps_finish(cores):
         assert sim.step_s >= times["a"] + times["b"]
 
 
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_step_on_shared_cores_holds_its_processor_time(real_plans, fused, monkeypatch):
     """Kernels and the runtime's work share the cores: however the schedule goes, a step's
