@@ -8,9 +8,12 @@ and the task-graph simulator.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -78,9 +81,55 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
+def kernel_seconds(cost_model, plan) -> float:
+    """The sum of `plan`'s tasks' times under `cost_model` (kernels alone, no runtime)."""
+    task_time = cost_model.timer(plan)
+    return sum(task_time(task) for task in plan.tasks)
+
+
+def retimed(machine, cost_model, plans, path):
+    """One more session of the part and synchronization timings the tasks of `plans` use, by a
+    cost model of its own (cached at `path`, a new file) on `cost_model`'s runtime calibration;
+    returns that cost model."""
+    cache = search.cost.CostCache(path)
+    cache.data["overhead"] = cost_model.cache.data["overhead"]
+    cache.save()
+    fresh = search.CostModel(machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype, progress=False)
+    for plan in plans:
+        kernel_seconds(fresh, plan)  # times what the plan's tasks run
+    return fresh
+
+
+def median_timings(cost_model, sessions: list, directory):
+    """A cost model on `cost_model`'s calibration and timings, where each timing found in every one
+    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own."""
+    parts = copy.deepcopy(cost_model.cache.data["parts"])
+    for kind, timings in parts.items():
+        for signature, seconds in timings.items():
+            found = [session.cache.get(kind, signature) for session in sessions]
+            if all(f is not None for f in found):
+                timings[signature] = np.median([seconds, *found], axis=0).tolist()
+    path = Path(directory) / "median.json"
+    cache = search.cost.CostCache(path)
+    cache.data.update(parts=parts, overhead=cost_model.cache.data["overhead"])
+    cache.save()
+    return search.CostModel(cost_model.machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype,
+                            progress=False)
+
+
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
-            seed: int = 0) -> list[dict]:
-    """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved."""
+            seed: int = 0, retimings: int = 0) -> list[dict]:
+    """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved.
+
+    With `retimings`, the parts the strategies' tasks run are timed that many times more, spread
+    over the rounds, and each prediction takes the median of those timings and `cost_model`'s: the
+    host's speed drifts (by a fifth within a minute on a shared 2-core machine), and part
+    timings taken at one moment would compare with steps taken over several."""
+    with tempfile.TemporaryDirectory() as directory:  # the timings' caches
+        return _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, directory)
+
+
+def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, directory) -> list[dict]:
     image = graph.inputs[0]
     x, y = random_batch(graph, seed)
     # a small learning rate keeps random-data training finite: inf and NaN would change kernel speed
@@ -90,13 +139,21 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             trainer.step(x, y)
     times = {name: [] for name in trainers}
     matches = {name: True for name in trainers}
-    for _ in tqdm(range(rounds), desc=f"{label} on {machine.num_devices} devices", leave=False, disable=None):
+    retime_after = {round(rounds * (k + 1) / retimings) - 1 for k in range(retimings)} if retimings else set()
+    sessions = []
+    for i in tqdm(range(rounds), desc=f"{label} on {machine.num_devices} devices", leave=False, disable=None):
         for name, trainer in trainers.items():
             # Two steps in a row, the second timed: it follows a step of its own, as in training,
             # not another strategy's (whose freeing of memory and keys would overlap with it)
             trainer.step(x, y)
             trainer.step(x, y)
             times[name].append(trainer.stats.wall_s)
+        if i in retime_after:
+            path = Path(directory) / f"retimed{len(sessions)}.json"
+            sessions.append(retimed(machine, cost_model, [t.plan for t in trainers.values()], path))
+    sessions.insert(0, cost_model)
+    if len(sessions) > 1:
+        cost_model = median_timings(cost_model, sessions[1:], directory)
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
@@ -111,7 +168,7 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
         runtime = cost_model.runtime(plan, trainer.executor.fused)
         simulated = simulate(plan, task_time, machine, runtime)
         cores = runtime.cores
-        alone = sum(task_time(task) for task in plan.tasks)
+        alone = kernel_seconds(cost_model, plan)
         additive = cost_model.breakdown(graph, strategies[name]).total
         measured = statistics.median(times[name])
         q1, q3 = np.percentile(times[name], [25, 75])
@@ -130,6 +187,9 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
             # task stream) against the part timings the simulator adds up
             "kernels_in_step_ms": in_step[name] * 1e3, "kernels_alone_ms": alone * 1e3,
             "kernels_in_step_vs_alone": in_step[name] / alone if alone else None,
+            # the same sum under each session of part timings (the first: the search's), which the
+            # prediction takes the median of: how far the host's speed moved over the rounds
+            "kernels_alone_sessions_ms": [kernel_seconds(session, plan) * 1e3 for session in sessions],
             # where devices share the host's cores: the processor time of a step (all processes)
             # against the simulator's, and the cores' idle time in a step, measured (over the same
             # steps as the processor time) and simulated

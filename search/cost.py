@@ -519,6 +519,13 @@ class CostModel:
                 lo, hi, _ = plan.shards[task.layer][task.key[1]].chunks[task.key[2]]
                 sync[task.key] = (kind, task.phase, hi - lo, len(task.spec.grads))
         self._time_synchronization(set(sync.values()))
+        if not self.estimated:  # parts not timed yet: measured together, not one call each
+            missing = {}
+            for task in plan.tasks:
+                if task.phase in ("fwd", "bwd", "loss"):
+                    kind, op = self.kinds[self.kind_index[task.device]], task.spec.op
+                    self._lookup(kind, op, task.spec.out, _need_dx(task), missing)
+            self._measure_missing(missing)
         # On CPU workers a task first copies the arrays Dask hands it out of a message, which are
         # misaligned (taskrt.tasks.Received): another device's values and the client's data tiles.
         received = {}
@@ -537,11 +544,11 @@ class CostModel:
         def kernel_time(task) -> float:
             spec = task.spec
             if task.phase == "fwd":
-                return self.part_time(spec.op, spec.out, tuple(False for _ in spec.op.in_shapes), task.device)[0]
+                return self.part_time(spec.op, spec.out, _need_dx(task), task.device)[0]
             if task.phase == "bwd":
-                return self.part_time(spec.op, spec.out, spec.need_dx, task.device)[1]
+                return self.part_time(spec.op, spec.out, _need_dx(task), task.device)[1]
             if task.phase == "loss":
-                return sum(self.part_time(spec.op, spec.out, (True, False), task.device))
+                return sum(self.part_time(spec.op, spec.out, _need_dx(task), task.device))
             if task.phase in ("slice", "gslice", "rslice", "wgather"):  # copies into a fresh array
                 return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
             if task.phase in ("update", "reduce"):
@@ -693,6 +700,13 @@ class CostModel:
         if fast is not None:
             return fast, transfer.sum_of
         return [lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)], transfer.sum_of
+
+
+def _need_dx(task) -> tuple:
+    """Which input gradients a forward, backward or loss task's part timing includes."""
+    if task.phase == "fwd":
+        return tuple(False for _ in task.spec.op.in_shapes)
+    return (True, False) if task.phase == "loss" else tuple(task.spec.need_dx)
 
 
 def _plus_transpose(table: np.ndarray) -> np.ndarray:

@@ -1,0 +1,30 @@
+"""The timing sessions the accuracy benchmark takes its predictions from."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import search
+from bench.measure import median_timings
+from search.cost import CostCache
+from taskrt.machine import Machine
+
+
+def session(tmp_path, name, parts: dict):
+    cache = CostCache(tmp_path / name)
+    cache.data["parts"] = parts
+    return SimpleNamespace(cache=cache)
+
+
+def test_each_timing_becomes_the_median_of_the_sessions_that_all_timed_it(tmp_path):
+    machine = Machine.simulated(1, 2)
+    first = search.CostModel(machine, cache=tmp_path / "first.json", progress=False)
+    first.cache.data["parts"] = {"cpu:x": {"a": [1.0, 10.0], "b": [2.0, 20.0]}}
+    later = [session(tmp_path, "s1.json", {"cpu:x": {"a": [3.0, 30.0], "b": [9.0, 90.0]}}),
+             session(tmp_path, "s2.json", {"cpu:x": {"a": [2.0, 40.0]}})]  # "b" not timed again here
+    merged = median_timings(first, later, tmp_path)
+    assert merged.cache.get("cpu:x", "a") == pytest.approx([2.0, 30.0])
+    assert merged.cache.get("cpu:x", "b") == [2.0, 20.0]  # kept as it was: one session lacks it
+    assert first.cache.get("cpu:x", "a") == [1.0, 10.0]  # the search's own timings are left alone
