@@ -248,3 +248,17 @@ def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
     assert len(out) == 2 and all(f > 0 and b > 0 for f, b in out)
     assert packed and all(names == ["bias", "weight"] for names in packed)
     assert len(packed) == 3  # fc1's warm-up and two timed backwards; none for the pool
+
+
+def test_part_timing_starts_each_cpu_kernel_with_the_core_cache_evicted():
+    """In a step other kernels run between two of one layer's: each timed forward and backward
+    on a CPU starts after reading a buffer larger than a core's cache, not after its own run."""
+    import search.cost as cost
+
+    g = models.lenet5(batch=8)
+    calls = []
+    real = cost.evict_core_cache
+    with mock.patch.object(cost, "evict_core_cache", lambda: (calls.append(1), real())):
+        cost.measure_parts([(g["conv1"].op, Rect.full(g["conv1"].shape), (False,))], 3, "float32")
+    assert len(calls) == 6  # before each of three forwards and three backwards
+    assert cost._EVICTION[0].nbytes >= max(2 * cost._l2_bytes(), 4 << 20)
