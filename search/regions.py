@@ -47,9 +47,13 @@ class PartTable:
     def slots(self, size) -> Slots:
         """The blocks of the configs along each dimension of a tensor of shape `size`, as slots."""
         if getattr(self, "_slots", None) is None:
-            counts, first, lo, hi = _slots(np.asarray(size, dtype=np.int64), self.degrees)
-            self._slots = Slots(first, lo, hi, counts.tolist(), first[self.config] + self.block)
+            self.keep_slots(*_slots(np.asarray(size, dtype=np.int64), self.degrees))
         return self._slots
+
+    def keep_slots(self, counts, first, lo, hi):
+        """The slots as `_slots` gives them, worked out elsewhere (search.transfer.Grid.of_blocks
+        makes them in the same compiled call as the table)."""
+        self._slots = Slots(first, lo, hi, counts.tolist(), first[self.config] + self.block)
 
 
 @numba.njit(cache=True)

@@ -122,31 +122,29 @@ class Grid:
     tuples differ: `tuples[e]` lists the distinct ones and `tuple_of[r, e, a]` points into it."""
 
     def __init__(self, table: PartTable, shape, node: np.ndarray):
-        self.table = table
-        self.degrees = table.degrees
         slots = table.slots(shape)
-        self.slots = slots.lo, slots.hi
-        self.part_slot = slots.part
-        self.ok, tuple_of, tuples = _grid_tuples(table.block, table.device, table.starts, slots.first, self.degrees,
-                                                 node, slots.lo.shape[1])
-        if self.ok:
-            self.tuple_of, self.tuples = tuple_of, tuples
+        self._keep(table, slots, *_grid_tuples(table.block, table.device, table.starts, slots.first, table.degrees,
+                                               node, slots.lo.shape[1]))
 
     @classmethod
     def of_blocks(cls, shape, degrees: np.ndarray, first: np.ndarray, node: np.ndarray) -> Grid:
         """The grid (and its part table, `table`) of configs given as (configs, rank) degrees, each
         on its block of devices from `first`: `search.regions.grid_parts`, the slots and the grid
         in one compiled call, as a search makes one per layer shape."""
-        (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
+        (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, ok, tuple_of,
          tuples) = _layout(np.asarray(shape, dtype=np.int64), degrees, first, node)
         table = PartTable(lo, hi, device, starts, block, degrees, config)
-        table._slots = Slots(slot_first, slot_lo, slot_hi, counts.tolist(), part_slot)
+        table.keep_slots(counts, slot_first, slot_lo, slot_hi)
         grid = cls.__new__(cls)
-        grid.table, grid.degrees, grid.slots, grid.part_slot = table, degrees, (slot_lo, slot_hi), part_slot
-        grid.ok = ok
-        if ok:
-            grid.tuple_of, grid.tuples = tuple_of, tuples
+        grid._keep(table, table.slots(shape), ok, tuple_of, tuples)
         return grid
+
+    def _keep(self, table: PartTable, slots: Slots, ok: bool, tuple_of, tuples):
+        self.table, self.degrees = table, table.degrees
+        self.slots, self.part_slot = (slots.lo, slots.hi), slots.part
+        self.ok = ok
+        if ok:
+            self.tuple_of, self.tuples = tuple_of, tuples
 
 
 @numba.njit(cache=True)
@@ -154,13 +152,8 @@ def _layout(shape, degrees, first, node):
     """`Grid.of_blocks`: the part table's arrays, the slots' and the grid's."""
     starts, config, block, lo, hi, device = _grid_parts(shape, degrees, first)
     counts, slot_first, slot_lo, slot_hi = _slots(shape, degrees)
-    part_slot = np.empty_like(block)
-    for row in range(len(config)):
-        for e in range(block.shape[1]):
-            part_slot[row, e] = slot_first[config[row], e] + block[row, e]
     ok, tuple_of, tuples = _grid_tuples(block, device, starts, slot_first, degrees, node, slot_lo.shape[1])
-    return (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
-            tuples)
+    return starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, ok, tuple_of, tuples
 
 
 FIBONACCI = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / the golden ratio, as a signed 64-bit number
