@@ -87,14 +87,20 @@ def kernel_seconds(cost_model, plan) -> float:
     return sum(task_time(task) for task in plan.tasks)
 
 
-def retimed(machine, cost_model, plans, path):
-    """One more session of the part and synchronization timings the tasks of `plans` use, by a
-    cost model of its own (cached at `path`, a new file) on `cost_model`'s runtime calibration;
-    returns that cost model."""
+def on_calibration_of(cost_model, path, parts: dict):
+    """A cost model cached at `path` (a new file) with `parts` as its timings, on `cost_model`'s
+    runtime calibration (not measured again) and timing as it does."""
     cache = search.cost.CostCache(path)
-    cache.data["overhead"] = cost_model.cache.data["overhead"]
+    cache.data.update(parts=parts, overhead=cost_model.cache.data["overhead"])
     cache.save()
-    fresh = search.CostModel(machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype, progress=False)
+    return search.CostModel(cost_model.machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype,
+                            progress=False)
+
+
+def retimed(cost_model, plans, path):
+    """One more session of the part and synchronization timings the tasks of `plans` use, by a
+    cost model of its own (`on_calibration_of`, cached at `path`); returns that cost model."""
+    fresh = on_calibration_of(cost_model, path, {})
     for plan in plans:
         kernel_seconds(fresh, plan)  # times what the plan's tasks run
     return fresh
@@ -109,12 +115,7 @@ def median_timings(cost_model, sessions: list, directory):
             found = [session.cache.get(kind, signature) for session in sessions]
             if all(f is not None for f in found):
                 timings[signature] = np.median([seconds, *found], axis=0).tolist()
-    path = Path(directory) / "median.json"
-    cache = search.cost.CostCache(path)
-    cache.data.update(parts=parts, overhead=cost_model.cache.data["overhead"])
-    cache.save()
-    return search.CostModel(cost_model.machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype,
-                            progress=False)
+    return on_calibration_of(cost_model, Path(directory) / "median.json", parts)
 
 
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
@@ -150,7 +151,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             times[name].append(trainer.stats.wall_s)
         if i in retime_after:
             path = Path(directory) / f"retimed{len(sessions)}.json"
-            sessions.append(retimed(machine, cost_model, [t.plan for t in trainers.values()], path))
+            sessions.append(retimed(cost_model, [t.plan for t in trainers.values()], path))
     sessions.insert(0, cost_model)
     if len(sessions) > 1:
         cost_model = median_timings(cost_model, sessions[1:], directory)
