@@ -47,13 +47,24 @@ class PartTable:
     def slots(self, size) -> Slots:
         """The blocks of the configs along each dimension of a tensor of shape `size`, as slots."""
         if getattr(self, "_slots", None) is None:
-            self.keep_slots(*_slots(np.asarray(size, dtype=np.int64), self.degrees))
+            counts, first, lo, hi = _slots(np.asarray(size, dtype=np.int64), self.degrees)
+            self.keep_slots(Slots(first, lo, hi, counts.tolist(), part_slots(first, self.config, self.block)))
         return self._slots
 
-    def keep_slots(self, counts, first, lo, hi):
-        """The slots as `_slots` gives them, worked out elsewhere (search.transfer.Grid.of_blocks
-        makes them in the same compiled call as the table)."""
-        self._slots = Slots(first, lo, hi, counts.tolist(), first[self.config] + self.block)
+    def keep_slots(self, slots: Slots):
+        """Slots worked out elsewhere (search.transfer.Grid.of_blocks makes them in the same
+        compiled call as the table)."""
+        self._slots = slots
+
+
+@numba.njit(cache=True)
+def part_slots(first, config, block):
+    """Each part's slot along each dimension: its config's first slot there plus its block."""
+    out = np.empty_like(block)
+    for row in range(len(config)):
+        for e in range(block.shape[1]):
+            out[row, e] = first[config[row], e] + block[row, e]
+    return out
 
 
 @numba.njit(cache=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from search.regions import PartTable, Slots, _grid_parts, _slots, overlap_volumes
+from search.regions import PartTable, Slots, _grid_parts, _slots, overlap_volumes, part_slots
 
 
 @dataclass
@@ -131,10 +131,10 @@ class Grid:
         """The grid (and its part table, `table`) of configs given as (configs, rank) degrees, each
         on its block of devices from `first`: `search.regions.grid_parts`, the slots and the grid
         in one compiled call, as a search makes one per layer shape."""
-        (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, ok, tuple_of,
+        (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
          tuples) = _layout(np.asarray(shape, dtype=np.int64), degrees, first, node)
         table = PartTable(lo, hi, device, starts, block, degrees, config)
-        table.keep_slots(counts, slot_first, slot_lo, slot_hi)
+        table.keep_slots(Slots(slot_first, slot_lo, slot_hi, counts.tolist(), part_slot))
         grid = cls.__new__(cls)
         grid._keep(table, table.slots(shape), ok, tuple_of, tuples)
         return grid
@@ -152,8 +152,10 @@ def _layout(shape, degrees, first, node):
     """`Grid.of_blocks`: the part table's arrays, the slots' and the grid's."""
     starts, config, block, lo, hi, device = _grid_parts(shape, degrees, first)
     counts, slot_first, slot_lo, slot_hi = _slots(shape, degrees)
+    part_slot = part_slots(slot_first, config, block)
     ok, tuple_of, tuples = _grid_tuples(block, device, starts, slot_first, degrees, node, slot_lo.shape[1])
-    return starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, ok, tuple_of, tuples
+    return (starts, config, block, lo, hi, device, counts, slot_first, slot_lo, slot_hi, part_slot, ok, tuple_of,
+            tuples)
 
 
 FIBONACCI = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / the golden ratio, as a signed 64-bit number
