@@ -274,9 +274,9 @@ def sum_of(tables: list) -> np.ndarray:
 
 
 def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
-    """`separable`'s kernels as functions to call, the activations' table and (`backward`) the
-    gradients', whose sum is the table; None when the shortcut does not apply.  The kernels
-    release the GIL: a search runs them on a helper thread (search.cost.Kernels)."""
+    """`separable`'s kernel as a function to call (in a list, as `Kernels` takes jobs), giving the
+    activations' table plus (`backward`) the gradients'; None when the shortcut does not apply.
+    The kernel releases the GIL: a search runs it on a helper thread (search.cost.Kernels)."""
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
         return None
@@ -295,21 +295,30 @@ def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, i
     producer = u.table
     shape = (len(u.degrees), len(v.degrees))
 
-    def activations() -> np.ndarray:
+    def table() -> np.ndarray:
         out = np.empty(shape)
-        _forward(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts,
-                 needs.reads_nothing, needs.driven_by, need.lo, need.hi, need.constant_lo, need.constant_hi,
-                 links.node, weights, itemsize, nic, out)
+        _table(u.tuple_of, u.tuples, u_lo, u_hi, v.part_slot, consumer.device, consumer.starts, needs.reads_nothing,
+               needs.driven_by, v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo,
+               need.constant_hi, need.has_constant, u.part_slot, producer.device, producer.starts, links.node, weights,
+               itemsize, nic, backward, out)
         return out
 
-    def gradients() -> np.ndarray:
-        out = np.empty(shape)
-        _backward(v.tuple_of, v.tuples, need.reads, drive, need.lo, need.hi, need.constant_lo, need.constant_hi,
-                  need.has_constant, u_lo, u_hi, u.part_slot, producer.device, producer.starts, links.node,
-                  weights, itemsize, nic, out)
-        return out
+    return [table]
 
-    return [activations, gradients] if backward else [activations]
+
+@numba.njit(cache=True, nogil=True)
+def _table(u_tuple_of, u_tuples, u_lo, u_hi, v_part_slot, v_device, v_starts, reads_nothing, driven_by, v_tuple_of,
+           v_tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, u_part_slot, u_device,
+           u_starts, node, weights, itemsize, nic, backward, out):
+    """The activations' table into `out`, plus the gradients' when `backward`: one call, so a
+    helper thread running it takes Python's lock back once per edge."""
+    _forward(u_tuple_of, u_tuples, u_lo, u_hi, v_part_slot, v_device, v_starts, reads_nothing, driven_by, need_lo,
+             need_hi, constant_lo, constant_hi, node, weights, itemsize, nic, out)
+    if backward:
+        back = np.empty_like(out)
+        _backward(v_tuple_of, v_tuples, reads, drive, need_lo, need_hi, constant_lo, constant_hi, has_constant, u_lo,
+                  u_hi, u_part_slot, u_device, u_starts, node, weights, itemsize, nic, back)
+        out += back
 
 
 @numba.njit(cache=True, nogil=True)
