@@ -19,7 +19,9 @@
   machines unless given: the paper's runtime assumption.
 
 The t_x kernels release the GIL: a helper thread runs each edge's as soon as both its layers are
-prepared, while this thread prepares the next layers and the t_c and t_s tables (`Kernels`).
+prepared, while this thread prepares the next layers and the t_c and t_s tables (`Kernels`).  The
+search's other compiled functions release it too, so that the helper, which needs the GIL for a
+moment between two kernels, need not wait for this thread's switch interval while it is in one.
 
 A layer's tables depend only on its op and configs, its configs, parts and grid only on its
 output shape, and an edge's t_x only on its two grids and what the consumer reads per block, so
@@ -867,7 +869,7 @@ def _read_only(table: np.ndarray) -> np.ndarray:
     return table
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _first_part_bytes(lo, hi, starts, volumes, per_channel, itemsize):
     """Per config, taskrt.memory.part_footprint of its first part: 3 x its parameters (weights,
     gradient, velocity) and 2 x its input tiles (`volumes`: of each input, per part) and output."""
@@ -893,7 +895,7 @@ def channel_params(op) -> int:
     return sum(r.volume for r in op.param_rects(Rect((0,) * rank, (1,) * rank)).values())
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, node, nodes, nic, itemsize, hop):
     """Per config: the parameter server's time and the all-reduce's, each with its dependent tasks
     (`hop` seconds each; see CostModel.sync_methods).  A config's parts with the same channel block
@@ -1100,7 +1102,7 @@ def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None,
                      np.asarray(bandwidth, dtype=np.float64), np.asarray(device, dtype=np.int64))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _slowest(forward, backward, with_backward, starts, overhead):
     """Per config: its slowest part's forward (+ backward), plus the tasks' overhead."""
     configs, parts = len(starts), len(forward)
@@ -1113,7 +1115,7 @@ def _slowest(forward, backward, with_backward, starts, overhead):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _roofline(out, inputs, per_channel, itemsize, flops, backward_flops, peak, bandwidth, device):
     """Per part: the volume of its output tile and of its input tiles (elements), the parameters
     of its channels, and the larger of compute and memory time each way (roofline_parts)."""

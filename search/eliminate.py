@@ -129,7 +129,7 @@ def minimize(unary: dict, edges: list) -> Result:
     return Result(choice, cost, reduced_nodes, reduced_edges, eliminations, method, log)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def min_plus(a, b):
     """(min, +) matrix product: out[u, w] = min over v of a[u, v] + b[v, w].
 

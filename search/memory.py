@@ -97,7 +97,7 @@ def _regions(layer, config):
         (n.table.lo, n.table.hi) for n in (Needs(layer.op, j, parts) for j in range(len(layer.inputs)))]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _outputs(lo, hi, device, itemsize, memory, present):
     """Each part's output, kept for backward (`itemsize` 0: not counted), on its device."""
     for p in range(len(device)):
@@ -108,7 +108,7 @@ def _outputs(lo, hi, device, itemsize, memory, present):
         present[device[p]] = True
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _transient(lo, hi, device, backward, inputs, itemsize, memory):
     """The largest backward working set on each device (part_footprint(...).transient): a part's
     input tiles (`inputs`, elements), its output and output gradient, for the parts `backward` says."""
@@ -120,7 +120,7 @@ def _transient(lo, hi, device, backward, inputs, itemsize, memory):
             memory[device[p], TRANSIENT] = max(memory[device[p], TRANSIENT], (inputs[p] + volume) * itemsize)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _reads(lo, hi, device, need_lo, need_hi, to, read, gradient, backward, inputs):
     """One edge under the strategy: mark the producer parts some consumer part reads (`read`),
     the consumer parts whose input gradient a producer part's backward takes (`backward`, given
@@ -154,7 +154,7 @@ def _reads(lo, hi, device, need_lo, need_hi, to, read, gradient, backward, input
     return pieces[:count]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, memory):
     """Each part's device holds its shard's weights and gradient; the shard's state lives on its
     first device ("ps") or in one chunk per replica ("allreduce": taskrt.plan.chunk_bounds), and the owner of
@@ -195,7 +195,7 @@ def _forward_values(producer, moves, itemsize, memory):
     _moved(np.concatenate(moves) if len(moves) > 1 else moves[0], lo, hi, device, itemsize, memory)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _moved(moves, lo, hi, device, itemsize, memory):
     rank = lo.shape[1]
     travels = _first_of_each(moves, moves.shape[1])  # each (value, reading device) once
@@ -213,7 +213,7 @@ def _moved(moves, lo, hi, device, itemsize, memory):
             memory[device[p], ACTIVATIONS] += nbytes
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _first_of_each(rows, columns):
     """Whether each row is the first with its first `columns` entries (a hash table of rows)."""
     size = 1

@@ -57,7 +57,7 @@ class PartTable:
         self._slots = slots
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def part_slots(first, config, block):
     """Each part's slot along each dimension: its config's first slot there plus its block."""
     out = np.empty_like(block)
@@ -67,7 +67,7 @@ def part_slots(first, config, block):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _slots(size, degrees):
     """Slots along each dimension: per degree used (ascending), its blocks (as `block_slots`)."""
     configs, rank = degrees.shape
@@ -129,7 +129,7 @@ def grid_parts(shape, degrees: np.ndarray, device: np.ndarray | None = None, fir
     return PartTable(lo, hi, device, starts, block, degrees, config)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _grid_parts(shape, degrees, first):
     """Parts numbered row-major over each config's grid of blocks, blocks as equal as possible
     (the first ones one larger), part i of a config on device first + i, as ParallelConfig.parts."""
@@ -297,7 +297,7 @@ class Needs:
         return self._key
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _probes(out_shape, counts, slot_lo, slot_hi):
     rank = len(out_shape)
     probe_lo = np.zeros((1 + counts.sum(), rank), dtype=np.int64)
@@ -311,7 +311,7 @@ def _probes(out_shape, counts, slot_lo, slot_hi):
     return probe_lo, probe_hi
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _needs(reads, in_lo, in_hi, counts, width, part_slot, parts_lo, parts_hi):
     """The probes' answers sorted into BySlot's arrays (`_answers`), each input dimension's driver
     (-1: none), a clash (`_answers`), each part's need and its volume (`_needs_table`), and
@@ -339,7 +339,7 @@ def _needs(reads, in_lo, in_hi, counts, width, part_slot, parts_lo, parts_hi):
             volume, own)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _answers(reads, in_lo, in_hi, counts, driven_by, slot_reads, slot_lo, slot_hi, drives, constant_lo, constant_hi,
              has_constant):
     """Sort the probes' answers (row 0: the whole output) into BySlot's arrays and find each input
@@ -372,7 +372,7 @@ def _answers(reads, in_lo, in_hi, counts, driven_by, slot_reads, slot_lo, slot_h
     return np.array([-1, -1, -1])
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _needs_table(part_slot, reads, slot_lo, slot_hi, driven_by, base_lo, base_hi):
     """Each part's need from the answers per slot: zeros where a block along some output
     dimension reads nothing; otherwise each input dimension from the part's block along the

@@ -51,7 +51,7 @@ def config_grid(dims, shape, num_devices: int, powers_of_two: bool = True, place
                  placement == "first")
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _grid(choices, limits, num_devices, first_only):
     """Degree tuples over (n, c, h, w) in lexicographic order, each degree a choice no larger
     than its limit, the product at most the device count; one row per aligned block of devices

@@ -147,7 +147,7 @@ class Grid:
             self.tuple_of, self.tuples = tuple_of, tuples
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _layout(shape, degrees, first, node):
     """`Grid.of_blocks`: the part table's arrays, the slots' and the grid's."""
     starts, config, block, lo, hi, device = _grid_parts(shape, degrees, first)
@@ -161,7 +161,7 @@ def _layout(shape, degrees, first, node):
 FIBONACCI = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / the golden ratio, as a signed 64-bit number
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _grid_tuples(block, device, starts, first, degrees, node, none):
     """(ok, tuple_of, tuples): per dimension the distinct slot tuples (Grid) and which one each
     (receiver, config) has; ok False (and the arrays unfilled) if some config is not on a
@@ -234,12 +234,12 @@ def _grid_tuples(block, device, starts, first, degrees, node, none):
     return True, tuple_of, tuples[:, :width].copy()
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _key(p0, p1, p2, p3, p4):
     return p0 | (p1 << 12) | (p2 << 24) | (p3 << 36) | (p4 << 48)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _probe(table_key, mask, p0, p1, p2, p3, p4):
     """The hash table's entry for the slot tuple (p0..p4): its own, or the free one to take."""
     key = _key(p0, p1, p2, p3, p4)
@@ -249,7 +249,7 @@ def _probe(table_key, mask, p0, p1, p2, p3, p4):
     return h
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _add(table_key, table_id, tuples, h, distinct, p0, p1, p2, p3, p4):
     """Number the new slot tuple (p0..p4) `distinct` at entry h; the new count."""
     table_key[h], table_id[h] = _key(p0, p1, p2, p3, p4), distinct
@@ -415,7 +415,7 @@ LANES = 8  # the configs are padded to a multiple of this: the vector loops over
 FLOAT32_EXACT = 2**24
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
     """What each receiving part multiplies, gathered once per distinct (device, dimension e, row
     i) rather than per part: parts on one device share most rows.
@@ -481,7 +481,7 @@ def _gathered(tuple_of, tuples, values, with_total, device, rows, skip):
     return which, gathered
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _scratch(gathered, node):
     """Per receiving part its box products (component, config) and the same as one flat row,
     the entries as flat rows (`_products`), and per config its slowest receiver and the bytes
@@ -492,7 +492,7 @@ def _scratch(gathered, node):
             np.empty((node.max() + 1, lanes)))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _products(entries, which, q, out):
     """out: the products over dimensions e of part q's entries `entries[which[q, e]]` (`_gathered`,
     as flat rows), in float64 (exact: the products are integer volumes and counts, far below
@@ -513,7 +513,7 @@ def _products(entries, which, q, out):
             out[j] *= np.float64(entries[entry, j])
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _receive(box, weights, scale, present, need, slowest, inter, k):
     """One receiving part's box products (`_products`) into its config's costs: per producer
     config, its time raises the slowest receiver's, and what it takes from other nodes adds to
@@ -530,7 +530,7 @@ def _receive(box, weights, scale, present, need, slowest, inter, k):
         inter[k, a] += scale * (total_vol - box[0, a])
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local_vol, total_vol):
     """One receiving part's time for one config: volumes from its own node and from other nodes,
     messages from its node and from others (the local piece is neither), weighted by `weights`;
@@ -540,7 +540,7 @@ def _receiver_time(weights, scale, present, node_vol, node_cnt, total_cnt, local
             + weights[2] * present * (node_cnt - local_cnt) + weights[3] * present * (total_cnt - node_cnt))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _config_costs(slowest, inter, itemsize, nic, out):
     """out[a]: config a's time, its slowest receiver or its busiest node interface (the padding
     lanes past the configs left out)."""
