@@ -147,20 +147,26 @@ def _grid_parts(shape, degrees, first):
     block = np.empty((total, rank), dtype=np.int64)
     lo = np.empty((total, rank), dtype=np.int64)
     hi = np.empty((total, rank), dtype=np.int64)
+    q = np.empty(rank, dtype=np.int64)
+    r = np.empty(rank, dtype=np.int64)
+    b = np.empty(rank, dtype=np.int64)
     for a in range(configs):
         end = starts[a + 1] if a + 1 < configs else total
+        for d in range(rank):  # divided once per config, not per part
+            q[d], r[d] = shape[d] // degrees[a, d], shape[d] % degrees[a, d]
+        b[:] = 0
         for row in range(starts[a], end):
             config[row] = a
             device[row] = first[a] + row - starts[a]
-            rest = row - starts[a]
-            for d in range(rank - 1, -1, -1):
-                g = degrees[a, d]
-                b = rest % g
-                rest //= g
-                q, r = shape[d] // g, shape[d] % g
-                block[row, d] = b
-                lo[row, d] = b * q + min(b, r)
-                hi[row, d] = lo[row, d] + q + (1 if b < r else 0)
+            for d in range(rank):
+                block[row, d] = b[d]
+                lo[row, d] = b[d] * q[d] + min(b[d], r[d])
+                hi[row, d] = lo[row, d] + q[d] + (1 if b[d] < r[d] else 0)
+            for d in range(rank - 1, -1, -1):  # the next part's blocks: row-major, the last dimension fastest
+                b[d] += 1
+                if b[d] < degrees[a, d]:
+                    break
+                b[d] = 0
     return starts, config, block, lo, hi, device
 
 

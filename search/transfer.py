@@ -179,7 +179,7 @@ def _grid_tuples(block, device, starts, first, degrees, node, none):
     count = np.empty(nodes, dtype=np.int64)
     tuple_of = np.empty((devices, rank, configs), dtype=np.uint32)
     most = configs * nodes + parts  # distinct tuples along a dimension at most
-    tuples = np.zeros((rank, most, 5), dtype=np.int64)
+    tuples = np.empty((rank, most, 5), dtype=np.int64)  # rows past each dimension's count: zeroed at the end
     for a in range(configs):
         r0, r1 = starts[a], starts[a + 1] if a + 1 < configs else parts
         box_lo[a] = 1 << 62
@@ -209,7 +209,7 @@ def _grid_tuples(block, device, starts, first, degrees, node, none):
     table_key = np.empty(mask + 1, dtype=np.int64)
     table_id = np.empty(mask + 1, dtype=np.int64)
     on_node = np.empty(nodes, dtype=np.uint32)
-    width = 0
+    counted = np.zeros(rank, dtype=np.int64)  # distinct tuples along each dimension
     for e in range(rank):
         table_key[:] = -1
         distinct = 0
@@ -230,7 +230,10 @@ def _grid_tuples(block, device, starts, first, degrees, node, none):
                 if table_key[h] == -1:
                     distinct = _add(table_key, table_id, tuples[e], h, distinct, f, lo, hi, top, mine)
                 tuple_of[device[row], e, a] = table_id[h]
-        width = max(width, distinct)
+        counted[e] = distinct
+    width = counted.max()
+    for e in range(rank):  # dimensions with fewer tuples pad to the widest with zeros
+        tuples[e, counted[e] : width] = 0
     return True, tuple_of, tuples[:, :width].copy()
 
 
