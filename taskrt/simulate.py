@@ -20,7 +20,6 @@ the plan itself, as in the executor.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -66,10 +65,6 @@ class Simulation:
     finish: dict = field(repr=False)
     bytes_moved: int = 0
     cpu_s: float = 0.0  # processor time the step needs, where devices share cores (0: not modeled)
-    background: float = 0.0  # cores' worth of runtime work competing with kernels (shared cores)
-    # from the step sent to its end, the integral of the share of its demand the runtime's work is
-    # served (min(1, cores / (kernels running + background))): seconds at full speed
-    runtime_share_s: float = 0.0
 
     @property
     def critical_device(self) -> int:
@@ -81,9 +76,11 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
 
     Where devices share a host's processor cores with the runtime (`runtime.cores`), running
     kernels share the cores with each other and with the runtime's own work (scheduler, worker
-    event loops moving bytes): each runs at min(1, cores / (kernels running + background)), and so
-    does the runtime's work, whose demand (the background, in cores) is found by fixed-point
-    iteration such that all its processor time is served within the step.
+    event loops moving bytes): each task hands the runtime its share of that processor time as it
+    starts (where the scheduler sends it and its worker takes it in), which the runtime's threads,
+    one per device, work off while any is left.  Kernels and those threads each run at
+    min(1, cores / (kernels running + threads busy)); the step lasts at least until the runtime
+    has done all its work.
 
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed
@@ -104,41 +101,14 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     if unknown:
         raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
-    # (Sending the data and submitting the graph happen before the first task: not background.)
+    # (Sending the data and submitting the graph happen before the first task: not counted here.)
     runtime_cpu = (runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_message_s * len(plan.transfers())
                    + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
-    background = 0.0
-    result = _schedule(plan, task_time, machine, runtime, background, origin)
+    per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
+    result = _schedule(plan, task_time, machine, runtime, per_task_cpu, origin)
     if runtime.cores:
-        # The runtime's work gets its share of the cores as the kernels do: at `background` cores'
-        # demand it is served background * min(1, cores / (kernels running + background)), so
-        # while the cores are oversubscribed it falls behind and must ask for more; the fixed point
-        # serves all of it within the step (whose processor time then fits in cores x step).
-        # The fixed point is a root of wanted(b) - b, positive below it and negative above: secant
-        # steps, kept inside the bracket found so far (else its middle).  Iterating b = wanted(b)
-        # alone crawls where the cores are oversubscribed (up to 40 schedules on the zoo's plans).
-        below, above, previous = 0.0, math.inf, None  # the bracket; (b, wanted - b) of the schedule before
-        for _ in range(100):
-            if result.runtime_share_s <= 0:  # nothing takes time: no kernels for the runtime to slow down
-                break
-            gap = runtime_cpu / result.runtime_share_s - background
-            if abs(gap) <= 1e-4 * background + 1e-9 or (above < math.inf and above - below <= 1e-4 * above):
-                break  # within 0.01%: schedules jump where events swap order, so no exact root
-            if gap > 0:
-                below = max(below, background)
-            else:
-                above = min(above, background)
-            following = background + gap  # the plain iteration
-            if previous is not None and gap != previous[1]:
-                following = background - gap * (background - previous[0]) / (gap - previous[1])
-            if not below < following < above:
-                following = (below + above) / 2 if above < math.inf else background + gap
-            previous = (background, gap)
-            background = following
-            result = _schedule(plan, task_time, machine, runtime, background, origin)
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
-        result.background = background
     for key, inside in members.items():  # each member's share of its run, in order
         begin, end = result.start[key] + runtime.task_s, result.finish[key]
         scale = (end - begin) / run_s[key] if run_s[key] > 0 else 0.0
@@ -148,9 +118,10 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     return result
 
 
-def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: float, origin: float) -> Simulation:
+def _schedule(plan: Plan, task_time, machine, runtime: Runtime, per_task_cpu: float, origin: float) -> Simulation:
     """Event-driven list scheduling from `origin` (the step sent): each device runs its ready tasks
-    in the order they became ready; with shared cores, running kernels progress at the
+    in the order they became ready; with shared cores, running kernels and the runtime's threads
+    working off what tasks handed them as they started (`per_task_cpu` each) progress at the
     processor-sharing rate."""
     n = machine.num_devices
     node = np.array([d.node for d in machine.devices])
@@ -192,18 +163,15 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
     now = origin
 
-    def share():  # of the cores each kernel running and the runtime's work get now
-        return min(1.0, runtime.cores / (len(running) + background)) if runtime.cores else 1.0
+    # The runtime's work left to do, and its threads: one per device (each worker's event loop takes
+    # in its tasks and moves their values; the scheduler's work comes and goes with theirs).
+    backlog, threads = 0.0, n
 
-    def rate():  # a kernel's speed
-        return share() if running else 1.0
+    def share():  # of a core, for each kernel running and each busy runtime thread
+        sharing = len(running) + (threads if backlog > 0 else 0)
+        return min(1.0, runtime.cores / sharing) if runtime.cores and sharing else 1.0
 
-    def served():  # the share of its demand the runtime's work gets
-        return share() if background else 1.0
-
-    served_s = 0.0  # the runtime_share_s of the Simulation
-
-    while pending or running or any(queued):
+    while pending or running or any(queued) or backlog > 0:
         while pending and pending[0][0] <= now:  # before devices choose: ties go by plan order
             ready, position, task = heapq.heappop(pending)
             heapq.heappush(queued[task.device], (ready, position, task))
@@ -212,13 +180,16 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
                 _, _, task = heapq.heappop(queued[d])
                 running[d] = [task, _task_overhead(task, runtime) + task_time(task), now]
                 start[task.key] = now
-        speed = rate()
+                backlog += per_task_cpu
+        speed = share()
         next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
+        worked_off = now + backlog / (threads * speed) if backlog > 0 else np.inf
         next_ready = pending[0][0] if pending else np.inf
-        later = min(next_finish, next_ready)
-        served_s += (later - now) * served()
+        later = min(next_finish, worked_off, next_ready)
         for item in running.values():  # a task due by `later` is done (no rounding residue left)
             item[1] = 0.0 if now + item[1] / speed <= later else item[1] - (later - now) * speed
+        if backlog > 0:
+            backlog = 0.0 if worked_off <= later else backlog - (later - now) * speed * threads
         now = later
         for d in [d for d, (_, rem, _) in running.items() if rem <= 1e-12]:
             task, _, began = running.pop(d)
@@ -238,11 +209,10 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, background: floa
     # (taskrt.worker_reads), and sends the next step.  The getitems naming each value end later,
     # while that step is being sent: its runs, which read them, start `origin` after it does, so
     # only what is left of them beyond that lengthens the step.
+    # So does what is left after the last task ends of the runtime's work (`now`: when it is done).
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
-    end = max(read, max(finish.values(), default=origin) - origin)
-    if end > now:  # after the last kernel: the runtime alone
-        served_s += (end - now) * served()
-    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, runtime_share_s=served_s)
+    end = max(read, now - origin)
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
 
 
 def _task_overhead(task, runtime: Runtime) -> float:

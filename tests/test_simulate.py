@@ -21,6 +21,7 @@ from search.baselines import BASELINES
 from search.cost import CostModel
 from search.optimize import candidates, optimize
 from taskrt import models
+from taskrt.fusion import fused_plan
 from taskrt.lowering import lower
 from taskrt.machine import DEVICE_KINDS, Device, Machine
 from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Task
@@ -81,7 +82,7 @@ def test_chain_on_one_device_is_the_sum_of_its_kernels():
     assert at(sim, "a") == (0.0, 1.0) and at(sim, "b") == (1.0, 3.0)
     assert sim.step_s == 3.0
     assert list(sim.busy_s) == [3.0] and list(sim.idle_s) == [0.0]
-    assert sim.bytes_moved == 0 and sim.cpu_s == 0.0 and sim.background == 0.0
+    assert sim.bytes_moved == 0 and sim.cpu_s == 0.0
 
 
 def test_chain_pays_start_submission_dispatch_per_hop_and_task_overhead():
@@ -280,7 +281,7 @@ def test_one_core_is_shared_by_the_running_kernels():
     sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1))
     assert sim.finish[("a",)] == sim.finish[("b",)] == 2.0 and sim.step_s == 2.0
     assert list(sim.busy_s) == [2.0, 2.0]  # wall time, stretched
-    assert sim.cpu_s == 2.0 and sim.background == 0.0
+    assert sim.cpu_s == 2.0
     sim = run(p, {"a": 1.0, "b": 2.0}, TWO, Runtime(cores=1))
     # both at rate 1/2 until `a` is done at 2 s; then `b` has 1 s of work left, alone
     assert sim.finish[("a",)] == 2.0 and sim.finish[("b",)] == 3.0
@@ -292,35 +293,50 @@ def test_enough_cores_or_none_modeled_means_no_sharing():
         sim = run(p, {"a": 1.0, "b": 1.0}, TWO, rt)
         assert sim.finish[("a",)] == sim.finish[("b",)] == 1.0 and sim.step_s == 1.0
         assert sim.cpu_s == (2.0 if rt.cores else 0.0)  # processor time: modeled only with cores
-        assert sim.background == 0.0
     sim = run(plan_of(task("a", 0), task("b", 0, ["a"])), {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1))
     assert sim.step_s == 2.0  # one kernel at a time has the core to itself
 
 
-def test_runtime_work_in_the_background_stretches_the_step_to_a_fixed_point():
+def test_runtime_work_handed_over_as_tasks_start_shares_the_cores():
     p = plan_of(task("a", 0), task("b", 1))
     sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
-    # runtime processor time 2 x 0.5 = 1 s at a demand of b cores beside two kernels: each of the
-    # three gets 1 / (2 + b) of the core, so the kernels end at 2 + b, by when the runtime was
-    # served b; all of it served: b = 1, and the step's 3 s of processor time fill the core
-    assert sim.step_s == pytest.approx(3.0, abs=1e-3) == sim.cpu_s
-    assert sim.background == pytest.approx(1.0, abs=1e-3)
+    # both tasks start at 0 and hand the runtime 0.5 s each: its two threads (one per device) and
+    # the two kernels get 1/4 of the core each, so the runtime's 1 s is done at 2 s, the kernels
+    # half done; alone, each kernel has half the core for its last 0.5 s: both end at 3 s, and the
+    # step's 3 s of processor time fill the core
+    assert at(sim, "a") == at(sim, "b") == (0.0, pytest.approx(3.0))
+    assert sim.step_s == pytest.approx(3.0) == sim.cpu_s
     assert sim.cpu_s == 1.0 + 2.0
     assert run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1)).step_s < sim.step_s
-    # with a core to spare, the runtime's work fits beside the kernels at full speed
+    # three cores for four: 3/4 each until the runtime is done at 2/3 s, then the kernels alone
     sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=3, cpu_per_task_s=0.5))
-    assert sim.step_s == pytest.approx(1.0) and sim.background == pytest.approx(1.0)
+    assert sim.step_s == pytest.approx(2 / 3 + 0.5)
+    # enough cores for all: nothing waits
+    sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=4, cpu_per_task_s=0.5))
+    assert sim.step_s == pytest.approx(1.0)
+
+
+def test_runtime_work_left_after_the_last_task_lengthens_the_step():
+    p = plan_of(task("a", 0))
+    sim = run(p, {"a": 0.5}, TWO, Runtime(cores=2, cpu_per_task_s=3.0))
+    # the kernel and two runtime threads share two cores: 2/3 each; the kernel ends at 0.75 s, having
+    # let the runtime do 1 s; its last 2 s take its two threads 1 s at a core each
+    assert sim.finish[("a",)] == pytest.approx(0.75)
+    assert sim.step_s == pytest.approx(1.75)
+    # the runtime's work left over overlaps the next step's start as the tasks' ends do
+    sim = run(p, {"a": 0.5}, TWO, Runtime(cores=2, cpu_per_task_s=3.0, start_s=0.25))
+    assert sim.step_s == pytest.approx(1.75)
 
 
 def test_bytes_moved_count_as_runtime_work():
     p = plan_of(task("p", 0, nbytes=1000), task("c", 1, ["p"]))
     m = Machine.simulated(1, 2, intra_bandwidth=math.inf, latency=0.0)
     sim = run(p, {"p": 1.0, "c": 1.0}, m, Runtime(cores=1, cpu_per_byte_s=1e-3))
-    # 1 s of runtime work beside 2 s of serial kernels, each kernel and the runtime at 1 / (1 + b)
-    # of the core: the runtime is served 2 b = 1 over the step, which its processor time fills
+    # 1 s of runtime work, handed over 0.5 s as each task starts: beside one kernel and two
+    # runtime threads, each gets 1/3 of the core, so the runtime is done 0.75 s after the task
+    # starts, its kernel a quarter done; the kernel then has the core: each task takes 1.5 s
     assert sim.cpu_s == 1.0 + 2.0
-    assert sim.step_s == pytest.approx(3.0, abs=1e-3)
-    assert sim.background == pytest.approx(0.5, abs=1e-3)
+    assert sim.finish[("p",)] == pytest.approx(1.5) and sim.step_s == pytest.approx(3.0)
 
 
 def test_each_message_between_devices_counts_as_runtime_work():
@@ -332,8 +348,9 @@ def test_each_message_between_devices_counts_as_runtime_work():
 
 
 def test_nothing_to_run_with_shared_cores():
+    # no kernel: the step is the runtime's work alone, its two threads sharing the core
     sim = run(plan_of(task("a", 0)), {}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
-    assert sim.step_s == 0.0 and sim.cpu_s == 0.5
+    assert sim.step_s == 0.5 == sim.cpu_s
     assert run(plan_of(), {}, TWO, Runtime(cores=1)).step_s == 0.0
 
 
@@ -688,23 +705,15 @@ def test_long_steps_finish(cores):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_step_on_shared_cores_holds_its_processor_time(real_plans, fused, monkeypatch):
-    """Kernels and the runtime's work share the cores: however the schedule goes, a step's
-    processor time fits in cores x step (the runtime's work is served within the step)."""
+def test_a_step_on_shared_cores_holds_its_processor_time(real_plans, fused):
+    """Kernels and the runtime's work share the cores: however the schedule goes, what a step
+    needs of them once it is sent fits in cores x step (the runtime's work is done within it)."""
     runtime = Runtime(cores=1.5, cpu_per_task_s=2.0**-12, cpu_per_message_s=2.0**-11, cpu_per_byte_s=1e-9,
                       dispatch_s=2.0**-10, start_s=2.0**-8, fused=fused)
-    schedules = []
-    original = simulate_module._schedule
-
-    def counted(*args):
-        schedules.append(args[4])  # the background it was asked for
-        return original(*args)
-
-    monkeypatch.setattr(simulate_module, "_schedule", counted)
     for (g_name, m_name, s_name, mode), (plan, machine, _) in real_plans.items():
-        schedules.clear()
         sim = simulate(plan, positive, machine, runtime)
-        assert sim.cpu_s <= runtime.cores * sim.step_s * (1 + 1e-4), (g_name, m_name, s_name, mode)
-        assert sim.background > 0
-        # the fixed point is found in a few schedules (plain iteration took up to 40 on such plans)
-        assert len(schedules) <= 12, (g_name, m_name, s_name, mode, schedules)
+        tasks = len(fused_plan(plan)[0].tasks) if fused else len(plan.tasks)
+        origin = runtime.start_s + runtime.per_task_submit_s * tasks
+        assert sim.cpu_s - origin <= runtime.cores * sim.step_s * (1 + 1e-9), (g_name, m_name, s_name, mode)
+        idle = replace(runtime, cpu_per_task_s=0.0, cpu_per_message_s=0.0, cpu_per_byte_s=0.0)
+        assert sim.step_s > simulate(plan, positive, machine, idle).step_s
