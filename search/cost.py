@@ -413,7 +413,7 @@ class CostModel:
         # convolution of one output shape has the same table
         key = (id(u.grid), id(v.grid), v.needs[j].key(), backward, itemsize)
         if key not in self._edges and key not in kernels:
-            kernels.start(key, *self.transfer_jobs(u, v, v.needs[j], itemsize, backward))
+            kernels.start(key, self.transfer_job(u, v, v.needs[j], itemsize, backward))
         return key
 
     def breakdown(self, graph, strategy) -> Breakdown:
@@ -691,18 +691,18 @@ class CostModel:
         return {"ps": ps, "allreduce": allreduce}
 
     # ---- t_x --------------------------------------------------------------------------------
-    def transfer_jobs(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool):
-        """The t_x table of an edge, (configs of u) x (configs of v) (see search.transfer), as
-        (functions to call, a function of their results giving the table)."""
+    def transfer_job(self, u: LayerSpace, v: LayerSpace, needs: Needs, itemsize: int, backward: bool):
+        """A function giving the t_x table of an edge, (configs of u) x (configs of v) (see
+        search.transfer)."""
         if backward and u.grid is v.grid and needs.reads_own_part:
             # Same configs on both sides and each part reads its own Rect (batch norm, relu): the
             # gradients retrace the activations' paths, so backward of (a, b) is forward of (b, a).
-            jobs, combine = self.transfer_jobs(u, v, needs, itemsize, False)
-            return jobs, lambda results: _plus_transpose(combine(results))
-        fast = transfer.separable_jobs(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
+            forward = self.transfer_job(u, v, needs, itemsize, False)
+            return lambda: _plus_transpose(forward())
+        fast = transfer.separable_job(u.grid, v.grid, needs.table, needs, self.links, itemsize, backward)
         if fast is not None:
-            return fast, transfer.sum_of
-        return [lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)], transfer.sum_of
+            return fast
+        return lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)
 
 
 def _need_dx(task) -> tuple:
@@ -732,12 +732,12 @@ class Kernels:
     SWITCH_INTERVAL_S = 1e-4
 
     def __init__(self):
-        self.combine, self.parts, self.results = {}, {}, []
+        self.results = {}  # key -> its table, None until its kernel has run
         self.queue = queue.SimpleQueue()
         self.helper = None
 
     def __contains__(self, key) -> bool:
-        return key in self.combine
+        return key in self.results
 
     def __enter__(self) -> Kernels:
         global _HELPER
@@ -756,22 +756,17 @@ class Kernels:
         self._stop()  # after an error before tables(): what is still queued is dropped
         return False
 
-    def start(self, key, jobs: list, combine):
-        """The table `key` is `combine(results of jobs)`; its jobs start."""
-        self.combine[key] = combine
-        self.parts[key] = []
-        for job in jobs:
-            slot = len(self.results)
-            self.results.append(None)
-            self.parts[key].append(slot)
-            self.queue.put((slot, job))
+    def start(self, key, job):
+        """The table `key` is what `job()` gives; it starts."""
+        self.results[key] = None
+        self.queue.put((key, job))
 
     def tables(self) -> dict:
-        """Every started table by key, once its kernels are done (this thread runs those the
-        helper has not begun)."""
+        """Every started table by key, once its kernel is done (this thread runs those the helper
+        has not begun)."""
         self._drain(False)
         self._stop()
-        return {key: combine([self.results[i] for i in self.parts[key]]) for key, combine in self.combine.items()}
+        return self.results
 
     def _drain(self, wait: bool):
         """Run queued jobs; the helper (`wait`) until told to stop, this thread until none is left."""
@@ -782,8 +777,8 @@ class Kernels:
                 return
             if item is None:
                 return
-            slot, job = item
-            self.results[slot] = job()
+            key, job = item
+            self.results[key] = job()
 
     def _stop(self):
         """Stop the helper (its error, if it had one, raised here), dropping any job still queued,

@@ -264,21 +264,13 @@ def _add(table_key, table_id, tuples, h, distinct, p0, p1, p2, p3, p4):
 def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int,
               backward: bool) -> np.ndarray | None:
     """The same table as `general`, or None when the shortcut does not apply."""
-    jobs = separable_jobs(u, v, consumer, needs, links, itemsize, backward)
-    return None if jobs is None else sum_of([job() for job in jobs])
+    job = separable_job(u, v, consumer, needs, links, itemsize, backward)
+    return None if job is None else job()
 
 
-def sum_of(tables: list) -> np.ndarray:
-    """The tables added up, into the first (each a kernel's own new array)."""
-    out = tables[0]
-    for t in tables[1:]:
-        out += t
-    return out
-
-
-def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
-    """`separable`'s kernel as a function to call (in a list, as `Kernels` takes jobs), giving the
-    activations' table plus (`backward`) the gradients'; None when the shortcut does not apply.
+def separable_job(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
+    """`separable`'s kernel as a function to call, giving the activations' table plus
+    (`backward`) the gradients'; None when the shortcut does not apply.
     The kernel releases the GIL: a search runs it on a helper thread (search.cost.Kernels)."""
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
@@ -306,7 +298,7 @@ def separable_jobs(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, i
                itemsize, nic, backward, out)
         return out
 
-    return [table]
+    return table
 
 
 @numba.njit(cache=True, nogil=True)

@@ -182,12 +182,12 @@ def test_kernels_run_on_the_helper_and_restore_the_switch_interval():
 
     with Kernels() as kernels:
         assert sys.getswitchinterval() <= Kernels.SWITCH_INTERVAL_S or (os.cpu_count() or 1) < 2
-        for key in range(20):
-            kernels.start(key, [job(key), job(1)], transfer.sum_of)
-        assert 3 in kernels and 20 not in kernels
+        for key in range(40):
+            kernels.start(key, job(key))
+        assert 3 in kernels and 40 not in kernels
         tables = kernels.tables()
     assert sys.getswitchinterval() == before
-    assert {k: t.tolist() for k, t in tables.items()} == {k: [k + 1.0, k + 1.0] for k in range(20)}
+    assert {k: t.tolist() for k, t in tables.items()} == {k: [float(k), float(k)] for k in range(40)}
     assert len(ran_on) == 40
 
 
@@ -199,16 +199,17 @@ def test_kernels_stop_the_helper_on_an_error():
 
     with pytest.raises(RuntimeError, match="kernel failed"):
         with Kernels() as kernels:
-            kernels.start("a", [fails], transfer.sum_of)
+            kernels.start("a", fails)
             kernels.tables()
     assert sys.getswitchinterval() == before
     with pytest.raises(KeyError):  # an error while preparing: queued kernels are dropped
         with Kernels() as kernels:
-            kernels.start("b", [lambda: np.zeros(1)] * 50, transfer.sum_of)
+            for key in range(50):
+                kernels.start(("b", key), lambda: np.zeros(1))
             raise KeyError("while preparing")
     assert sys.getswitchinterval() == before
     with Kernels() as kernels:  # the helper is free again
-        kernels.start("c", [lambda: np.ones(1)], transfer.sum_of)
+        kernels.start("c", lambda: np.ones(1))
         assert kernels.tables()["c"].tolist() == [1.0]
 
 
