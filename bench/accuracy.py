@@ -115,6 +115,15 @@ def run(out_dir="results", quick=False):
         summary.append(line)
     summary.append(ranking(rows))
     summary.append(calibration_line(calibrations))
+    refits = {}
+    for r in rows:
+        if r["cpu_per_task_sessions_ms"]:
+            refits.setdefault(r["devices"], {})[r["model"]] = r["cpu_per_task_sessions_ms"]
+    if refits:
+        summary.append("the processor time per task fitted again during each network's rounds (the first: the "
+                       "calibration's; predictions take their median): " + "; ".join(
+                           f"{devices} devices, {model} " + " / ".join(f"{v:.2f}" for v in fits) + " ms"
+                           for devices, by_model in sorted(refits.items()) for model, fits in by_model.items()))
     summary += [f"MISS: {r['model']} {r['strategy']} on {r['devices']}: {r['simulated_error']:+.1%}" for r in misses]
     columns = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"), ("measured_ms", "measured ms"),
                ("iqr_ms", "IQR ms"), ("simulated_ms", "simulated ms"), ("simulated_error", "simulated error"),

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 import search
 from search.measured import random_batch
-from search.step_costs import processor_over_steps, recorded_step
+from search.step_costs import cpu_per_task, processor_over_steps, recorded_step
 from taskrt import models
 from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
@@ -99,23 +99,34 @@ def on_calibration_of(cost_model, path, parts: dict):
 
 def retimed(cost_model, plans, path):
     """One more session of the part and synchronization timings the tasks of `plans` use, by a
-    cost model of its own (`on_calibration_of`, cached at `path`); returns that cost model."""
+    cost model of its own (`on_calibration_of`, cached at `path`); where `cost_model`'s processor
+    time per task was fitted to training steps (devices sharing the host's cores), that fit is
+    measured again too (`search.step_costs.cpu_per_task`).  Returns that cost model."""
     fresh = on_calibration_of(cost_model, path, {})
     for plan in plans:
         kernel_seconds(fresh, plan)  # times what the plan's tasks run
+    c = fresh.calibration
+    if "noop_cpu_per_task_s" in c:
+        c["cpu_per_task_s"] = cpu_per_task(fresh.machine, c["cpu_per_byte_s"], c["cpu_per_message_s"])
+        fresh.cache.save()
     return fresh
 
 
 def median_timings(cost_model, sessions: list, directory):
     """A cost model on `cost_model`'s calibration and timings, where each timing found in every one
-    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own."""
+    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own, and so is
+    the processor time per task where the sessions fitted it again."""
     parts = copy.deepcopy(cost_model.cache.data["parts"])
     for kind, timings in parts.items():
         for signature, seconds in timings.items():
             found = [session.cache.get(kind, signature) for session in sessions]
             if all(f is not None for f in found):
                 timings[signature] = np.median([seconds, *found], axis=0).tolist()
-    return on_calibration_of(cost_model, Path(directory) / "median.json", parts)
+    merged = on_calibration_of(cost_model, Path(directory) / "median.json", parts)
+    if "noop_cpu_per_task_s" in merged.calibration:
+        merged.calibration["cpu_per_task_s"] = float(np.median(
+            [cost_model.calibration["cpu_per_task_s"], *(s.calibration["cpu_per_task_s"] for s in sessions)]))
+    return merged
 
 
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
@@ -123,9 +134,11 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved.
 
     With `retimings`, the parts the strategies' tasks run are timed that many times more, spread
-    over the rounds, and each prediction takes the median of those timings and `cost_model`'s: the
-    host's speed drifts (by a fifth within a minute on a shared 2-core machine), and part
-    timings taken at one moment would compare with steps taken over several."""
+    over the rounds, and so is the runtime's processor time per task where it is fitted to training
+    steps; each prediction takes the median of those and `cost_model`'s: the host's speed drifts
+    (by a fifth within a minute on a shared 2-core machine, and in one run the calibration's fit
+    gave 4.1 ms per task, then 3.1 ms in the next), and costs measured at one moment would
+    compare with steps taken over several."""
     with tempfile.TemporaryDirectory() as directory:  # the timings' caches
         return _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, directory)
 
@@ -191,6 +204,9 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             # the same sum under each session of part timings (the first: the search's), which the
             # prediction takes the median of: how far the host's speed moved over the rounds
             "kernels_alone_sessions_ms": [kernel_seconds(session, plan) * 1e3 for session in sessions],
+            # and the runtime's processor time per task, where fitted to training steps (the same way)
+            "cpu_per_task_sessions_ms": [session.calibration["cpu_per_task_s"] * 1e3 for session in sessions]
+            if "noop_cpu_per_task_s" in cost_model.calibration else None,
             # where devices share the host's cores: the processor time of a step (all processes)
             # against the simulator's, and the cores' idle time in a step, measured (over the same
             # steps as the processor time) and simulated

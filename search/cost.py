@@ -193,7 +193,7 @@ class CostModel:
 
             timed = self._cpu_workers()  # training steps measure the latencies
             fit_cpu = timed and self.machine.num_devices > 1 and self._shared_cores()
-            # about 8 s, and 6 s more of training steps: once per cluster, then cached
+            # about 8 s, and 11 s more of training steps: once per cluster, then cached
             with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
                       disable=not self.progress or None, leave=False) as bar:
                 cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}

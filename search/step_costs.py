@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-STEPS, WARMUP, TIMED = 4, 2, 5  # steps per strategy: untimed first, CPU measured, task stream read
+STEPS, WARMUP, TIMED = 4, 2, 5  # steps per strategy: untimed first, CPU measured (a turn), task stream read
+ROUNDS = 3  # turns per strategy of STEPS each, whose median is fitted
 TRIM = 0.1  # latencies are means of the middle 80%: a device busy with another task, a slow moment
 
 
@@ -69,10 +70,11 @@ def strategies(graph, machine) -> dict:
 
 
 def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 0.0, fit_cpu: bool = True,
-               steps: int = STEPS, warmup: int = WARMUP, timed: int = TIMED) -> dict:
+               steps: int = STEPS, warmup: int = WARMUP, timed: int = TIMED, rounds: int = ROUNDS) -> dict:
     """The runtime's costs measured on training steps of `calibration_network` (module docstring).
 
-    With `fit_cpu`: {"cpu_per_task_s"} fitted to the steps' processor time less `cpu_per_byte_s`
+    With `fit_cpu`: {"cpu_per_task_s"} fitted to the steps' processor time (`runtime_cpu`, `rounds`
+    of `steps` per strategy) less `cpu_per_byte_s`
     for each byte moved and `cpu_per_message_s` for each message between devices, and the rows
     fitted ("step_cpu_rows").  (The calibration network moves too few bytes to tell their cost
     apart from the noise, and its steps' messages come with their tasks, about one for every 2.5
@@ -82,27 +84,22 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     [...], "cross": [...]}, "step_answers": [...]}, and per strategy its plan and the start of
     each step's first task ("step_starts": [(plan, [seconds])]; the cost model compares them with
     the start it models for the plan)."""
-    from scipy.optimize import nnls
-
     from search.measured import random_batch
     from taskrt.fusion import fused_plan
-    from taskrt.trainer import Trainer
 
     graph = calibration_network()
     x, y = random_batch(graph, 0)
     client = machine.client
     client.get_task_stream(start=time.time())  # the first call starts the scheduler's recording
-    rows, gaps, answers, starts = [], {"same": [], "cross": []}, [], []
-    for name, strategy in strategies(graph, machine).items():
-        # no snapshots: training takes one rarely enough to cost under 5%, not in every few steps
-        trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, snapshot_every=None)
-        for _ in range(warmup):
-            trainer.step(x, y)
+    trainers = calibration_trainers(machine, graph, x, y, warmup)
+    gaps, answers, starts = {"same": [], "cross": []}, [], []
+    out = {}
+    if fit_cpu:
+        rows = runtime_cpu(trainers, x, y, steps, rounds)
+        out.update({"cpu_per_task_s": fit_per_task(rows, cpu_per_byte_s, cpu_per_message_s),
+                    "cpu_per_message_s": cpu_per_message_s, "step_cpu_rows": rows})
+    for trainer in trainers.values():
         fused, _ = fused_plan(trainer.plan)
-        if fit_cpu:
-            total, task_threads, _ = processor_over_steps(trainer, x, y, steps)
-            rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
-                         "bytes": fused.bytes_moved, "runtime_cpu_s": max(total - task_threads, 0.0)})
         firsts = []
         for _ in range(timed):
             measured = _timed_step(trainer, x, y, fused, machine)
@@ -113,15 +110,68 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
             answers.append(measured["answer_s"])
             firsts.append(measured["first_start_s"])
         starts.append((trainer.plan, firsts))
-        del trainer
-    out = {"step_gaps": gaps, "step_answers": answers, "step_starts": starts}
-    if fit_cpu:
-        tasks = np.array([[r["tasks"]] for r in rows], dtype=float)
-        net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] - cpu_per_message_s * r["messages"]
-                        for r in rows])
-        (per_task,), _ = nnls(tasks, np.maximum(net, 0.0))
-        out.update({"cpu_per_task_s": float(per_task), "cpu_per_message_s": cpu_per_message_s, "step_cpu_rows": rows})
+    trainers.clear()
+    out.update({"step_gaps": gaps, "step_answers": answers, "step_starts": starts})
     return out
+
+
+def cpu_per_task(machine, cpu_per_byte_s: float, cpu_per_message_s: float, steps: int = STEPS,
+                 warmup: int = WARMUP, rounds: int = ROUNDS) -> float:
+    """The runtime's processor time per task fitted to training steps alone (`step_costs` with
+    `fit_cpu` and no latencies): for measuring it again later, as the host's speed moves."""
+    from search.measured import random_batch
+
+    graph = calibration_network()
+    x, y = random_batch(graph, 0)
+    rows = runtime_cpu(calibration_trainers(machine, graph, x, y, warmup), x, y, steps, rounds)
+    return fit_per_task(rows, cpu_per_byte_s, cpu_per_message_s)
+
+
+def calibration_trainers(machine, graph, x, y, warmup: int) -> dict:
+    """A Trainer per calibration strategy, each `warmup` steps in (compiled, memory touched)."""
+    from taskrt.trainer import Trainer
+
+    trainers = {}
+    for name, strategy in strategies(graph, machine).items():
+        # no snapshots: training takes one rarely enough to cost under 5%, not in every few steps
+        trainers[name] = trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, snapshot_every=None)
+        for _ in range(warmup):
+            trainer.step(x, y)
+    return trainers
+
+
+def runtime_cpu(trainers: dict, x, y, steps: int, rounds: int) -> list[dict]:
+    """Per strategy: its fused plan's tasks, messages and bytes, and the median over `rounds` of the
+    runtime's processor time per step (all processes' less the workers' task threads', over
+    `steps` steps).  The strategies take turns, each turn after one untimed step of its own, so a
+    slow moment of the host hits them alike and no turn pays for the last one's freeing; one fit
+    of four steps each moved from 2.9 to 4.5 ms per task between back-to-back runs."""
+    from taskrt.fusion import fused_plan
+
+    seconds = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            trainer.step(x, y)
+            total, task_threads, _ = processor_over_steps(trainer, x, y, steps)
+            seconds[name].append(max(total - task_threads, 0.0))
+    rows = []
+    for name, trainer in trainers.items():
+        fused, _ = fused_plan(trainer.plan)
+        rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
+                     "bytes": fused.bytes_moved, "runtime_cpu_s": float(np.median(seconds[name]))})
+    return rows
+
+
+def fit_per_task(rows: list[dict], cpu_per_byte_s: float, cpu_per_message_s: float) -> float:
+    """Processor seconds per task fitted by non-negative least squares to `rows` (`runtime_cpu`),
+    less `cpu_per_byte_s` per byte and `cpu_per_message_s` per message."""
+    from scipy.optimize import nnls
+
+    tasks = np.array([[r["tasks"]] for r in rows], dtype=float)
+    net = np.array([r["runtime_cpu_s"] - cpu_per_byte_s * r["bytes"] - cpu_per_message_s * r["messages"]
+                    for r in rows])
+    (per_task,), _ = nnls(tasks, np.maximum(net, 0.0))
+    return float(per_task)
 
 
 def _timed_step(trainer, x, y, fused, machine) -> dict | None:

@@ -28,3 +28,17 @@ def test_each_timing_becomes_the_median_of_the_sessions_that_all_timed_it(tmp_pa
     assert merged.cache.get("cpu:x", "a") == pytest.approx([2.0, 30.0])
     assert merged.cache.get("cpu:x", "b") == [2.0, 20.0]  # kept as it was: one session lacks it
     assert first.cache.get("cpu:x", "a") == [1.0, 10.0]  # the search's own timings are left alone
+
+
+def test_a_fitted_processor_time_per_task_becomes_the_median_of_the_sessions(tmp_path, machine4):
+    key = f"{machine4.devices[0].kind}|{machine4.num_devices} devices"
+    cache = CostCache(tmp_path / "first.json")
+    cache.data["overhead"][key] = {"format": search.cost.CALIBRATION_FORMAT, "per_hop_s": 1e-3,
+                                   "memory_bandwidth": 1e10, "cpu_per_task_s": 4e-3, "noop_cpu_per_task_s": 1e-3}
+    cache.save()
+    first = search.CostModel(machine4, cache=tmp_path / "first.json", progress=False)
+    later = [SimpleNamespace(cache=CostCache(tmp_path / f"s{i}.json"), calibration={"cpu_per_task_s": v})
+             for i, v in enumerate([3e-3, 2e-3])]
+    merged = median_timings(first, later, tmp_path)
+    assert merged.calibration["cpu_per_task_s"] == pytest.approx(3e-3)
+    assert first.calibration["cpu_per_task_s"] == 4e-3  # the search's own calibration is left alone
