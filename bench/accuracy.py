@@ -104,6 +104,12 @@ def run(out_dir="results", quick=False):
             f"tasks' part timings, which the simulator uses: {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
             f"(median {statistics.median(ratios):.2f}x); above 1, kernels ran slower inside the step than timed "
             "alone, which the simulator does not foresee")
+    beside = sorted(r["kernels_beside_ms"] / r["kernels_alone_ms"] for r in rows if r["kernels_beside_ms"])
+    if beside:
+        summary.append(
+            f"the same sums with each part timed while every device ran it at once, against alone: {beside[0]:.2f}x "
+            f"to {beside[-1]:.2f}x (median {statistics.median(beside):.2f}x); the simulator slows a kernel by its "
+            "part's ratio while another kernel runs beside it")
     spreads = sorted(max(r["kernels_alone_sessions_ms"]) / min(r["kernels_alone_sessions_ms"]) - 1 for r in rows)
     summary.append(
         f"part timings taken {len(rows[0]['kernels_alone_sessions_ms'])} times per network (before its rounds, and "

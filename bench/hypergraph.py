@@ -39,7 +39,6 @@ from taskrt import models
 from taskrt.config import ParallelConfig
 from taskrt.lowering import lower
 from taskrt.machine import Machine
-from taskrt.simulate import simulate
 from taskrt.strategy import Strategy
 
 MIB = 2 ** 20
@@ -213,7 +212,7 @@ def runtime_rows(ns, batches) -> list[dict]:
                           "searched": searched}
             for method, strategy in strategies.items():
                 plan = lower(graph, strategy.validated(graph, machine))
-                step = simulate(plan, cm.timer(plan), machine, cm.runtime(plan)).step_s
+                step = cm.simulate(plan).step_s
                 thesis = THESIS_TABLE_5_15.get((n, method), {}).get(batch, "")
                 rows.append({"N": n, "batch": batch, "method": method,
                              "epoch_s": round(float(step) * EPOCH_5_15 / batch, 1), "thesis_epoch_s": thesis,

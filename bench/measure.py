@@ -22,7 +22,6 @@ import search
 from search.measured import random_batch
 from search.step_costs import cpu_per_task, processor_over_steps, recorded_step
 from taskrt import models
-from taskrt.simulate import simulate
 from taskrt.trainer import Trainer
 
 # CIFAR-size networks at batch sizes a 2-core machine trains in about a second per step
@@ -81,9 +80,10 @@ def kernels_in_a_step(machine, trainer, x, y) -> float:
     return sum(compute_times(machine.client, future.run.keys, since - 1).values())
 
 
-def kernel_seconds(cost_model, plan) -> float:
-    """The sum of `plan`'s tasks' times under `cost_model` (kernels alone, no runtime)."""
-    task_time = cost_model.timer(plan)
+def kernel_seconds(cost_model, plan, corun: bool = False) -> float:
+    """The sum of `plan`'s tasks' times under `cost_model` (kernels alone, no runtime; with `corun`,
+    each while kernels run on the other devices too)."""
+    task_time = cost_model.timer(plan, corun)
     return sum(task_time(task) for task in plan.tasks)
 
 
@@ -178,11 +178,11 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
     batch = image.shape[0]
     for name, trainer in trainers.items():
         plan = trainer.plan
-        task_time = cost_model.timer(plan)
         runtime = cost_model.runtime(plan, trainer.executor.fused)
-        simulated = simulate(plan, task_time, machine, runtime)
+        simulated = cost_model.simulate(plan, trainer.executor.fused)
         cores = runtime.cores
         alone = kernel_seconds(cost_model, plan)
+        beside = kernel_seconds(cost_model, plan, corun=True) if cost_model.corun else None
         additive = cost_model.breakdown(graph, strategies[name]).total
         measured = statistics.median(times[name])
         q1, q3 = np.percentile(times[name], [25, 75])
@@ -201,6 +201,9 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             # task stream) against the part timings the simulator adds up
             "kernels_in_step_ms": in_step[name] * 1e3, "kernels_alone_ms": alone * 1e3,
             "kernels_in_step_vs_alone": in_step[name] / alone if alone else None,
+            # the same sum, each part timed while every device ran it at once (the simulator's
+            # kernels while another one runs beside them), where devices share the host's cores
+            "kernels_beside_ms": beside * 1e3 if beside is not None else None,
             # the same sum under each session of part timings (the first: the search's), which the
             # prediction takes the median of: how far the host's speed moved over the rounds
             "kernels_alone_sessions_ms": [kernel_seconds(session, plan) * 1e3 for session in sessions],

@@ -17,7 +17,6 @@ from bench.report import write_result
 from taskrt import models
 from taskrt.lowering import lower
 from taskrt.machine import Machine
-from taskrt.simulate import simulate
 
 SHAPES = {1: (1, 1), 2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (4, 4)}
 STRATEGIES = ["data", "model", "owt", "layer-wise"]
@@ -41,7 +40,7 @@ def run(out_dir="results", quick=False):
         strategies["layer-wise"] = search.optimize(graph, machine, cost_model)
         for strategy_name, strategy in strategies.items():
             plan = lower(graph, strategy.validated(graph, machine))
-            result = simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan))
+            result = cost_model.simulate(plan)
             rows.append({
                 "model": name, "devices": devices, "strategy": strategy_name, "batch": 32 * devices,
                 "step_s": result.step_s, "images_per_s": 32 * devices / result.step_s,

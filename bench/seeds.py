@@ -28,7 +28,6 @@ from taskrt import Graph, models
 from taskrt.lowering import lower
 from taskrt.machine import Machine
 from taskrt.memory import plan_memory
-from taskrt.simulate import simulate
 
 # SplitBrain, Table 2 (CIFAR-10, images/s): (machines, DP, MP) -> throughput
 SPLITBRAIN_TABLE_2 = {
@@ -54,7 +53,7 @@ def cori_machine(p):
 
 def simulated_step(graph, strategy, machine, cost_model) -> float:
     plan = lower(graph, strategy.validated(graph, machine))
-    return simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan)).step_s
+    return cost_model.simulate(plan).step_s
 
 
 # ---- 001: the plan beside the model ---------------------------------------------------------------

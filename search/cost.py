@@ -166,6 +166,11 @@ class CostModel:
         self._bandwidth = np.array([DEVICE_KINDS[d.kind]["memory_bandwidth"] if self.estimated else 0.0
                                     for d in machine.devices])
         self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
+        # Where devices share the host's cores and memory, a kernel runs slower while another one
+        # runs beside it than alone (memory bandwidth, last-level cache): parts are timed both ways
+        # (`measure(..., corun=True)`), and the simulator takes the slow-down while kernels overlap.
+        self.corun = not self.estimated and machine.num_devices > 1 and self._shared_cores()
+        self._corun_times: dict[tuple, tuple] = {}  # the same keys -> timed with every device at once
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
         # network's repeated layers (and a second search with this model) compute them once.
@@ -475,11 +480,14 @@ class CostModel:
         cache, or the part is queued in `missing` to be measured."""
         shapes = tuple(None if r is None else r.shape for r in op.input_rects(rect))
         key = (kind, op, need_dx, rect.shape, shapes)
-        if key not in self._times:
+        if key not in self._times or (self.corun and key not in self._corun_times):
             sig = self.signature(op, rect, need_dx)
             cached = self.cache.get(kind, sig)
-            if cached is not None:
+            beside = self.cache.get(corun_kind(kind), sig) if self.corun else None
+            if cached is not None and (beside is not None or not self.corun):
                 self._times[key] = tuple(cached)
+                if beside is not None:
+                    self._corun_times[key] = tuple(beside)
             else:
                 # one signature may stand for several keys: layers of different shapes whose parts
                 # have equal tiles (a pool split 2x2 in space, another split in channels)
@@ -492,9 +500,15 @@ class CostModel:
             measured = self.measure(kind, {sig: item for sig, (_, item) in items.items()})
             self.cache.put_many(kind, measured)
             self._times.update({key: tuple(t) for sig, t in measured.items() for key in items[sig][0]})
+            if self.corun:
+                beside = self.measure(kind, {sig: item for sig, (_, item) in items.items()}, corun=True,
+                                      what="part kernels on every device at once")
+                self.cache.put_many(corun_kind(kind), beside)
+                self._corun_times.update({key: tuple(t) for sig, t in beside.items() for key in items[sig][0]})
 
-    def part_time(self, op, rect, need_dx, device: int = 0) -> tuple[float, float]:
-        """(forward, backward) seconds of one part on `device`'s kind: cached, estimated or measured."""
+    def part_time(self, op, rect, need_dx, device: int = 0, corun: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of one part on `device`'s kind: cached, estimated or measured;
+        with `corun`, while kernels run on the other devices too (where that differs, `self.corun`)."""
         kind = self.kinds[self.kind_index[device]]
         if self.estimated:
             shapes = [np.array([rect.shape])] + [np.array([r.shape if r else (0,) * len(s)])
@@ -504,7 +518,7 @@ class CostModel:
         missing = {}
         key = self._lookup(kind, op, rect, tuple(need_dx), missing)
         self._measure_missing(missing)
-        return self._times[key]
+        return self._corun_times.get(key, self._times[key]) if corun else self._times[key]
 
     def signature(self, op, rect, need_dx) -> str:
         """The cache key of a part: what determines its kernels' work, as text."""
@@ -512,9 +526,10 @@ class CostModel:
         return json.dumps([op.kind, op.attrs(), shapes, list(rect.shape), list(need_dx), self.dtype], sort_keys=True)
 
     # ---- one task, for the simulator ---------------------------------------------------------
-    def timer(self, plan):
+    def timer(self, plan, corun: bool = False):
         """A function giving the kernel seconds of each task of `plan` (the runtime's own cost per
-        task is in `runtime()`)."""
+        task is in `runtime()`); with `corun`, of its parts while kernels run beside them on the
+        other devices (`part_time`)."""
         sync = {}  # task key -> (device kind, phase, elements, gradients): timed like parts
         for task in plan.tasks:
             if task.phase in ("update", "reduce"):
@@ -547,11 +562,11 @@ class CostModel:
         def kernel_time(task) -> float:
             spec = task.spec
             if task.phase == "fwd":
-                return self.part_time(spec.op, spec.out, _need_dx(task), task.device)[0]
+                return self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[0]
             if task.phase == "bwd":
-                return self.part_time(spec.op, spec.out, _need_dx(task), task.device)[1]
+                return self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[1]
             if task.phase == "loss":
-                return sum(self.part_time(spec.op, spec.out, _need_dx(task), task.device))
+                return sum(self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun))
             if task.phase in ("slice", "gslice", "rslice", "wgather"):  # copies into a fresh array
                 return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
             if task.phase in ("update", "reduce"):
@@ -589,6 +604,14 @@ class CostModel:
             self.cache.put_many(kind, {sig: [t, 0.0] for sig, t in seconds.items()})
             for sig, t in seconds.items():
                 self._sync_times[items_of_kind[sig]] = t
+
+    def simulate(self, plan, fused: bool = True):
+        """One step of `plan` simulated on this model's machine (`taskrt.simulate`), with its part
+        timings, the slow-down of kernels running beside each other, and the runtime's costs."""
+        from taskrt.simulate import simulate
+
+        corun = self.timer(plan, corun=True) if self.corun else None
+        return simulate(plan, self.timer(plan), self.machine, self.runtime(plan, fused), corun)
 
     def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
@@ -644,13 +667,14 @@ class CostModel:
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),
                        cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 
-    def measure(self, kind, items: dict, timing=None, what="part kernels") -> dict:
+    def measure(self, kind, items: dict, timing=None, what="part kernels", corun: bool = False) -> dict:
         """Time each item on a device of this kind (one at a time, as in training) with `timing`
-        (default `measure_parts`); returns {signature: what `timing` gave for it}."""
+        (default `measure_parts`); returns {signature: what `timing` gave for it}.  With `corun`,
+        every device of the kind times the same items at once, and each timing is their mean."""
         from tqdm import tqdm
 
         timing = timing or measure_parts
-        device = next(d.id for d in self.machine.devices if d.kind == kind)
+        devices = [d.id for d in self.machine.devices if d.kind == kind][: None if corun else 1]
         client = self.machine.client
         sigs = list(items)
         out = {}
@@ -658,9 +682,10 @@ class CostModel:
                   leave=False) as bar:
             for start in range(0, len(sigs), 8):
                 chunk = sigs[start : start + 8]
-                future = client.submit(timing, [items[s] for s in chunk], self.repeats, self.dtype,
-                                       pure=False, resources={self.machine.tag(device): 1})
-                out.update(zip(chunk, future.result()))
+                futures = [client.submit(timing, [items[s] for s in chunk], self.repeats, self.dtype,
+                                         pure=False, resources={self.machine.tag(device): 1}) for device in devices]
+                results = client.gather(futures)
+                out.update(zip(chunk, np.mean(results, axis=0).tolist() if len(results) > 1 else results[0]))
                 bar.update(len(chunk))
         self.measurements += len(sigs)
         return out
@@ -703,6 +728,11 @@ class CostModel:
         if fast is not None:
             return fast
         return lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)
+
+
+def corun_kind(kind: str) -> str:
+    """The cache's name for the part timings of a device kind taken with every device at once."""
+    return f"{kind}|beside others"
 
 
 def _need_dx(task) -> tuple:

@@ -145,11 +145,10 @@ def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strat
     from tqdm import tqdm
 
     from taskrt.lowering import lower
-    from taskrt.simulate import simulate
 
     def simulated_s(strategy) -> float:
         plan = lower(graph, strategy, itemsize=cost_model.itemsize)
-        return simulate(plan, cost_model.timer(plan), machine, cost_model.runtime(plan)).step_s
+        return cost_model.simulate(plan).step_s
 
     # On a simulated machine the simulation is the measurement; on a real cluster it is a prediction
     # a few percent off, so a change must win by more than that to be worth the risk.

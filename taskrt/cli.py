@@ -77,12 +77,10 @@ def predicted_step_s(trainer) -> float:
     """The training plan's step time as the simulator predicts it from the cost model's
     measurements on this machine (cached on disk, so later runs measure nothing)."""
     from search import CostModel
-    from taskrt.simulate import simulate
 
     cost_model = CostModel(trainer.machine, progress=False)
     plan = trainer.plan
-    runtime = cost_model.runtime(plan, fused=trainer.executor.fused)
-    return simulate(plan, cost_model.timer(plan), trainer.machine, runtime).step_s
+    return cost_model.simulate(plan, fused=trainer.executor.fused).step_s
 
 
 def cmd_run(args):

@@ -71,7 +71,7 @@ class Simulation:
         return int(np.argmax(self.busy_s))
 
 
-def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Simulation:
+def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun_time=None) -> Simulation:
     """Predicted time of one step of `plan`; `task_time(task)` gives each task's kernel seconds.
 
     Where devices share a host's processor cores with the runtime (`runtime.cores`), running
@@ -80,7 +80,10 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     starts (where the scheduler sends it and its worker takes it in), which the runtime's threads,
     one per device, work off while any is left.  Kernels and those threads each run at
     min(1, cores / (kernels running + threads busy)); the step lasts at least until the runtime
-    has done all its work.
+    has done all its work.  Kernels running at the same time also slow each other beyond that
+    share (the host's memory bandwidth and last-level cache are shared too): `corun_time(task)`
+    gives a task's seconds while another kernel runs (default: `task_time`), and a task runs at
+    task_time / corun_time of its share whenever another one runs beside it.
 
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed
@@ -88,14 +91,20 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     members, kernels = {}, {}
     if runtime.fused:
         plan, members = fused_plan(plan)
-        kernel = task_time
+        kernel, kernel_corun = task_time, corun_time or task_time
         kernels = {key: [kernel(t) for t in inside] for key, inside in members.items()}  # once, not per schedule
         run_s = {key: sum(times) for key, times in kernels.items()}
+        run_corun_s = {key: sum(kernel_corun(t) for t in inside) for key, inside in members.items()}
 
         def task_time(task):
             if task.phase == "export":
                 return 0.0
             return run_s[task.key] if task.phase == "fused" else kernel(task)
+
+        def corun_time(task):
+            if task.phase == "export":
+                return 0.0
+            return run_corun_s[task.key] if task.phase == "fused" else kernel_corun(task)
 
     unknown = {d.key for t in plan.tasks for d in t.deps if d.kind == TASK} - plan.by_key.keys()
     if unknown:
@@ -106,7 +115,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
                    + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
     per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
-    result = _schedule(plan, task_time, machine, runtime, per_task_cpu, origin)
+    result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu, origin)
     if runtime.cores:
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
     for key, inside in members.items():  # each member's share of its run, in order
@@ -118,11 +127,12 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime()) -> Si
     return result
 
 
-def _schedule(plan: Plan, task_time, machine, runtime: Runtime, per_task_cpu: float, origin: float) -> Simulation:
+def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_task_cpu: float,
+              origin: float) -> Simulation:
     """Event-driven list scheduling from `origin` (the step sent): each device runs its ready tasks
     in the order they became ready; with shared cores, running kernels and the runtime's threads
     working off what tasks handed them as they started (`per_task_cpu` each) progress at the
-    processor-sharing rate."""
+    processor-sharing rate, slowed by `corun_time` / `task_time` while another kernel runs."""
     n = machine.num_devices
     node = np.array([d.node for d in machine.devices])
     bandwidth = np.asarray(machine.bandwidth, dtype=float)
@@ -160,7 +170,8 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, per_task_cpu: fl
             ready = _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime)
             heapq.heappush(pending, (ready, order[task.key], task))
     queued = [[] for _ in range(n)]  # per device, tasks whose inputs are there
-    running: dict[int, list] = {}  # device -> [task, remaining seconds of work, start]
+    # device -> [task, remaining seconds of work (run alone), start, slow-down beside another kernel]
+    running: dict[int, list] = {}
     now = origin
 
     # The runtime's work left to do, and its threads: one per device (each worker's event loop takes
@@ -178,21 +189,25 @@ def _schedule(plan: Plan, task_time, machine, runtime: Runtime, per_task_cpu: fl
         for d in range(n):  # idle devices take their earliest ready task
             if d not in running and queued[d]:
                 _, _, task = heapq.heappop(queued[d])
-                running[d] = [task, _task_overhead(task, runtime) + task_time(task), now]
+                alone = task_time(task)
+                beside = corun_time(task) / alone if alone > 0 else 1.0
+                running[d] = [task, _task_overhead(task, runtime) + alone, now, max(beside, 1.0)]
                 start[task.key] = now
                 backlog += per_task_cpu
         speed = share()
-        next_finish = min((now + rem / speed for _, rem, _ in running.values()), default=np.inf)
+        # of each running task's work done per second
+        rate = {d: speed / item[3] if len(running) > 1 else speed for d, item in running.items()}
+        next_finish = min((now + item[1] / rate[d] for d, item in running.items()), default=np.inf)
         worked_off = now + backlog / (threads * speed) if backlog > 0 else np.inf
         next_ready = pending[0][0] if pending else np.inf
         later = min(next_finish, worked_off, next_ready)
-        for item in running.values():  # a task due by `later` is done (no rounding residue left)
-            item[1] = 0.0 if now + item[1] / speed <= later else item[1] - (later - now) * speed
+        for d, item in running.items():  # a task due by `later` is done (no rounding residue left)
+            item[1] = 0.0 if now + item[1] / rate[d] <= later else item[1] - (later - now) * rate[d]
         if backlog > 0:
             backlog = 0.0 if worked_off <= later else backlog - (later - now) * speed * threads
         now = later
-        for d in [d for d, (_, rem, _) in running.items() if rem <= 1e-12]:
-            task, _, began = running.pop(d)
+        for d in [d for d, item in running.items() if item[1] <= 1e-12]:
+            task, _, began, _ = running.pop(d)
             finish[task.key] = now
             busy[d] += now - began
             for consumer in dependents[task.key]:

@@ -297,6 +297,26 @@ def test_enough_cores_or_none_modeled_means_no_sharing():
     assert sim.step_s == 2.0  # one kernel at a time has the core to itself
 
 
+def test_kernels_running_beside_each_other_run_at_their_measured_slow_down():
+    """Each kernel takes 1.5x as long while another one runs (corun_time), and its own time alone."""
+    p = plan_of(task("a", 0), task("b", 1), task("c", 0, ["a"]))
+    times, beside = {"a": 1.0, "b": 2.0, "c": 1.0}, {"a": 1.5, "b": 3.0, "c": 1.5}
+
+    def sim_of(runtime, corun=True):
+        return simulate(p, lambda t: times[t.layer], TWO, runtime, (lambda t: beside[t.layer]) if corun else None)
+
+    sim = sim_of(Runtime(cores=2))
+    # a and b together at 2/3 speed: a done at 1.5 s with b 1 s (alone) in; c and b then run
+    # together: b's last second takes 1.5 s, as does c
+    assert sim.finish[("a",)] == 1.5 and sim.finish[("b",)] == 3.0 and sim.finish[("c",)] == 3.0
+    assert sim_of(Runtime(cores=2), corun=False).step_s == 2.0
+    sim = sim_of(Runtime(cores=1))  # on top of sharing one core: half a core each, at 2/3 of that
+    assert sim.finish[("a",)] == 3.0 and sim.finish[("b",)] == 6.0
+    alone = simulate(plan_of(task("a", 0), task("c", 0, ["a"])), lambda t: times[t.layer], TWO, Runtime(cores=2),
+                     lambda t: beside[t.layer])
+    assert alone.step_s == 2.0  # one kernel at a time: never slowed
+
+
 def test_runtime_work_handed_over_as_tasks_start_shares_the_cores():
     p = plan_of(task("a", 0), task("b", 1))
     sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1, cpu_per_task_s=0.5))
