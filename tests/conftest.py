@@ -20,3 +20,25 @@ def machine4():
     m = Machine.local(4, probe=False)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="session")
+def calibrated4(machine4, tmp_path_factory):
+    """A cost cache holding `machine4`'s runtime calibration alone, measured once for the session
+    (about 30 s on two cores)."""
+    import search
+
+    path = tmp_path_factory.mktemp("calibration") / "costs.json"
+    search.CostModel(machine4, cache=path, progress=False)
+    return path
+
+
+@pytest.fixture
+def cost_cache4(calibrated4, tmp_path):
+    """A fresh cost cache for `machine4` with its calibration already in it and no part timings:
+    for tests of part timings, searches and simulations rather than of the calibration."""
+    import shutil
+
+    path = tmp_path / "costs.json"
+    shutil.copy(calibrated4, path)
+    return path

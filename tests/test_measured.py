@@ -25,9 +25,9 @@ def test_the_fastest_measured_candidate_is_chosen_and_every_candidate_timed(mach
     assert measured["chosen"] == best and picked.configs == pool[best].configs
 
 
-def test_optimize_keeps_its_meta_and_names_what_the_measurement_chose(machine4, tmp_path):
+def test_optimize_keeps_its_meta_and_names_what_the_measurement_chose(machine4, cost_cache4):
     graph = small()
-    model = search.CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
     strategy = search.optimize(graph, machine4, model, check_by_measurement=True)
     measured = strategy.meta["chosen_by_measurement"]
     assert "layer-wise" in measured["median_step_s"] and measured["chosen"] in measured["median_step_s"]

@@ -645,9 +645,9 @@ def test_vgg16_strategy_is_sensible_and_beats_the_baselines(vgg_search):
 # ---- 6. measurement cache ------------------------------------------------------------------------
 
 
-def test_second_search_measures_nothing(machine4, tmp_path):
+def test_second_search_measures_nothing(machine4, cost_cache4):
     g = models.lenet5(batch=8, image_size=16, width=0.5)
-    path = tmp_path / "c.json"
+    path = cost_cache4
     first = search.CostModel(machine4, cache=path, repeats=1, progress=False)
     s1 = search.optimize(g, machine4, first)
     assert first.measurements > 0 and path.exists()
@@ -660,11 +660,11 @@ def test_second_search_measures_nothing(machine4, tmp_path):
     assert s2.meta["predicted_step_s"] == pytest.approx(s1.meta["predicted_step_s"], rel=1e-12)
 
 
-def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_device_at_once(machine4, tmp_path):
+def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_device_at_once(machine4, cost_cache4):
     from search.cost import corun_kind
 
     g = models.lenet5(batch=8, image_size=16, width=0.5)
-    model = search.CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
     assert model.corun and not search.CostModel(Machine.simulated(1, 2), cache=False).corun
     op, tile = g["conv1"].op, Rect((0, 0, 0, 0), g["conv1"].shape)
     alone = model.part_time(op, tile, (False,))
@@ -672,11 +672,11 @@ def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_devi
     assert min(alone) > 0 and min(beside) > 0 and beside != alone  # two timings, not one
     kind, sig = machine4.devices[0].kind, model.signature(op, tile, (False,))
     assert model.cache.get(kind, sig) == list(alone) and model.cache.get(corun_kind(kind), sig) == list(beside)
-    again = search.CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    again = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
     assert again.part_time(op, tile, (False,), corun=True) == beside and again.measurements == 0
 
 
-def test_parts_of_different_layers_with_equal_tiles_are_measured_once_and_both_timed(machine4, tmp_path):
+def test_parts_of_different_layers_with_equal_tiles_are_measured_once_and_both_timed(machine4, cost_cache4):
     """Two pools of different shapes whose parts have equal tiles share one signature: measured once,
     each layer gets the time (once a KeyError on a GPU machine, VGG-16 on 4 workers)."""
     g = Graph("two-pools")
@@ -688,7 +688,7 @@ def test_parts_of_different_layers_with_equal_tiles_are_measured_once_and_both_t
     configs = {layer.name: [ParallelConfig(devices=(0,))] for layer in g}
     configs["pool_a"] = [ParallelConfig(h=2, w=2, devices=(0, 1, 2, 3))]  # tiles (4, 4, 2, 2)
     configs["pool_b"] = [ParallelConfig(c=2, devices=(0, 1))]  # tiles (4, 4, 2, 2)
-    model = search.CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
     tile = Rect((0, 0, 0, 0), (4, 4, 2, 2))
     assert model.signature(g["pool_a"].op, tile, (True,)) == model.signature(g["pool_b"].op, tile, (True,))
     tables = model.tables(g, configs)

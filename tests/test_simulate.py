@@ -669,13 +669,13 @@ def test_optimize_checks_by_simulation():
         assert simulate(plan, cost_model.timer(plan), machine).step_s == pytest.approx(simulated[name], rel=1e-12)
 
 
-def test_on_a_real_cluster_the_simulation_check_wants_a_clear_win(machine4, tmp_path):
+def test_on_a_real_cluster_the_simulation_check_wants_a_clear_win(machine4, cost_cache4):
     """On a Dask cluster the simulation predicts, so the check keeps the Eq. 1 optimum unless
     another candidate is more than SIMULATION_MARGIN faster by simulation."""
     from search.optimize import SIMULATION_MARGIN
 
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
-    cost_model = CostModel(machine4, cache=tmp_path / "c.json", repeats=1, progress=False)
+    cost_model = CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
     meta = optimize(graph, machine4, cost_model, check_by_simulation=True).meta
     simulated, start = meta["simulated_step_s"], meta["chosen_by_simulation"]
     if start != "layer-wise optimum":
