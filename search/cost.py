@@ -659,22 +659,31 @@ class CostModel:
         answer = c.get("step_answer_s", c.get("answer_s", c["per_hop_s"]))
         if start < 0 and "step_answer_s" in c:
             answer = max(answer + start, 0.0)
+        cores = c["cores"] if shared_cores else 0
+        if shared_cores and self.machine.num_devices > 1:
+            # Parts are timed beside each other too (`corun`): their slow-down is in those timings.
+            # `Machine.calibrate`'s effective cores, lowered by a reference kernel's slow-down beside
+            # another (1.58-2.0 of 2 in 11-26's runs), would count it a second time.
+            cores = float(os.cpu_count() or 1)
         return Runtime(dispatch_s=c.get("step_dispatch_s", noop_dispatch), task_s=c["per_task_s"],
                        fetch_s=c.get("step_fetch_s", fetch), export_s=c["export_s"],
                        answer_s=answer, start_s=max(start, 0.0),
                        per_task_submit_s=max(c["submit_per_task_s"] + c.get("step_start_extra_per_task_s", 0.0), 0.0),
-                       cores=c["cores"] if shared_cores else 0,
+                       cores=cores,
                        cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),
                        cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
 
     def measure(self, kind, items: dict, timing=None, what="part kernels", corun: bool = False) -> dict:
         """Time each item on a device of this kind (one at a time, as in training) with `timing`
         (default `measure_parts`); returns {signature: what `timing` gave for it}.  With `corun`,
-        every device of the kind times the same items at once, and each timing is their mean."""
+        devices of the kind time the same items at once, as many as the host's cores run at once
+        (more would time the cores' sharing, which the simulator models apart), and each timing
+        is their mean."""
         from tqdm import tqdm
 
         timing = timing or measure_parts
-        devices = [d.id for d in self.machine.devices if d.kind == kind][: None if corun else 1]
+        devices = [d.id for d in self.machine.devices if d.kind == kind]
+        devices = devices[: max(2, int(self.calibration.get("cores") or len(devices)))] if corun else devices[:1]
         client = self.machine.client
         sigs = list(items)
         out = {}

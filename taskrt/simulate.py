@@ -83,7 +83,8 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     has done all its work.  Kernels running at the same time also slow each other beyond that
     share (the host's memory bandwidth and last-level cache are shared too): `corun_time(task)`
     gives a task's seconds while another kernel runs (default: `task_time`), and a task runs at
-    task_time / corun_time of its share whenever another one runs beside it.
+    task_time / corun_time (at most 1: a faster timing beside others is the host's noise) of its
+    share whenever another one runs beside it.
 
     With `runtime.fused` the tasks scheduled are those the executor submits fused (one per
     group, one per value read outside it); each plan task's start and finish are then placed

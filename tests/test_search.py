@@ -676,6 +676,22 @@ def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_devi
     assert again.part_time(op, tile, (False,), corun=True) == beside and again.measurements == 0
 
 
+def test_with_parts_timed_beside_each_other_the_simulator_gets_the_hosts_own_cores(machine4, cost_cache4):
+    """The effective cores `Machine.calibrate` measures are lowered by a reference kernel's slow-down
+    beside another, which the parts' own timings beside each other carry already."""
+    import json
+    import os
+
+    data = json.loads(cost_cache4.read_text())
+    [calibration] = data["overhead"].values()
+    calibration["cores"] = 1.5
+    cost_cache4.write_text(json.dumps(data))
+    model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
+    g = models.lenet5(batch=8, image_size=16, width=0.5)
+    plan = lower(g, search.data_parallel(g, machine4).validated(g, machine4))
+    assert model.calibration["cores"] == 1.5 and model.runtime(plan).cores == os.cpu_count()
+
+
 def test_parts_of_different_layers_with_equal_tiles_are_measured_once_and_both_timed(machine4, cost_cache4):
     """Two pools of different shapes whose parts have equal tiles share one signature: measured once,
     each layer gets the time (once a KeyError on a GPU machine, VGG-16 on 4 workers)."""
