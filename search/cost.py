@@ -156,6 +156,12 @@ class CostModel:
         nic = getattr(machine, "nic_bandwidth", None)
         self.links = transfer.Links(self.inv_bandwidth, self.latency, np.array([d.node for d in machine.devices]),
                                     1.0 / nic if nic else 0.0)
+        # Where devices share the host's cores and memory (CPU workers on one host), the runtime's
+        # processor time per task is fitted to training steps (`_calibrate`), and a kernel runs
+        # slower while another one runs beside it than alone (memory bandwidth, last-level cache):
+        # parts are timed both ways (`measure(..., corun=True)`), and the simulator takes the
+        # slow-down while kernels overlap.
+        self.corun = not self.estimated and machine.num_devices > 1 and self._shared_cores()
         self.calibration = self._calibrate()
         self.hop = self.calibration["per_hop_s"] if overhead is None else float(overhead)
         self.memory_bandwidth = self.calibration["memory_bandwidth"]
@@ -166,10 +172,6 @@ class CostModel:
         self._bandwidth = np.array([DEVICE_KINDS[d.kind]["memory_bandwidth"] if self.estimated else 0.0
                                     for d in machine.devices])
         self._times: dict[tuple, tuple] = {}  # (device kind, op, need_dx, tile shapes) -> (forward s, backward s)
-        # Where devices share the host's cores and memory, a kernel runs slower while another one
-        # runs beside it than alone (memory bandwidth, last-level cache): parts are timed both ways
-        # (`measure(..., corun=True)`), and the simulator takes the slow-down while kernels overlap.
-        self.corun = not self.estimated and machine.num_devices > 1 and self._shared_cores()
         self._corun_times: dict[tuple, tuple] = {}  # the same keys -> timed with every device at once
         self._sync_times: dict[tuple, float] = {}
         # Tables of one layer depend only on its op and configs, of an edge only on its two ends: a
@@ -197,7 +199,7 @@ class CostModel:
             from tqdm import tqdm
 
             timed = self._cpu_workers()  # training steps measure the latencies
-            fit_cpu = timed and self.machine.num_devices > 1 and self._shared_cores()
+            fit_cpu = self.corun
             # about 8 s, and 11 s more of training steps: once per cluster, then cached
             with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
                       disable=not self.progress or None, leave=False) as bar:
@@ -497,12 +499,12 @@ class CostModel:
 
     def _measure_missing(self, missing):
         for kind, items in missing.items():
-            measured = self.measure(kind, {sig: item for sig, (_, item) in items.items()})
+            parts = {sig: item for sig, (_, item) in items.items()}
+            measured = self.measure(kind, parts)
             self.cache.put_many(kind, measured)
             self._times.update({key: tuple(t) for sig, t in measured.items() for key in items[sig][0]})
             if self.corun:
-                beside = self.measure(kind, {sig: item for sig, (_, item) in items.items()}, corun=True,
-                                      what="part kernels on every device at once")
+                beside = self.measure(kind, parts, corun=True, what="part kernels on every device at once")
                 self.cache.put_many(corun_kind(kind), beside)
                 self._corun_times.update({key: tuple(t) for sig, t in beside.items() for key in items[sig][0]})
 
@@ -660,7 +662,7 @@ class CostModel:
         if start < 0 and "step_answer_s" in c:
             answer = max(answer + start, 0.0)
         cores = c["cores"] if shared_cores else 0
-        if shared_cores and self.machine.num_devices > 1:
+        if self.corun:
             # Parts are timed beside each other too (`corun`): their slow-down is in those timings.
             # `Machine.calibrate`'s effective cores, lowered by a reference kernel's slow-down beside
             # another (1.58-2.0 of 2 in 11-26's runs), would count it a second time.
@@ -683,7 +685,7 @@ class CostModel:
 
         timing = timing or measure_parts
         devices = [d.id for d in self.machine.devices if d.kind == kind]
-        devices = devices[: max(2, int(self.calibration.get("cores") or len(devices)))] if corun else devices[:1]
+        devices = devices[: max(2, os.cpu_count() or 1)] if corun else devices[:1]
         client = self.machine.client
         sigs = list(items)
         out = {}
