@@ -84,7 +84,7 @@ def run(out_dir="results", quick=False):
             for label, make in chosen.items():
                 graph = make()
                 rows += measure(machine, graph, strategies_for(graph, machine, cost_model), cost_model, rounds, label,
-                                retimings=2)
+                                retimings=rounds, refits=2, retime_repeats=2)
     for row in rows:
         row["within_goal"] = abs(row["simulated_error"]) <= GOAL
     misses = [r for r in rows if not r["within_goal"]]

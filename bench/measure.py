@@ -87,35 +87,38 @@ def kernel_seconds(cost_model, plan, corun: bool = False) -> float:
     return sum(task_time(task) for task in plan.tasks)
 
 
-def on_calibration_of(cost_model, path, parts: dict):
+def on_calibration_of(cost_model, path, parts: dict, repeats: int | None = None):
     """A cost model cached at `path` (a new file) with `parts` as its timings, on `cost_model`'s
-    runtime calibration (not measured again) and timing as it does."""
+    runtime calibration (not measured again) and timing as it does (with `repeats`, that
+    many timings of each part)."""
     cache = search.cost.CostCache(path)
     cache.data.update(parts=parts, overhead=cost_model.cache.data["overhead"])
     cache.save()
-    return search.CostModel(cost_model.machine, cache=path, repeats=cost_model.repeats, dtype=cost_model.dtype,
-                            progress=False)
+    return search.CostModel(cost_model.machine, cache=path, repeats=repeats or cost_model.repeats,
+                            dtype=cost_model.dtype, progress=False)
 
 
-def retimed(cost_model, plans, path):
+def retimed(cost_model, plans, path, refit: bool = True, repeats: int | None = None):
     """One more session of the part and synchronization timings the tasks of `plans` use, by a
-    cost model of its own (`on_calibration_of`, cached at `path`); where `cost_model`'s processor
-    time per task was fitted to training steps (devices sharing the host's cores), that fit is
-    measured again too (`search.step_costs.cpu_per_task`).  Returns that cost model."""
-    fresh = on_calibration_of(cost_model, path, {})
+    cost model of its own (`on_calibration_of`, cached at `path`, `repeats` timings of each part);
+    with `refit`, where `cost_model`'s processor time per task was fitted to training steps
+    (devices sharing the host's cores), that fit is measured again too
+    (`search.step_costs.cpu_per_task`).  Returns that cost model."""
+    fresh = on_calibration_of(cost_model, path, {}, repeats)
     for plan in plans:
         kernel_seconds(fresh, plan)  # times what the plan's tasks run
     c = fresh.calibration
-    if "noop_cpu_per_task_s" in c:
+    if refit and "noop_cpu_per_task_s" in c:
         c["cpu_per_task_s"] = cpu_per_task(fresh.machine, c["cpu_per_byte_s"], c["cpu_per_message_s"])
         fresh.cache.save()
     return fresh
 
 
-def median_timings(cost_model, sessions: list, directory):
+def median_timings(cost_model, sessions: list, directory, cpu_fits: list = ()):
     """A cost model on `cost_model`'s calibration and timings, where each timing found in every one
-    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own, and so is
-    the processor time per task where the sessions fitted it again."""
+    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own, and the
+    processor time per task, where fitted to training steps, the median of `cost_model`'s and
+    `cpu_fits` (those fitted again)."""
     parts = copy.deepcopy(cost_model.cache.data["parts"])
     for kind, timings in parts.items():
         for signature, seconds in timings.items():
@@ -124,26 +127,40 @@ def median_timings(cost_model, sessions: list, directory):
                 timings[signature] = np.median([seconds, *found], axis=0).tolist()
     merged = on_calibration_of(cost_model, Path(directory) / "median.json", parts)
     if "noop_cpu_per_task_s" in merged.calibration:
-        merged.calibration["cpu_per_task_s"] = float(np.median(
-            [cost_model.calibration["cpu_per_task_s"], *(s.calibration["cpu_per_task_s"] for s in sessions)]))
+        merged.calibration["cpu_per_task_s"] = float(np.median([cost_model.calibration["cpu_per_task_s"], *cpu_fits]))
     return merged
 
 
+def spread(rounds: int, count: int) -> set:
+    """`count` of the rounds 0..rounds-1, evenly spaced, the last among them."""
+    return {round(rounds * (k + 1) / count) - 1 for k in range(count)} if count else set()
+
+
+def retiming_rounds(rounds: int, retimings: int, refits: int) -> tuple[set, set]:
+    """The rounds after which the parts are timed again (`retimings` of them, spread), and those of
+    them after which the processor time per task is fitted again too (`refits`, spread over those)."""
+    retime = sorted(spread(rounds, retimings))
+    return set(retime), {retime[k] for k in spread(len(retime), min(refits, len(retime)))}
+
+
 def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: str, warmup: int = 2,
-            seed: int = 0, retimings: int = 0) -> list[dict]:
+            seed: int = 0, retimings: int = 0, refits: int = 0, retime_repeats: int | None = None) -> list[dict]:
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved.
 
-    With `retimings`, the parts the strategies' tasks run are timed that many times more, spread
-    over the rounds, and so is the runtime's processor time per task where it is fitted to training
-    steps; each prediction takes the median of those and `cost_model`'s: the host's speed drifts
-    (by a fifth within a minute on a shared 2-core machine, and in one run the calibration's fit
-    gave 4.1 ms per task, then 3.1 ms in the next), and costs measured at one moment would
-    compare with steps taken over several."""
+    With `retimings`, the parts the strategies' tasks run are timed that many times more (each
+    `retime_repeats` times), spread over the rounds, and in `refits` of those sessions so is the
+    runtime's processor time per task where it is fitted to training steps; each prediction takes
+    the median of those and `cost_model`'s.  The host's speed drifts (on a shared 2-core machine,
+    the same VGG-16-32 step took 552, then 826, then 651 ms a few seconds apart, and in one run the
+    calibration's fit gave 4.1 ms per task, then 3.1 ms in the next): costs measured at a few
+    moments would compare with steps taken over many."""
     with tempfile.TemporaryDirectory() as directory:  # the timings' caches
-        return _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, directory)
+        return _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, refits,
+                        retime_repeats, directory)
 
 
-def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, directory) -> list[dict]:
+def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed, retimings, refits, retime_repeats,
+             directory) -> list[dict]:
     image = graph.inputs[0]
     x, y = random_batch(graph, seed)
     # a small learning rate keeps random-data training finite: inf and NaN would change kernel speed
@@ -153,8 +170,8 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             trainer.step(x, y)
     times = {name: [] for name in trainers}
     matches = {name: True for name in trainers}
-    retime_after = {round(rounds * (k + 1) / retimings) - 1 for k in range(retimings)} if retimings else set()
-    sessions = []
+    retime_after, refit_after = retiming_rounds(rounds, retimings, refits)
+    sessions, cpu_fits = [], []
     for i in tqdm(range(rounds), desc=f"{label} on {machine.num_devices} devices", leave=False, disable=None):
         for name, trainer in trainers.items():
             # Two steps in a row, the second timed: it follows a step of its own, as in training,
@@ -164,10 +181,13 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             times[name].append(trainer.stats.wall_s)
         if i in retime_after:
             path = Path(directory) / f"retimed{len(sessions)}.json"
-            sessions.append(retimed(cost_model, [t.plan for t in trainers.values()], path))
+            sessions.append(retimed(cost_model, [t.plan for t in trainers.values()], path, i in refit_after,
+                                    retime_repeats))
+            if i in refit_after and "noop_cpu_per_task_s" in cost_model.calibration:
+                cpu_fits.append(sessions[-1].calibration["cpu_per_task_s"])
     sessions.insert(0, cost_model)
     if len(sessions) > 1:
-        cost_model = median_timings(cost_model, sessions[1:], directory)
+        cost_model = median_timings(cost_model, sessions[1:], directory, cpu_fits)
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
@@ -208,7 +228,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             # prediction takes the median of: how far the host's speed moved over the rounds
             "kernels_alone_sessions_ms": [kernel_seconds(session, plan) * 1e3 for session in sessions],
             # and the runtime's processor time per task, where fitted to training steps (the same way)
-            "cpu_per_task_sessions_ms": [session.calibration["cpu_per_task_s"] * 1e3 for session in sessions]
+            "cpu_per_task_sessions_ms": [sessions[0].calibration["cpu_per_task_s"] * 1e3, *(f * 1e3 for f in cpu_fits)]
             if "noop_cpu_per_task_s" in cost_model.calibration else None,
             # where devices share the host's cores: the processor time of a step (all processes)
             # against the simulator's, and the cores' idle time in a step, measured (over the same

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import search
-from bench.measure import median_timings
+from bench.measure import median_timings, retiming_rounds, spread
 from search.cost import CostCache
 from taskrt.machine import Machine
 
@@ -37,8 +37,16 @@ def test_a_fitted_processor_time_per_task_becomes_the_median_of_the_sessions(tmp
                                    "memory_bandwidth": 1e10, "cpu_per_task_s": 4e-3, "noop_cpu_per_task_s": 1e-3}
     cache.save()
     first = search.CostModel(machine4, cache=tmp_path / "first.json", progress=False)
-    later = [SimpleNamespace(cache=CostCache(tmp_path / f"s{i}.json"), calibration={"cpu_per_task_s": v})
-             for i, v in enumerate([3e-3, 2e-3])]
-    merged = median_timings(first, later, tmp_path)
+    later = [SimpleNamespace(cache=CostCache(tmp_path / f"s{i}.json")) for i in range(3)]
+    merged = median_timings(first, later, tmp_path, cpu_fits=[3e-3, 2e-3])  # two of three sessions fitted it
     assert merged.calibration["cpu_per_task_s"] == pytest.approx(3e-3)
     assert first.calibration["cpu_per_task_s"] == 4e-3  # the search's own calibration is left alone
+
+
+def test_retimings_spread_over_the_rounds_and_refits_over_the_retimings():
+    assert spread(10, 10) == set(range(10))
+    assert spread(10, 2) == {4, 9}
+    assert spread(10, 0) == set()
+    assert retiming_rounds(10, 10, 2) == (set(range(10)), {4, 9})
+    assert retiming_rounds(10, 2, 5) == ({4, 9}, {4, 9})  # no more refits than retimings
+    assert retiming_rounds(10, 0, 2) == (set(), set())
