@@ -199,7 +199,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
     for name, trainer in trainers.items():
         plan = trainer.plan
         runtime = cost_model.runtime(plan, trainer.executor.fused)
-        simulated = cost_model.simulate(plan, trainer.executor.fused)
+        simulated = cost_model.simulate(plan, trainer.executor.fused, runtime)
         cores = runtime.cores
         alone = kernel_seconds(cost_model, plan)
         beside = kernel_seconds(cost_model, plan, corun=True) if cost_model.corun else None

@@ -607,13 +607,15 @@ class CostModel:
             for sig, t in seconds.items():
                 self._sync_times[items_of_kind[sig]] = t
 
-    def simulate(self, plan, fused: bool = True):
+    def simulate(self, plan, fused: bool = True, runtime=None):
         """One step of `plan` simulated on this model's machine (`taskrt.simulate`), with its part
-        timings, the slow-down of kernels running beside each other, and the runtime's costs."""
+        timings, the slow-down of kernels running beside each other, and the runtime's costs
+        (`runtime(plan, fused)`, unless given, already built)."""
         from taskrt.simulate import simulate
 
         corun = self.timer(plan, corun=True) if self.corun else None
-        return simulate(plan, self.timer(plan), self.machine, self.runtime(plan, fused), corun)
+        return simulate(plan, self.timer(plan), self.machine,
+                        self.runtime(plan, fused) if runtime is None else runtime, corun)
 
     def runtime(self, plan, fused: bool = True):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
