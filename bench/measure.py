@@ -183,7 +183,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             path = Path(directory) / f"retimed{len(sessions)}.json"
             sessions.append(retimed(cost_model, [t.plan for t in trainers.values()], path, i in refit_after,
                                     retime_repeats))
-            if i in refit_after and "noop_cpu_per_task_s" in cost_model.calibration:
+            if i in refit_after:  # (unused where the processor time is not fitted to steps)
                 cpu_fits.append(sessions[-1].calibration["cpu_per_task_s"])
     sessions.insert(0, cost_model)
     if len(sessions) > 1:
