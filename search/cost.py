@@ -50,7 +50,7 @@ from ops.rect import Rect
 from search import transfer
 from search.regions import Needs, PartTable, part_table
 from search.space import config_grid, layer_configs, search_space
-from search.step_costs import step_costs, trimmed_mean
+from search.step_costs import robust_line, step_costs, trimmed_mean
 from taskrt.config import DIMS, ParallelConfig
 from taskrt.files import write_atomic
 from taskrt.machine import DEVICE_KINDS
@@ -62,7 +62,8 @@ CACHE_FORMAT = "taskrt-costs/4"  # parts: [forward s, backward s (with packing t
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
 # per message; CPU per task fitted to training steps where devices share cores; the scheduler's
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
-CALIBRATION_FORMAT = 9
+# (the start's line fitted by Theil-Sen)
+CALIBRATION_FORMAT = 10
 
 
 def default_cache_path() -> Path:
@@ -222,7 +223,7 @@ class CostModel:
         them: the dispatch of a task whose inputs are on its device and the fetch beyond it of one
         reading another device (each gap less the device's own time per task, which the simulator
         charges inside the task), the answer, and the start beyond what `runtime` models, fitted
-        as a + b * tasks to the steps' first task (least squares)."""
+        as a + b * tasks to the steps' first task (Theil-Sen: robust to one strategy far off)."""
         from taskrt.fusion import fused_plan
 
         def net(gaps):
@@ -246,11 +247,7 @@ class CostModel:
                 modeled = runtime.start_s + runtime.per_task_submit_s * tasks + runtime.dispatch_s + runtime.task_s
                 rows.append((tasks, float(np.median(firsts)) - modeled))
         if rows:
-            tasks, extra = np.array(rows).T
-            if np.ptp(tasks) > 0:
-                slope, intercept = np.polyfit(tasks, extra, 1)
-            else:
-                slope, intercept = 0.0, float(np.mean(extra))
+            intercept, slope = robust_line(*np.array(rows).T)
             out.update({"step_start_extra_s": float(intercept), "step_start_extra_per_task_s": float(slope),
                         "step_start_rows": [[int(t), float(e)] for t, e in rows]})
         return out

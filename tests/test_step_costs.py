@@ -213,3 +213,20 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
     assert runtime.start_s == 0.0
     assert runtime.answer_s == pytest.approx(max(0.02 + unfitted.start_s + extra, 0.0), abs=1e-12)
     assert runtime.answer_s < model.calibration["step_answer_s"]
+
+
+def test_the_start_line_ignores_one_strategy_far_off():
+    """One calibration strategy whose first tasks all started late (seen: a one-task strategy 67 ms
+    late) must not tilt the start's line: least squares gave +54 ms and -1.2 ms per task there."""
+    from search.step_costs import robust_line
+
+    tasks = np.array([20.0, 44.0, 42.0, 45.0, 1.0])
+    extra = 0.002 + 0.0001 * tasks
+    late = extra.copy()
+    late[-1] += 0.067
+    assert robust_line(tasks, late) == pytest.approx((0.002, 0.0001), abs=1e-12)
+    slope, intercept = np.polyfit(tasks, late, 1)
+    assert intercept > 0.04 and slope < -0.001  # what least squares made of the same points
+    # two points: the line through both; one task count: their median, flat
+    assert robust_line([1.0, 21.0], [0.001, 0.003]) == pytest.approx((0.0009, 0.0001), abs=1e-12)
+    assert robust_line([5.0, 5.0, 5.0], [0.001, 0.002, 0.009]) == (0.002, 0.0)
