@@ -73,6 +73,28 @@ def calibration_line(calibrations: dict) -> str:
     return "runtime costs calibrated in this run: " + "; ".join(parts)
 
 
+FITTED_NAMES = {"cpu_per_task_s": "processor time per task", "step_dispatch_s": "dispatch", "step_fetch_s": "fetch",
+                "step_answer_s": "answer", "step_start_extra_s": "start",
+                "step_start_extra_per_task_s": "start per task"}
+
+
+def refits_line(rows) -> str | None:
+    """What the calibration fitted to training steps, fitted again during each network's rounds:
+    each value's fits (the calibration's first), whose median the predictions take."""
+    fits = {}
+    for r in rows:
+        if r.get("step_fits_ms") and len(next(iter(r["step_fits_ms"].values()), [])) > 1:
+            fits.setdefault((r["devices"], r["model"]), r["step_fits_ms"])
+    if not fits:
+        return None
+    return ("fitted to training steps again during each network's rounds (the first: the calibration's; "
+            "predictions take their median), ms: " + "; ".join(
+                f"{devices} device(s), {model}: " + ", ".join(
+                    f"{FITTED_NAMES.get(key, key)} " + " / ".join(f"{v:.2f}" for v in values)
+                    for key, values in by_key.items())
+                for (devices, model), by_key in sorted(fits.items())))
+
+
 def run(out_dir="results", quick=False):
     chosen = QUICK_MODELS if quick else LOCAL_MODELS
     rounds = 10  # --quick measures fewer networks, with as many rounds
@@ -121,15 +143,9 @@ def run(out_dir="results", quick=False):
         summary.append(line)
     summary.append(ranking(rows))
     summary.append(calibration_line(calibrations))
-    refits = {}
-    for r in rows:
-        if r["cpu_per_task_sessions_ms"]:
-            refits.setdefault(r["devices"], {})[r["model"]] = r["cpu_per_task_sessions_ms"]
-    if refits:
-        summary.append("the processor time per task fitted again during each network's rounds (the first: the "
-                       "calibration's; predictions take their median): " + "; ".join(
-                           f"{devices} devices, {model} " + " / ".join(f"{v:.2f}" for v in fits) + " ms"
-                           for devices, by_model in sorted(refits.items()) for model, fits in by_model.items()))
+    line = refits_line(rows)
+    if line:
+        summary.append(line)
     summary += [f"MISS: {r['model']} {r['strategy']} on {r['devices']}: {r['simulated_error']:+.1%}" for r in misses]
     columns = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"), ("measured_ms", "measured ms"),
                ("iqr_ms", "IQR ms"), ("simulated_ms", "simulated ms"), ("simulated_error", "simulated error"),

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 import search
 from search.measured import random_batch
-from search.step_costs import cpu_per_task, processor_over_steps, recorded_step
+from search.step_costs import processor_over_steps, recorded_step
 from taskrt import models
 from taskrt.trainer import Trainer
 
@@ -101,24 +101,34 @@ def on_calibration_of(cost_model, path, parts: dict, repeats: int | None = None)
 def retimed(cost_model, plans, path, refit: bool = True, repeats: int | None = None):
     """One more session of the part and synchronization timings the tasks of `plans` use, by a
     cost model of its own (`on_calibration_of`, cached at `path`, `repeats` timings of each part);
-    with `refit`, where `cost_model`'s processor time per task was fitted to training steps
-    (devices sharing the host's cores), that fit is measured again too
-    (`search.step_costs.cpu_per_task`).  Returns that cost model."""
+    with `refit`, on CPU workers, what `cost_model`'s calibration fitted to training steps is
+    measured again too (`search.CostModel.fit_to_steps`: the latencies of steps and, where devices
+    share the host's cores, the processor time per task).  Returns that cost model."""
     fresh = on_calibration_of(cost_model, path, {}, repeats)
     for plan in plans:
         kernel_seconds(fresh, plan)  # times what the plan's tasks run
-    c = fresh.calibration
-    if refit and "noop_cpu_per_task_s" in c:
-        c["cpu_per_task_s"] = cpu_per_task(fresh.machine, c["cpu_per_byte_s"], c["cpu_per_message_s"])
+    if refit and fresh._cpu_workers():
+        fresh.calibration.update(fresh.fit_to_steps(fresh.calibration))
         fresh.cache.save()
     return fresh
 
 
-def median_timings(cost_model, sessions: list, directory, cpu_fits: list = ()):
+def refitted(calibration: dict) -> dict:
+    """The values of `calibration` fitted to training steps that a prediction takes the median of."""
+    keys = [k for k in REFITTED if k in calibration]
+    if "noop_cpu_per_task_s" in calibration:  # the processor time per task fitted to steps, not no-op tasks'
+        keys.append("cpu_per_task_s")
+    return {k: calibration[k] for k in keys}
+
+
+REFITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s", "step_start_extra_per_task_s")
+
+
+def median_timings(cost_model, sessions: list, directory, fits: list = ()):
     """A cost model on `cost_model`'s calibration and timings, where each timing found in every one
-    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own, and the
-    processor time per task, where fitted to training steps, the median of `cost_model`'s and
-    `cpu_fits` (those fitted again)."""
+    of `sessions` (cost models, `retimed`) is the median of those and `cost_model`'s own, and each
+    value fitted to training steps (`refitted`) the median of `cost_model`'s and those in `fits`
+    (those fitted again)."""
     parts = copy.deepcopy(cost_model.cache.data["parts"])
     for kind, timings in parts.items():
         for signature, seconds in timings.items():
@@ -126,8 +136,8 @@ def median_timings(cost_model, sessions: list, directory, cpu_fits: list = ()):
             if all(f is not None for f in found):
                 timings[signature] = np.median([seconds, *found], axis=0).tolist()
     merged = on_calibration_of(cost_model, Path(directory) / "median.json", parts)
-    if "noop_cpu_per_task_s" in merged.calibration:
-        merged.calibration["cpu_per_task_s"] = float(np.median([cost_model.calibration["cpu_per_task_s"], *cpu_fits]))
+    for key, value in refitted(cost_model.calibration).items():
+        merged.calibration[key] = float(np.median([value, *(f[key] for f in fits if key in f)]))
     return merged
 
 
@@ -171,7 +181,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
     times = {name: [] for name in trainers}
     matches = {name: True for name in trainers}
     retime_after, refit_after = retiming_rounds(rounds, retimings, refits)
-    sessions, cpu_fits = [], []
+    sessions, fits = [], []
     for i in tqdm(range(rounds), desc=f"{label} on {machine.num_devices} devices", leave=False, disable=None):
         for name, trainer in trainers.items():
             # Two steps in a row, the second timed: it follows a step of its own, as in training,
@@ -183,11 +193,12 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             path = Path(directory) / f"retimed{len(sessions)}.json"
             sessions.append(retimed(cost_model, [t.plan for t in trainers.values()], path, i in refit_after,
                                     retime_repeats))
-            if i in refit_after:  # (unused where the processor time is not fitted to steps)
-                cpu_fits.append(sessions[-1].calibration["cpu_per_task_s"])
+            if i in refit_after:
+                fits.append(refitted(sessions[-1].calibration))
     sessions.insert(0, cost_model)
+    first = refitted(cost_model.calibration)
     if len(sessions) > 1:
-        cost_model = median_timings(cost_model, sessions[1:], directory, cpu_fits)
+        cost_model = median_timings(cost_model, sessions[1:], directory, fits)
     for name, trainer in trainers.items():  # bytes: the plan's count against the workers' logs
         matches[name] = trainer.stats.measured_bytes == trainer.stats.planned_bytes
     in_step = {name: kernels_in_a_step(machine, trainer, x, y) for name, trainer in trainers.items()}
@@ -227,9 +238,10 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
             # the same sum under each session of part timings (the first: the search's), which the
             # prediction takes the median of: how far the host's speed moved over the rounds
             "kernels_alone_sessions_ms": [kernel_seconds(session, plan) * 1e3 for session in sessions],
-            # and the runtime's processor time per task, where fitted to training steps (the same way)
-            "cpu_per_task_sessions_ms": [sessions[0].calibration["cpu_per_task_s"] * 1e3, *(f * 1e3 for f in cpu_fits)]
-            if "noop_cpu_per_task_s" in cost_model.calibration else None,
+            # and what the calibration fitted to training steps (the same way): the runtime's processor
+            # time per task, where devices share the host's cores, and the latencies of steps
+            "step_fits_ms": {key: [value * 1e3, *(f[key] * 1e3 for f in fits if key in f)]
+                             for key, value in first.items()},
             # where devices share the host's cores: the processor time of a step (all processes)
             # against the simulator's, and the cores' idle time in a step, measured (over the same
             # steps as the processor time) and simulated

@@ -64,6 +64,10 @@ CACHE_FORMAT = "taskrt-costs/4"  # parts: [forward s, backward s (with packing t
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
 # (the start's line fitted by Theil-Sen)
 CALIBRATION_FORMAT = 10
+# what `CostModel.fit_to_steps` measures on training steps (the processor time per task only where
+# devices share the host's cores; without it, `cpu_per_task_s` is the no-op tasks')
+STEP_FITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s",
+               "step_start_extra_per_task_s", "step_start_rows", "step_cpu_rows")
 
 
 def default_cache_path() -> Path:
@@ -200,23 +204,35 @@ class CostModel:
             from tqdm import tqdm
 
             timed = self._cpu_workers()  # training steps measure the latencies
-            fit_cpu = self.corun
+            fit_cpu = self.corun  # and the processor time per task (`fit_to_steps`)
             # about 8 s, and 11 s more of training steps: once per cluster, then cached
             with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
                       disable=not self.progress or None, leave=False) as bar:
                 cached = {**self.machine.calibrate(), "format": CALIBRATION_FORMAT}
                 bar.update()
                 if timed:
-                    measured = step_costs(self.machine, cached["cpu_per_byte_s"], cached["cpu_per_message_s"],
-                                          fit_cpu=fit_cpu)
+                    fitted = self.fit_to_steps(cached)
                     if fit_cpu:
                         cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
-                        cached.update({k: measured[k] for k in ("cpu_per_task_s", "step_cpu_rows")})
-                    cached.update(self._step_latencies(cached, measured))
+                    cached.update(fitted)
                     bar.update()
             self.cache.data["overhead"][key] = cached
             self.cache.save()
         return cached
+
+    def fit_to_steps(self, calibration: dict) -> dict:
+        """What `_calibrate` fits to training steps of the calibration network, measured now
+        (`search.step_costs`) on `calibration`'s other costs: where devices share the host's cores,
+        the processor time per task (and the rows it is fitted to); the latencies of steps
+        (`_step_latencies`).  On CPU workers only: elsewhere no-op tasks measure them."""
+        fit_cpu = self.corun
+        measured = step_costs(self.machine, calibration["cpu_per_byte_s"], calibration["cpu_per_message_s"],
+                              fit_cpu=fit_cpu)
+        out = {k: measured[k] for k in ("cpu_per_task_s", "step_cpu_rows")} if fit_cpu else {}
+        # the start is fitted beyond what `runtime` models without an earlier fit's
+        unfitted = {k: v for k, v in calibration.items() if k not in STEP_FITTED}
+        out.update(self._step_latencies({**unfitted, **out}, measured))
+        return out
 
     def _step_latencies(self, calibration: dict, measured: dict) -> dict:
         """The simulator's latencies from training steps (`search.step_costs`), as `runtime` uses

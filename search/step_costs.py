@@ -115,18 +115,6 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     return out
 
 
-def cpu_per_task(machine, cpu_per_byte_s: float, cpu_per_message_s: float, steps: int = STEPS,
-                 warmup: int = WARMUP, rounds: int = ROUNDS) -> float:
-    """The runtime's processor time per task fitted to training steps alone (`step_costs` with
-    `fit_cpu` and no latencies): for measuring it again later, as the host's speed moves."""
-    from search.measured import random_batch
-
-    graph = calibration_network()
-    x, y = random_batch(graph, 0)
-    rows = runtime_cpu(calibration_trainers(machine, graph, x, y, warmup), x, y, steps, rounds)
-    return fit_per_task(rows, cpu_per_byte_s, cpu_per_message_s)
-
-
 def calibration_trainers(machine, graph, x, y, warmup: int) -> dict:
     """A Trainer per calibration strategy, each `warmup` steps in (compiled, memory touched)."""
     from taskrt.trainer import Trainer

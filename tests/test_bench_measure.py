@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import search
-from bench.measure import median_timings, retiming_rounds, spread
+from bench.measure import median_timings, refitted, retiming_rounds, spread
 from search.cost import CostCache
 from taskrt.machine import Machine
 
@@ -30,17 +30,30 @@ def test_each_timing_becomes_the_median_of_the_sessions_that_all_timed_it(tmp_pa
     assert first.cache.get("cpu:x", "a") == [1.0, 10.0]  # the search's own timings are left alone
 
 
-def test_a_fitted_processor_time_per_task_becomes_the_median_of_the_sessions(tmp_path, machine4):
+def test_what_was_fitted_to_steps_becomes_the_median_of_the_fits(tmp_path, machine4):
     key = f"{machine4.devices[0].kind}|{machine4.num_devices} devices"
     cache = CostCache(tmp_path / "first.json")
     cache.data["overhead"][key] = {"format": search.cost.CALIBRATION_FORMAT, "per_hop_s": 1e-3,
-                                   "memory_bandwidth": 1e10, "cpu_per_task_s": 4e-3, "noop_cpu_per_task_s": 1e-3}
+                                   "memory_bandwidth": 1e10, "cpu_per_task_s": 4e-3, "noop_cpu_per_task_s": 1e-3,
+                                   "step_dispatch_s": 1e-3, "step_start_extra_s": -2e-3}
     cache.save()
     first = search.CostModel(machine4, cache=tmp_path / "first.json", progress=False)
+    assert refitted(first.calibration) == {"cpu_per_task_s": 4e-3, "step_dispatch_s": 1e-3,
+                                           "step_start_extra_s": -2e-3}
     later = [SimpleNamespace(cache=CostCache(tmp_path / f"s{i}.json")) for i in range(3)]
-    merged = median_timings(first, later, tmp_path, cpu_fits=[3e-3, 2e-3])  # two of three sessions fitted it
+    fits = [{"cpu_per_task_s": 3e-3, "step_dispatch_s": 5e-3, "step_start_extra_s": 1e-3},
+            {"cpu_per_task_s": 2e-3, "step_dispatch_s": 4e-3, "step_start_extra_s": 0.0}]
+    merged = median_timings(first, later, tmp_path, fits)  # two of three sessions fitted again
     assert merged.calibration["cpu_per_task_s"] == pytest.approx(3e-3)
+    assert merged.calibration["step_dispatch_s"] == pytest.approx(4e-3)
+    assert merged.calibration["step_start_extra_s"] == pytest.approx(0.0)
+    assert merged.calibration["per_hop_s"] == 1e-3  # measured on no-op tasks: not fitted again
     assert first.calibration["cpu_per_task_s"] == 4e-3  # the search's own calibration is left alone
+
+
+def test_the_processor_time_per_task_of_no_op_tasks_is_not_a_fit():
+    """Where devices do not share cores it is the no-op tasks' (`Machine.calibrate`), not refitted."""
+    assert refitted({"cpu_per_task_s": 4e-3, "step_answer_s": 2e-3, "per_hop_s": 1e-3}) == {"step_answer_s": 2e-3}
 
 
 def test_retimings_spread_over_the_rounds_and_refits_over_the_retimings():
