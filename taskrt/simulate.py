@@ -48,8 +48,7 @@ class Runtime:
     # Devices that share a host's processor cores with the runtime (CPU workers): the step can be
     # no shorter than all the processor time it needs divided by the cores.
     cores: int = 0  # 0: devices do not compete for processor time (GPUs, simulated hardware)
-    # processor time the runtime spends per task (scheduler and worker), `task_s` included
-    cpu_per_task_s: float = 0.0
+    cpu_per_task_s: float = 0.0  # processor time the runtime spends per task (scheduler and worker)
     cpu_per_message_s: float = 0.0  # processor time per message between devices, beyond its bytes
     cpu_per_byte_s: float = 0.0  # processor time per byte moved between devices (both ends)
     # The runtime runs each device's run of tasks between two waits for another device as one
@@ -113,17 +112,11 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
         raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
-    # Its time per task includes the device's own time per task (`task_s`, `export_s`), which each
-    # task already takes on its device at a core's share: a task hands the runtime only the rest.
-    moved = (runtime.cpu_per_message_s * len(plan.transfers()) + runtime.cpu_per_byte_s * plan.bytes_moved) / max(
-        len(plan.tasks), 1)
-
-    def handed(task) -> float:
-        return max(runtime.cpu_per_task_s - _task_overhead(task, runtime), 0.0) + moved if runtime.cores else 0.0
-
-    runtime_cpu = sum(handed(t) for t in plan.tasks)
+    runtime_cpu = (runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_message_s * len(plan.transfers())
+                   + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
-    result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, handed, origin)
+    per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
+    result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu, origin)
     if runtime.cores:
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
     for key, inside in members.items():  # each member's share of its run, in order
@@ -135,10 +128,11 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     return result
 
 
-def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, handed, origin: float) -> Simulation:
+def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_task_cpu: float,
+              origin: float) -> Simulation:
     """Event-driven list scheduling from `origin` (the step sent): each device runs its ready tasks
     in the order they became ready; with shared cores, running kernels and the runtime's threads
-    working off what tasks handed them as they started (`handed(task)` each) progress at the
+    working off what tasks handed them as they started (`per_task_cpu` each) progress at the
     processor-sharing rate, slowed by `corun_time` / `task_time` while another kernel runs."""
     n = machine.num_devices
     node = np.array([d.node for d in machine.devices])
@@ -200,7 +194,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, hand
                 beside = corun_time(task) / alone if alone > 0 else 1.0
                 running[d] = [task, _task_overhead(task, runtime) + alone, now, max(beside, 1.0)]
                 start[task.key] = now
-                backlog += handed(task)
+                backlog += per_task_cpu
         speed = share()
         # of each running task's work done per second
         rate = {d: speed / item[3] if len(running) > 1 else speed for d, item in running.items()}

@@ -336,20 +336,6 @@ def test_runtime_work_handed_over_as_tasks_start_shares_the_cores():
     assert sim.step_s == pytest.approx(1.0)
 
 
-def test_the_devices_own_time_per_task_is_not_handed_over_again():
-    """The runtime's processor time per task (fitted to all processes' time) includes the device's
-    own time per task, which the task already takes on its device at a core's share: only the
-    rest is handed to the runtime's threads, once."""
-    p = plan_of(task("a", 0), task("b", 1))
-    sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1, cpu_per_task_s=0.5, task_s=0.2))
-    # each device has 1.2 s of work and hands over 0.3 s: 3 s of processor time on one core
-    assert sim.cpu_s == pytest.approx(2 * 1.2 + 2 * 0.3)
-    assert sim.step_s == pytest.approx(3.0)
-    # a device's own time beyond the runtime's per task: nothing handed over (not less than nothing)
-    sim = run(p, {"a": 1.0, "b": 1.0}, TWO, Runtime(cores=1, cpu_per_task_s=0.1, task_s=0.2))
-    assert sim.cpu_s == pytest.approx(2 * 1.2) and sim.step_s == pytest.approx(2.4)
-
-
 def test_runtime_work_left_after_the_last_task_lengthens_the_step():
     p = plan_of(task("a", 0))
     sim = run(p, {"a": 0.5}, TWO, Runtime(cores=2, cpu_per_task_s=3.0))
