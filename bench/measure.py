@@ -107,10 +107,14 @@ def retimed(cost_model, plans, path, refit: bool = True, repeats: int | None = N
     fresh = on_calibration_of(cost_model, path, {}, repeats)
     for plan in plans:
         kernel_seconds(fresh, plan)  # times what the plan's tasks run
-    if refit and fresh._cpu_workers():
-        fresh.calibration.update(fresh.fit_to_steps(fresh.calibration))
+    fitted = fresh.fit_to_steps(fresh.calibration) if refit else {}
+    if fitted:
+        fresh.calibration.update(fitted)
         fresh.cache.save()
     return fresh
+
+
+REFITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s", "step_start_extra_per_task_s")
 
 
 def refitted(calibration: dict) -> dict:
@@ -119,9 +123,6 @@ def refitted(calibration: dict) -> dict:
     if "noop_cpu_per_task_s" in calibration:  # the processor time per task fitted to steps, not no-op tasks'
         keys.append("cpu_per_task_s")
     return {k: calibration[k] for k in keys}
-
-
-REFITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s", "step_start_extra_per_task_s")
 
 
 def median_timings(cost_model, sessions: list, directory, fits: list = ()):

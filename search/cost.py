@@ -224,7 +224,9 @@ class CostModel:
         """What `_calibrate` fits to training steps of the calibration network, measured now
         (`search.step_costs`) on `calibration`'s other costs: where devices share the host's cores,
         the processor time per task (and the rows it is fitted to); the latencies of steps
-        (`_step_latencies`).  On CPU workers only: elsewhere no-op tasks measure them."""
+        (`_step_latencies`).  On CPU workers only: elsewhere no-op tasks measure them ({})."""
+        if not self._cpu_workers():
+            return {}
         fit_cpu = self.corun
         measured = step_costs(self.machine, calibration["cpu_per_byte_s"], calibration["cpu_per_message_s"],
                               fit_cpu=fit_cpu)

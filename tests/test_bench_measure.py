@@ -63,3 +63,9 @@ def test_retimings_spread_over_the_rounds_and_refits_over_the_retimings():
     assert retiming_rounds(10, 10, 2) == (set(range(10)), {4, 9})
     assert retiming_rounds(10, 2, 5) == ({4, 9}, {4, 9})  # no more refits than retimings
     assert retiming_rounds(10, 0, 2) == (set(), set())
+
+
+def test_nothing_is_fitted_to_steps_without_cpu_workers_to_run_them(tmp_path):
+    """Simulated devices (and GPUs) take their runtime costs from no-op tasks: no training steps."""
+    model = search.CostModel(Machine.simulated(1, 2), cache=tmp_path / "c.json", progress=False)
+    assert model.fit_to_steps(model.calibration) == {}
