@@ -114,12 +114,9 @@ def retimed(cost_model, plans, path, refit: bool = True, repeats: int | None = N
     return fresh
 
 
-REFITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s", "step_start_extra_per_task_s")
-
-
 def refitted(calibration: dict) -> dict:
     """The values of `calibration` fitted to training steps that a prediction takes the median of."""
-    keys = [k for k in REFITTED if k in calibration]
+    keys = [k for k in search.cost.STEP_LATENCIES if k in calibration]
     if "noop_cpu_per_task_s" in calibration:  # the processor time per task fitted to steps, not no-op tasks'
         keys.append("cpu_per_task_s")
     return {k: calibration[k] for k in keys}
@@ -149,7 +146,8 @@ def spread(rounds: int, count: int) -> set:
 
 def retiming_rounds(rounds: int, retimings: int, refits: int) -> tuple[set, set]:
     """The rounds after which the parts are timed again (`retimings` of them, spread), and those of
-    them after which the processor time per task is fitted again too (`refits`, spread over those)."""
+    them after which what the calibration fitted to training steps is fitted again too (`refits`,
+    spread over those)."""
     retime = sorted(spread(rounds, retimings))
     return set(retime), {retime[k] for k in spread(len(retime), min(refits, len(retime)))}
 
@@ -159,9 +157,10 @@ def measure(machine, graph, strategies: dict, cost_model, rounds: int, label: st
     """One row per strategy: measured step time (median of `rounds`), predictions, bytes moved.
 
     With `retimings`, the parts the strategies' tasks run are timed that many times more (each
-    `retime_repeats` times), spread over the rounds, and in `refits` of those sessions so is the
-    runtime's processor time per task where it is fitted to training steps; each prediction takes
-    the median of those and `cost_model`'s.  The host's speed drifts (on a shared 2-core machine,
+    `retime_repeats` times), spread over the rounds, and in `refits` of those sessions what the
+    calibration fitted to training steps (`refitted`: the latencies of steps and, where devices
+    share the host's cores, the processor time per task); each prediction takes the median of
+    those and `cost_model`'s.  The host's speed drifts (on a shared 2-core machine,
     the same VGG-16-32 step took 552, then 826, then 651 ms a few seconds apart, and in one run the
     calibration's fit gave 4.1 ms per task, then 3.1 ms in the next): costs measured at a few
     moments would compare with steps taken over many."""

@@ -64,10 +64,12 @@ CACHE_FORMAT = "taskrt-costs/4"  # parts: [forward s, backward s (with packing t
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
 # (the start's line fitted by Theil-Sen)
 CALIBRATION_FORMAT = 10
-# what `CostModel.fit_to_steps` measures on training steps (the processor time per task only where
-# devices share the host's cores; without it, `cpu_per_task_s` is the no-op tasks')
-STEP_FITTED = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s",
-               "step_start_extra_per_task_s", "step_start_rows", "step_cpu_rows")
+# what `CostModel.fit_to_steps` measures on training steps: the latencies, the rows they and the
+# processor time per task are fitted to (that time only where devices share the host's cores;
+# elsewhere `cpu_per_task_s` is the no-op tasks')
+STEP_LATENCIES = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s",
+                  "step_start_extra_per_task_s")
+STEP_FITTED = (*STEP_LATENCIES, "step_start_rows", "step_cpu_rows")
 
 
 def default_cache_path() -> Path:
