@@ -205,8 +205,7 @@ class CostModel:
         if cached is None or cached.get("format") != CALIBRATION_FORMAT:
             from tqdm import tqdm
 
-            timed = self._cpu_workers()  # training steps measure the latencies
-            fit_cpu = self.corun  # and the processor time per task (`fit_to_steps`)
+            timed = self._cpu_workers()  # training steps measure the latencies (`fit_to_steps`)
             # about 8 s, and 11 s more of training steps: once per cluster, then cached
             with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
                       disable=not self.progress or None, leave=False) as bar:
@@ -214,7 +213,7 @@ class CostModel:
                 bar.update()
                 if timed:
                     fitted = self.fit_to_steps(cached)
-                    if fit_cpu:
+                    if "cpu_per_task_s" in fitted:  # the no-op tasks' kept beside the steps' fit
                         cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
                     cached.update(fitted)
                     bar.update()
