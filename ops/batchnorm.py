@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ops import torch_kernels
 from ops.base import Op, array_module
 from ops.errors import ShapeError
 from ops.rect import Rect
@@ -38,6 +39,8 @@ def _per_channel(v, ndim):
 
 def partial_stats(x):
     """(count, mean, M2) per channel of one tile, as a (3, C) array."""
+    if torch_kernels.use_torch(x):
+        return torch_kernels.bn_partial_stats(x)
     xp, axes = array_module(x), _axes(x)
     count = x.size // x.shape[1]
     mean = x.mean(axis=axes)
@@ -115,16 +118,22 @@ class BatchNorm(Op):
     combine_stats = staticmethod(combine_stats)
 
     def normalize(self, x, stats, params):
+        if torch_kernels.use_torch(x):
+            return torch_kernels.bn_normalize(x, stats, params["weight"], params["bias"], self.eps)
         xhat, _ = _xhat(x, stats, self.eps)
         return xhat * _per_channel(params["weight"], x.ndim) + _per_channel(params["bias"], x.ndim)
 
     def grad_sums(self, dy, x, stats) -> dict:
+        if torch_kernels.use_torch(x):
+            return torch_kernels.bn_grad_sums(dy, x, stats, self.eps)
         xhat, _ = _xhat(x, stats, self.eps)
         axes = _axes(x)
         return {"bias": dy.sum(axis=axes), "weight": (dy * xhat).sum(axis=axes)}
 
     def input_grad(self, dy, x, stats, sums, params):
         """dx = weight * invstd / N * (N dy - sum dy - xhat sum(dy xhat)), sums over the whole group."""
+        if torch_kernels.use_torch(x):
+            return torch_kernels.bn_input_grad(dy, x, stats, sums, params["weight"], self.eps)
         xhat, invstd = _xhat(x, stats, self.eps)
         count = stats[0]
         scale = params["weight"] * invstd / count

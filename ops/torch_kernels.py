@@ -1,8 +1,11 @@
-"""Convolution and fully-connected kernels through torch: cuDNN and cuBLAS on GPU tiles.
+"""Kernels through torch: cuDNN and cuBLAS convolutions and products, and torch's own batch-norm,
+pooling, relu and loss kernels, on GPU tiles.
 
-Same tiles, same results as the array kernels in `ops.conv` and `ops.linear` (the reference they
-are tested against): a conv tile arrives with the halo it reads already cut, and the zeros a
-border tile needs come from `ops.windows.tile_padding`.
+Same tiles, same results as the array kernels in `ops` (the reference they are tested against): a
+conv or pool tile arrives with the halo it reads already cut, and the padding a border tile needs
+comes from `ops.windows.tile_padding`.  On a GPU the array kernels of batch norm and pooling are
+slow: cupy reduces a (64, 192, 35, 35) tile over (n, h, w) in 360 us where torch takes 85 us, and
+a max pool's backward takes kh*kw whole-tile passes; each cupy call also costs 10-36 us of Python.
 
 Arrays keep their array module: cupy arrays enter torch through DLPack and come back the same
 way (no copy, same memory), numpy arrays through `torch.from_numpy` / `.numpy()`.  torch and cupy
@@ -201,3 +204,135 @@ def linear_backward(dy, x, y, params, activation, need_dx):
         grads["bias"] = from_tensor(dyt.sum(dim=0), x)
     dx = from_tensor((dyt @ to_tensor(params["weight"])).contiguous(), x) if need_dx else None
     return [dx], grads
+
+
+# ---- batch norm (the pieces of `ops.batchnorm`) ------------------------------------------------------
+# On CUDA tensors the statistics' fused kernels of torch's SyncBatchNorm do each piece in one pass;
+# elsewhere (torch on CPU, in tests) the same formulas in plain torch operations.
+def _reduce_dims(t) -> tuple:
+    return (0,) if t.dim() == 2 else (0, 2, 3)
+
+
+def _per_channel(v, ndim):
+    return v.view(1, -1) if ndim == 2 else v.view(1, -1, 1, 1)
+
+
+def _mean_invstd(stats, eps):
+    s = to_tensor(stats)
+    return s[1], load_torch().rsqrt(s[2] / s[0] + eps)
+
+
+def bn_partial_stats(x):
+    """(count, mean, M2) per channel of one tile, a (3, C) array (`ops.batchnorm.partial_stats`)."""
+    torch = load_torch()
+    t = to_tensor(x)
+    var, mean = torch.var_mean(t, dim=_reduce_dims(t), correction=0)
+    count = t.numel() // t.shape[1]
+    return from_tensor(torch.stack([torch.full_like(mean, count), mean, var * count]), x)
+
+
+def bn_normalize(x, stats, weight, bias, eps):
+    torch = load_torch()
+    t, w, b = to_tensor(x), to_tensor(weight), to_tensor(bias)
+    mean, invstd = _mean_invstd(stats, eps)
+    if t.is_cuda:
+        return from_tensor(torch.batch_norm_elemt(t.contiguous(), w, b, mean, invstd, eps), x)
+    nd = t.dim()
+    return from_tensor(torch.addcmul(_per_channel(b, nd), t - _per_channel(mean, nd), _per_channel(w * invstd, nd)), x)
+
+
+def bn_grad_sums(dy, x, stats, eps) -> dict:
+    """{"bias": sum dy, "weight": sum dy * xhat} per channel of one tile."""
+    torch = load_torch()
+    t, g = to_tensor(x), to_tensor(dy)
+    mean, invstd = _mean_invstd(stats, eps)
+    if t.is_cuda:
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(g.contiguous(), t.contiguous(), mean, invstd,
+                                                                    None, True, False, False)
+    else:
+        dims = _reduce_dims(t)
+        sum_dy, sum_dy_xmu = g.sum(dim=dims), (g * (t - _per_channel(mean, t.dim()))).sum(dim=dims)
+    return {"bias": from_tensor(sum_dy, x), "weight": from_tensor(sum_dy_xmu * invstd, x)}
+
+
+def bn_input_grad(dy, x, stats, sums, weight, eps):
+    """dx = weight * invstd / N * (N dy - sum dy - xhat sum(dy xhat)), the sums over the whole group."""
+    torch = load_torch()
+    t, g, w = to_tensor(x), to_tensor(dy), to_tensor(weight)
+    mean, invstd = _mean_invstd(stats, eps)
+    sum_dy, sum_dy_xhat = to_tensor(sums["bias"]), to_tensor(sums["weight"])
+    count = to_tensor(stats)[0]
+    if t.is_cuda:  # the group's count as the kernel takes it: one int32 per contributor
+        return from_tensor(torch.batch_norm_backward_elemt(g.contiguous(), t.contiguous(), mean, invstd, w, sum_dy,
+                                                           sum_dy_xhat / invstd, count[:1].to(torch.int32)), x)
+    nd = t.dim()
+    xhat = (t - _per_channel(mean, nd)) * _per_channel(invstd, nd)
+    scale = _per_channel(w * invstd / count, nd)
+    return from_tensor(scale * (g * _per_channel(count, nd) - _per_channel(sum_dy, nd)
+                                - xhat * _per_channel(sum_dy_xhat, nd)), x)
+
+
+# ---- relu ------------------------------------------------------------------------------------------
+def relu_forward(x):
+    return from_tensor(load_torch().relu(to_tensor(x)), x)
+
+
+def relu_backward(dy, x):
+    return from_tensor(load_torch().ops.aten.threshold_backward(to_tensor(dy), to_tensor(x), 0), x)
+
+
+# ---- pooling (`ops.pool`: max, or average counting padding) -------------------------------------------
+def _pool_input(x, kernel, pads, mode):
+    """(tensor, symmetric padding torch adds, explicit (top, left) padding to crop from its gradient)."""
+    (pt, pb), (pl, pr) = pads
+    t = to_tensor(x)
+    if pt == pb and pl == pr and 2 * pt <= kernel[0] and 2 * pl <= kernel[1]:
+        return t, (pt, pl), None
+    fill = -float("inf") if mode == "max" else 0.0
+    return load_torch().nn.functional.pad(t, (pl, pr, pt, pb), value=fill), (0, 0), (pt, pl)
+
+
+def pool_forward(x, kernel, stride, pads, mode):
+    F = load_torch().nn.functional
+    t, padding, _ = _pool_input(x, kernel, pads, mode)
+    if mode == "max":
+        y = F.max_pool2d(t, kernel, stride, padding)
+    else:
+        y = F.avg_pool2d(t, kernel, stride, padding, count_include_pad=True)
+    return from_tensor(y.contiguous(), x)
+
+
+def pool_backward(dy, x, kernel, stride, pads, mode):
+    """Input-tile gradient; a max pool's goes to the first maximum of each window in window order,
+    as the array kernels (torch keeps the first maximum it meets)."""
+    aten = load_torch().ops.aten
+    t, padding, explicit = _pool_input(x, kernel, pads, mode)
+    g = to_tensor(dy)
+    if mode == "max":
+        _, indices = aten.max_pool2d_with_indices(t, list(kernel), list(stride), list(padding))
+        dx = aten.max_pool2d_with_indices_backward(g, t, list(kernel), list(stride), list(padding), [1, 1], False,
+                                                   indices)
+    else:
+        dx = aten.avg_pool2d_backward(g, t, list(kernel), list(stride), list(padding), False, True, None)
+    if explicit is not None:
+        top, left = explicit
+        dx = dx[:, :, top : top + x.shape[2], left : left + x.shape[3]]
+    return from_tensor(dx.contiguous(), x)
+
+
+# ---- softmax cross-entropy ---------------------------------------------------------------------------
+def cross_entropy_forward(logits, labels):
+    """Per-sample losses."""
+    torch = load_torch()
+    logp = torch.log_softmax(to_tensor(logits), dim=1)
+    return from_tensor(-logp.gather(1, to_tensor(labels).view(-1, 1)).view(-1), logits)
+
+
+def cross_entropy_backward(dy, logits, labels):
+    """d logits = (softmax - one-hot) * dy per sample."""
+    torch = load_torch()
+    z, y = to_tensor(logits), to_tensor(labels).view(-1, 1)
+    grad = torch.softmax(z, dim=1)
+    grad.scatter_add_(1, y, torch.full(y.shape, -1.0, dtype=grad.dtype, device=grad.device))
+    grad *= to_tensor(dy).view(-1, 1)
+    return from_tensor(grad, logits)

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 import ops  # noqa: E402
-from ops import Conv2d, Linear, torch_kernels  # noqa: E402
+from ops import BatchNorm, Conv2d, Linear, Pool2d, Relu, SoftmaxCrossEntropy, torch_kernels  # noqa: E402
+from ops.batchnorm import combine_stats, partial_stats  # noqa: E402
 from ops.precision import get_precision, set_precision  # noqa: E402
 from ops.rect import Rect  # noqa: E402
 from taskrt import SingleDeviceTrainer, models  # noqa: E402
@@ -44,10 +45,19 @@ LINEARS = [
     Linear(((5, 7),), 6, "relu"),
     Linear(((4, 9),), 3, "relu", False),
 ]
+POOLS = [
+    Pool2d(((2, 3, 9, 9),), (3, 3), (2, 2), (0, 0), "max"),
+    Pool2d(((2, 3, 10, 9),), (3, 3), (1, 1), (1, 1), "max"),
+    Pool2d(((2, 3, 8, 8),), (2, 2), (2, 2), (0, 0), "max"),
+    Pool2d(((2, 3, 9, 10),), (3, 3), (1, 1), (1, 1), "avg"),
+    Pool2d(((1, 2, 11, 11),), (5, 5), (3, 3), (2, 2), "avg"),
+]
 TILINGS = [(1, 1, 1, 1), (2, 2, 2, 2), (1, 1, 3, 2)]
 
 
 def op_id(op):
+    if isinstance(op, Pool2d):
+        return f"{op.mode}{op.kernel[0]}x{op.kernel[1]}s{op.stride[0]}p{op.padding[0]}"
     if isinstance(op, Conv2d):
         return (f"{op.kernel[0]}x{op.kernel[1]}s{op.stride[0]}{op.stride[1]}p{op.padding[0]}{op.padding[1]}"
                 f"{'-relu' if op.activation else ''}{'' if op.bias else '-nobias'}")
@@ -133,6 +143,61 @@ def test_conv_tiles_match_reference(op, dtype):
 def test_linear_tiles_match_reference(op, dtype):
     for degrees in [(1, 1), (2, 3), (5, 1)]:
         check_tiles(op, degrees, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("op", POOLS, ids=op_id)
+def test_pool_tiles_match_reference(op, dtype):
+    """Border tiles pad unequally (explicit padding, then cropped from the gradient); inner ones not at all."""
+    for degrees in TILINGS:
+        check_tiles(op, degrees, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_relu_and_loss_match_reference(dtype):
+    rng = np.random.default_rng(1)
+    x, dy = rng.standard_normal((3, 4, 5, 5)).astype(dtype), rng.standard_normal((3, 4, 5, 5)).astype(dtype)
+    relu = Relu(((3, 4, 5, 5),))
+    whole = Rect.full((3, 4, 5, 5))
+    results = {}
+    for kernels in ("reference", "torch"):
+        with torch_kernels.backend(kernels):
+            results[kernels] = (relu.forward([x], {}, whole), relu.backward(dy, [x], None, {}, whole, [True])[0][0])
+    for a, b in zip(results["torch"], results["reference"]):
+        assert a.dtype == dtype and rel_error(a, b) < TOLERANCE[dtype]
+    loss = SoftmaxCrossEntropy(((6, 7), (6,)))
+    logits, labels = rng.standard_normal((6, 7)).astype(dtype), rng.integers(0, 7, 6)
+    dl = np.full(6, 1 / 6, dtype=dtype)
+    rows = Rect.full((6,))
+    for kernels in ("reference", "torch"):
+        with torch_kernels.backend(kernels):
+            results[kernels] = (loss.forward([logits, labels], {}, rows),
+                                loss.backward(dl, [logits, labels], None, {}, rows, [True, False])[0][0])
+    for a, b in zip(results["torch"], results["reference"]):
+        assert a.dtype == dtype and rel_error(a, b) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, parts", [((6, 4, 5, 3), [(0, 2), (2, 6)]), ((7, 3), [(0, 3), (3, 5), (5, 7)])])
+def test_batch_norm_pieces_match_reference(shape, parts, dtype):
+    """The pieces a split over samples runs (partial statistics per part, combined; normalize, gradient sums
+    and input gradient per part with the group's sums), torch against the array kernels."""
+    rng = np.random.default_rng(2)
+    op = BatchNorm((shape,))
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    params = {k: rng.standard_normal(shape[1]).astype(dtype) for k in ("weight", "bias")}
+    results = {}
+    for kernels in ("reference", "torch"):
+        with torch_kernels.backend(kernels):
+            tiles = [(x[lo:hi], dy[lo:hi]) for lo, hi in parts]
+            stats = combine_stats([partial_stats(t) for t, _ in tiles])
+            part_sums = [op.grad_sums(g, t, stats) for t, g in tiles]
+            sums = {k: sum(s[k] for s in part_sums) for k in ("weight", "bias")}
+            results[kernels] = [stats, *[op.normalize(t, stats, params) for t, _ in tiles], sums["weight"],
+                                sums["bias"], *[op.input_grad(g, t, stats, sums, params) for t, g in tiles]]
+    for a, b in zip(results["torch"], results["reference"]):
+        assert a.dtype == dtype and rel_error(a, b) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("make", [
@@ -339,10 +404,32 @@ class TestOnGpu:
 
     @pytest.mark.parametrize("kernels", ["auto", "reference"])
     @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-    @pytest.mark.parametrize("op", CONVS + LINEARS, ids=op_id)
+    @pytest.mark.parametrize("op", CONVS + LINEARS + POOLS, ids=op_id)
     def test_tiles_match_reference(self, cupy, op, dtype, kernels):
         degrees = (2, 2) if isinstance(op, Linear) else (2, 2, 2, 2)
         check_tiles(op, degrees, dtype, to_device=cupy.asarray, to_host=cupy.asnumpy, kernels=kernels)
+
+    @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+    def test_batch_norm_pieces_on_cuda_match_reference(self, cupy, dtype):
+        """The CUDA-only fused kernels (torch's SyncBatchNorm pieces) against the array kernels."""
+        rng = np.random.default_rng(3)
+        shape = (6, 5, 7, 4)
+        op = BatchNorm((shape,))
+        x = (rng.standard_normal(shape) * 2 - 1).astype(dtype)
+        dy = rng.standard_normal(shape).astype(dtype)
+        params = {"weight": rng.standard_normal(5).astype(dtype), "bias": rng.standard_normal(5).astype(dtype)}
+        results = {}
+        for kernels, move in (("reference", np.asarray), ("auto", cupy.asarray)):
+            with torch_kernels.backend(kernels):
+                tiles = [(move(x[lo:hi]), move(dy[lo:hi])) for lo, hi in ((0, 4), (4, 6))]
+                p = {k: move(v) for k, v in params.items()}
+                stats = combine_stats([partial_stats(t) for t, _ in tiles])
+                part_sums = [op.grad_sums(g, t, stats) for t, g in tiles]
+                sums = {k: part_sums[0][k] + part_sums[1][k] for k in ("weight", "bias")}
+                results[kernels] = [stats, *[op.normalize(t, stats, p) for t, _ in tiles], sums["weight"],
+                                    sums["bias"], *[op.input_grad(g, t, stats, sums, p) for t, g in tiles]]
+        for a, b in zip(results["auto"], results["reference"]):
+            assert isinstance(a, cupy.ndarray) and rel_error(cupy.asnumpy(a), b) < TOLERANCE[dtype]
 
     def test_auto_runs_cudnn_on_cupy_arrays(self, cupy):
         if not torch.cuda.is_available():
