@@ -101,9 +101,74 @@ def _cpu_model() -> str:
 
 
 def pool_bytes() -> int:
-    """Bytes held by cupy's memory pool on this worker (0 on a CPU worker)."""
+    """Bytes of GPU memory in use by arrays on this worker: torch's allocator's count where cupy
+    allocates from it (`share_torch_allocator`), else cupy's pool's (0 on a CPU worker)."""
     if not is_gpu():
         return 0
+    if _shared[0]:
+        import torch
+
+        return int(torch.cuda.memory_allocated())
     import cupy
 
     return int(cupy.get_default_memory_pool().used_bytes())
+
+
+_shared = [False]
+
+
+def share_torch_allocator() -> bool:
+    """Let cupy allocate from torch's caching allocator, once per process: one pool serves both
+    libraries' arrays (two pools each keep what the other could use), and a CUDA graph's capture
+    (`taskrt.cuda_graphs`) gets its cupy arrays from the graph's private pool too.  False where
+    there is no GPU or no torch with CUDA."""
+    if _shared[0]:
+        return True
+    if not is_gpu():
+        return False
+    from ops.torch_kernels import load_torch, torch_cuda_available
+
+    if not torch_cuda_available():
+        return False
+    import cupy
+
+    torch = load_torch()
+
+    def malloc(size, device):  # on cupy's current stream: torch's pool is ordered per stream, as cupy's
+        return torch.cuda.caching_allocator_alloc(size, device, cupy.cuda.get_current_stream().ptr)
+
+    def free(pointer, device):
+        torch.cuda.caching_allocator_delete(pointer)
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.cuda.set_allocator(cupy.cuda.PythonFunctionAllocator(malloc, free).malloc)
+    _shared[0] = True
+    return True
+
+
+async def to_host_async(x, poll_s: float = 0.0005):
+    """`to_host`, for the worker's event loop: waits for the GPU to reach the value without blocking
+    the loop (an event on the legacy stream, polled), then copies it on a stream of its own."""
+    if isinstance(x, tuple):
+        return tuple([await to_host_async(v, poll_s) for v in x])
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not isinstance(x, cupy.ndarray):
+        return x
+    import asyncio
+
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(cupy.cuda.Stream.null)
+    while not event.done:
+        await asyncio.sleep(poll_s)
+    return x.get(stream=_copy_stream())
+
+
+_streams: dict = {}
+
+
+def _copy_stream():
+    import cupy
+
+    if "copy" not in _streams:
+        _streams["copy"] = cupy.cuda.Stream(non_blocking=True)
+    return _streams["copy"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from operator import getitem
@@ -86,11 +87,14 @@ def futures_of(values) -> list:
 
 
 class Executor:
-    def __init__(self, machine, fused: bool = True):
+    def __init__(self, machine, fused: bool = True, cuda_graphs: bool = True):
+        """`cuda_graphs`: GPU devices replay each fused run as a CUDA graph after warm-up
+        (`taskrt.cuda_graphs`); needs `fused`."""
         if machine.client is None:
             raise MachineError(f"{machine!r} has no cluster to run on (simulated machines only plan and simulate)")
         self.machine = machine
         self.fused = fused
+        self.cuda_graphs = cuda_graphs
         self.client = machine.client
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
@@ -125,7 +129,7 @@ class Executor:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
         `buffers`: the batch norms' running statistics, {(layer, group): future}."""
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
-                                               self.machine.tag, self.fused)
+                                               self.machine.tag, self.fused, self.cuda_graphs)
         wanted = futures_of(output_keys(outputs))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
@@ -260,7 +264,7 @@ def _named_graph(dsk: dict, tag: str):
 
 
 def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None, gpu_devices=frozenset(),
-               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True):
+               buffers: dict | None = None, device_tag=resource_tag, fused: bool = True, cuda_graphs: bool = False):
     """The Dask graph of one step (plain data): (graph, resource restriction per key, output keys).
 
     On GPU devices two adapters join the plan's tasks: each data tile is converted to a device
@@ -278,7 +282,9 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     the state the next step reads as keys (`taskrt.fusion.state_read_as_keys`) is named instead.
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
-    (taskrt.fusion); the keys the client and other devices read stay as they are."""
+    (taskrt.fusion); the keys the client and other devices read stay as they are.
+    `cuda_graphs`: each fused run of a GPU device is named the same at every step of `plan`, so that
+    its worker replays it as a CUDA graph (`taskrt.cuda_graphs`)."""
     dsk, device_of, given = {}, {}, set()  # given: tasks standing for the plan's data and state
 
     def add(key, value, device):
@@ -339,8 +345,15 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     if fused:
         wanted = set(output_keys(outputs))
         named = {step_key(key, tag) for key in state_read_as_keys(plan)}
+        program = None
+        if cuda_graphs and gpu_devices:
+            uid = plan.derived.setdefault("uid", uuid.uuid4().hex[:12])
+
+            def program(device, index):
+                return f"{plan.mode}-{uid}/dev{device}/{index}" if device in gpu_devices else None
+
         dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
-                                    held_outputs(outputs) - named, frozenset(given))
+                                    held_outputs(outputs) - named, frozenset(given), program)
 
         outputs = map_outputs(outputs, lambda key: RunValue(None, *kept[key]) if key in kept else key)
     outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])
@@ -415,9 +428,11 @@ def _through_messages(plan: Plan, dep, device: int) -> bool:
     return dep.kind in (DATA, STATE, BUFFER)
 
 
-def loss_sum(value) -> float:
-    """The summed per-sample losses of a loss part (its value is (d logits, None, losses))."""
-    return float(to_host(value[-1]).sum())
+def loss_sum(value):
+    """The summed per-sample losses of a loss part (its value is (d logits, None, losses)), left where
+    it is: reading it to the host would wait for the GPU inside the step (the client reads it with
+    `taskrt.device.to_host_async`)."""
+    return value[-1].sum()
 
 
 def _rekey(by_worker, dask_worker=None):

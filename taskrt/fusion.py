@@ -30,13 +30,24 @@ class FusedRun:
     steps: ((key, callable, args), ...) where each arg is ("in", i) for the i-th outside input,
     ("item", (i, j)) for value j of the i-th outside input (a `RunValue`: another run's result),
     ("own", key) for an earlier step's value, or ("lit", value).  after: keys of the same device
-    this run waits for without reading them (they are its last inputs)."""
+    this run waits for without reading them (they are its last inputs).  program: a name the run
+    keeps from step to step (None: none), under which a GPU worker replays it as a CUDA graph
+    (`taskrt.cuda_graphs`); the same name always names the same steps."""
 
     steps: tuple
     exports: tuple
     after: tuple = ()
+    program: object = None
 
     def __call__(self, *inputs):
+        if self.program is not None:
+            from taskrt import cuda_graphs
+
+            return cuda_graphs.call(self, inputs)
+        return self.run(inputs)
+
+    def run(self, inputs):
+        """The steps, one after another, on `inputs`."""
         last_use = {}
         for n, (_, _, args) in enumerate(self.steps):
             for kind, ref in args:
@@ -121,7 +132,8 @@ def groups_of(dsk: dict, device: dict, given=frozenset()) -> dict:
     return {key: (device[key], -1 if key in given else 2 * stage[key] + (key not in first)) for key in dsk}
 
 
-def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=frozenset()) -> tuple[dict, dict, dict]:
+def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=frozenset(),
+         program=None) -> tuple[dict, dict, dict]:
     """(fused graph, device of each of its keys, {held key: (run, index)}).  `dsk` maps key ->
     (callable, *args) in dependency order, args being keys of `dsk`, `RunValue`s or values;
     `outputs`: keys the client reads; `name(device, index)` gives a group's key.  The fused graph
@@ -133,7 +145,8 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=fr
     none of whose values another group of the step reads keeps them in its result, with no task
     to name each: a Dask key costs the scheduler, the worker and the client's reports about 0.8 ms
     on Machine.local(1) (a LeNet-5 step with its state and loss kept: 19.3 against 24.5 ms with
-    each named).  They are returned as (run, index).  `given`: see `given_elsewhere`."""
+    each named).  They are returned as (run, index).  `given`: see `given_elsewhere`.
+    `program(device, index)`: the run's `FusedRun.program` (None where not given)."""
     groups: dict[tuple, list] = {}
     for key, group in groups_of(dsk, device, given).items():
         groups.setdefault(group, []).append(key)
@@ -185,7 +198,8 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=fr
         # A second half runs after its first: a worker starts whichever task reaches it first,
         # priorities notwithstanding, and would keep another device waiting for the whole stage
         after = first_half.get((g[0], g[1] // 2), ()) if g[1] % 2 else ()
-        fused[run_key], where[run_key] = (FusedRun(tuple(steps), exports + keep, after), *inputs, *after), g[0]
+        run = FusedRun(tuple(steps), exports + keep, after, program(*g) if program else None)
+        fused[run_key], where[run_key] = (run, *inputs, *after), g[0]
         if g[1] % 2 == 0:
             first_half[(g[0], g[1] // 2)] = (run_key,)
         for i, key in enumerate(exports):

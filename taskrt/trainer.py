@@ -117,7 +117,7 @@ class StepFuture:
             else:
                 raise MachineError(f"step {self.run.step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
             # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
-            total = sum(v if isinstance(v, float) else v[-1].sum() for v in values)
+            total = sum(v[-1].sum() if isinstance(v, tuple) else float(v) for v in values)
             self._loss = float(total / trainer._batch)
             trainer._finished(self.run)
             trainer._cut_lineage(self.run)
@@ -134,7 +134,7 @@ class StepFuture:
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True):
+                 fused=True, cuda_graphs=True):
         """`precision`: float32 on GPU workers, strict "fp32" (the default) or "tf32" (tensor cores,
         about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it.
 
@@ -143,7 +143,9 @@ class Trainer:
         worker ends the run with an error).  `checkpoints`: periodic checkpoints on disk,
         e.g. Checkpoints("ckpts", every=100, keep=3).
         `fused`: run each device's tasks between two waits for another device as one Dask task
-        (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream."""
+        (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream.
+        `cuda_graphs`: GPU workers replay each fused run as a CUDA graph once it has run twice
+        (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         if snapshot_every not in ("auto", None) and (isinstance(snapshot_every, bool) or not isinstance(
@@ -160,7 +162,7 @@ class Trainer:
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
-        self.executor = Executor(machine, fused)
+        self.executor = Executor(machine, fused, cuda_graphs)
         machine.client.run(set_precision, precision)
         self._plans = {}
         self.plan = self._plan("train")
@@ -605,7 +607,7 @@ class Trainer:
             strategy = remap(self._given_strategy.validated(self.graph, whole), live)
         view.client.run(set_precision, self.precision)  # restarted workers start with the default
         self.machine, self._live = view, live
-        self.executor = Executor(view, self.executor.fused)
+        self.executor = Executor(view, self.executor.fused, self.executor.cuda_graphs)
         self.strategy = strategy.validated(self.graph, view)
         self._plans, self._memory = {}, None
         self.plan = self._plan("train")

@@ -19,6 +19,7 @@ import asyncio
 
 from distributed import WorkerPlugin
 
+from taskrt.device import to_host_async
 from taskrt.fusion import RunValue, export_source, run_of
 from taskrt.plan import keys_of
 
@@ -93,8 +94,9 @@ async def read_when_done(items, timeout: float, dask_worker=None):
                     if waiter in watch.waiters.get(k, ()):
                         watch.waiters[k].remove(waiter)
         if loss is not None:
-            values.append(dask_worker.data[key] if key in dask_worker.data else
-                          dask_worker.data[run] if index is None else dask_worker.data[run][index])
+            value = (dask_worker.data[key] if key in dask_worker.data else
+                     dask_worker.data[run] if index is None else dask_worker.data[run][index])
+            values.append(await to_host_async(value))  # a GPU's loss, once the GPU has computed it
     return values
 
 

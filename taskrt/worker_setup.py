@@ -63,7 +63,9 @@ class WorkerSetup(WorkerPlugin):
     def setup(self, worker):
         import ops  # noqa: F401  (the kernels, before freezing: imported now rather than in the first step)
         import taskrt.tasks  # noqa: F401
+        from taskrt.device import share_torch_allocator
 
+        share_torch_allocator()  # on a GPU worker: cupy's arrays from torch's pool (nothing on a CPU worker)
         worker.executors.setdefault(INLINE, InlineExecutor())
         if worker.transfer_incoming_log.maxlen != TRANSFER_LOG_LENGTH:
             worker.transfer_incoming_log = deque(worker.transfer_incoming_log, maxlen=TRANSFER_LOG_LENGTH)
