@@ -1,8 +1,12 @@
-"""Float32 precision of GPU kernels: strict IEEE float32 ("fp32", the default) or TensorFloat-32 ("tf32").
+"""Float32 precision of GPU kernels: strict IEEE float32 ("fp32", the default), TensorFloat-32
+("tf32") or bfloat16 compute ("bf16").
 
 TF32 rounds the inputs of float32 matrix products and convolutions to a 10-bit mantissa on tensor
-cores (several times faster on an H100, relative error about 1e-3).  It changes results, so it is
-an explicit choice made once per process, never a library's default:
+cores (several times faster on an H100, relative error about 1e-3).  "bf16" runs the convolutions
+and matrix products of the torch kernels (`ops.torch_kernels`) on bfloat16 copies of their inputs
+and weights (8-bit mantissa, twice TF32's tensor-core rate on an H100) and returns float32 results:
+parameters, their updates, batch norms and the loss stay float32, as under PyTorch's autocast.
+Either changes results, so it is an explicit choice made once per process, never a library's default:
 
     ops.precision.set_precision("tf32")
     client.run(ops.precision.set_precision, "tf32")      # on every Dask worker
@@ -27,7 +31,7 @@ import os
 import sys
 import warnings
 
-PRECISIONS = ("fp32", "tf32")
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def _cupy_tf32_variable() -> bool:
@@ -46,10 +50,11 @@ def get_precision() -> str:
 
 
 def set_precision(precision: str = "fp32") -> str:
-    """Choose "fp32" (strict float32) or "tf32" for this process; returns the previous choice."""
+    """Choose "fp32" (strict float32), "tf32" or "bf16" for this process; returns the previous choice."""
     global _precision
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be 'fp32' (strict float32) or 'tf32' (TensorFloat-32), got {precision!r}")
+        raise ValueError(f"precision must be 'fp32' (strict float32), 'tf32' (TensorFloat-32) or 'bf16' (bfloat16 "
+                         f"compute), got {precision!r}")
     previous, _precision = _precision, precision
     os.environ["CUPY_TF32"] = "1" if precision == "tf32" else "0"
     if "torch" in sys.modules:

@@ -116,6 +116,20 @@ def from_tensor(t, like):
     return cupy.from_dlpack(t)
 
 
+def _compute(*tensors):
+    """The tensors in the compute dtype of this process's precision: bfloat16 copies under "bf16" (for
+    float32 tensors), else themselves."""
+    if precision.get_precision() != "bf16":
+        return tensors
+    torch = load_torch()
+    return tuple(t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t for t in tensors)
+
+
+def _stored(t, like):
+    """A result in the dtype of the tile it belongs to (float32 after bfloat16 compute)."""
+    return t if t.dtype == like.dtype else t.to(like.dtype)
+
+
 # ---- convolution -----------------------------------------------------------------------------------
 def split_padding(before: int, after: int, size: int, kernel: int, stride: int) -> tuple[int, tuple[int, int]]:
     """For one spatial axis of a tile: (symmetric padding the convolution adds, (before, after) zeros to add
@@ -150,10 +164,11 @@ def conv2d_forward(x, params, stride, pads, activation=None):
     if any(explicit):
         xt = torch.nn.functional.pad(xt, explicit)
     bias = to_tensor(params["bias"]) if "bias" in params else None
-    y = torch.nn.functional.conv2d(xt, to_tensor(params["weight"]), bias, tuple(stride), padding)
+    xc, wc, bc = _compute(xt, to_tensor(params["weight"]), bias)
+    y = torch.nn.functional.conv2d(xc, wc, bc, tuple(stride), padding)
     if activation == "relu":
         y = torch.relu_(y)
-    return from_tensor(y.contiguous(), x)
+    return from_tensor(_stored(y, xt).contiguous(), x)
 
 
 def conv2d_backward(dy, x, y, params, stride, pads, activation, need_dx):
@@ -168,41 +183,45 @@ def conv2d_backward(dy, x, y, params, stride, pads, activation, need_dx):
     if any(explicit):
         xt = torch.nn.functional.pad(xt, explicit)
     has_bias = "bias" in params
+    gc, xc, wc = _compute(dyt, xt, to_tensor(w))
     # One call computes every gradient asked for, as autograd does (cuDNN's data and filter kernels).
     dxt, dwt, dbt = torch.ops.aten.convolution_backward(
-        dyt, xt, to_tensor(w), [w.shape[0]] if has_bias else None, list(stride), list(padding), [1, 1],
+        gc, xc, wc, [w.shape[0]] if has_bias else None, list(stride), list(padding), [1, 1],
         False, [0, 0], 1, [bool(need_dx), True, has_bias],
     )
-    grads = {"weight": from_tensor(dwt.contiguous(), x)}
+    grads = {"weight": from_tensor(_stored(dwt, xt).contiguous(), x)}
     if has_bias:
-        grads["bias"] = from_tensor(dbt.contiguous(), x)
+        grads["bias"] = from_tensor(_stored(dbt, xt).contiguous(), x)
     if not need_dx:
         return [None], grads
     ew0, ew1, eh0, eh1 = explicit
     if any(explicit):
         dxt = dxt[:, :, eh0 : dxt.shape[2] - eh1, ew0 : dxt.shape[3] - ew1]
-    return [from_tensor(dxt.contiguous(), x)], grads
+    return [from_tensor(_stored(dxt, xt).contiguous(), x)], grads
 
 
 # ---- fully connected -------------------------------------------------------------------------------
 def linear_forward(x, params, activation=None):
     torch = load_torch()
+    xt = to_tensor(x)
     bias = to_tensor(params["bias"]) if "bias" in params else None
-    y = torch.nn.functional.linear(to_tensor(x), to_tensor(params["weight"]), bias)
+    xc, wc, bc = _compute(xt, to_tensor(params["weight"]), bias)
+    y = torch.nn.functional.linear(xc, wc, bc)
     if activation == "relu":
         y = torch.relu_(y)
-    return from_tensor(y.contiguous(), x)
+    return from_tensor(_stored(y, xt).contiguous(), x)
 
 
 def linear_backward(dy, x, y, params, activation, need_dx):
     torch = load_torch()
-    dyt = to_tensor(dy)
+    xt, dyt = to_tensor(x), to_tensor(dy)
     if activation == "relu":
         dyt = torch.ops.aten.threshold_backward(dyt, to_tensor(y), 0)
-    grads = {"weight": from_tensor((dyt.T @ to_tensor(x)).contiguous(), x)}
+    gc, xc, wc = _compute(dyt, xt, to_tensor(params["weight"]))
+    grads = {"weight": from_tensor(_stored(gc.T @ xc, xt).contiguous(), x)}
     if "bias" in params:
         grads["bias"] = from_tensor(dyt.sum(dim=0), x)
-    dx = from_tensor((dyt @ to_tensor(params["weight"])).contiguous(), x) if need_dx else None
+    dx = from_tensor(_stored(gc @ wc, xt).contiguous(), x) if need_dx else None
     return [dx], grads
 
 

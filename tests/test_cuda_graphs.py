@@ -74,7 +74,7 @@ def test_replays_compute_what_ordinary_calls_compute_and_hand_out_fresh_arrays()
     device, rng = StandInDevice(), np.random.default_rng(0)
     run = a_run()
     handed_out = []
-    for step in range(6):
+    for _ in range(6):
         inputs = inputs_of(rng)
         expected = run.run(inputs)
         got = cuda_graphs.call(run, inputs, device)

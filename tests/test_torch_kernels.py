@@ -312,9 +312,31 @@ def test_set_precision_sets_the_libraries_switches(restore_precision):
 @pytest.mark.parametrize("bad", ["fp16", "TF32", None, 32])
 def test_set_precision_rejects_anything_else(bad, restore_precision):
     before = get_precision()
-    with pytest.raises(ValueError, match="'fp32'.*'tf32'"):
+    with pytest.raises(ValueError, match="'fp32'.*'tf32'.*'bf16'"):
         set_precision(bad)
     assert get_precision() == before
+
+
+@pytest.mark.parametrize("op", [CONVS[1], CONVS[6], LINEARS[1]], ids=op_id)
+def test_bf16_computes_in_bfloat16_and_returns_float32(op, restore_precision):
+    """Under "bf16" the torch kernels take bfloat16 copies (an 8-bit mantissa: errors near 1e-2 of the
+    largest value, not float32's 1e-6) and hand back float32 tiles."""
+    x, params, dy = random_case(op, np.random.default_rng(5))
+    whole = Rect.full(op.out_shape)
+    with torch_kernels.backend("reference"):
+        y = op.forward([x], params, whole)
+        (dx,), dp = op.backward(dy, [x], y, params, whole, [True])
+    f32 = {k: v.astype(np.float32) for k, v in params.items()}
+    x32, dy32, y32 = (a.astype(np.float32) for a in (x, dy, y))
+    set_precision("bf16")
+    with torch_kernels.backend("torch"):
+        y_b = op.forward([x32], f32, whole)
+        (dx_b,), dp_b = op.backward(dy32, [x32], y32, f32, whole, [True])
+    for got, expected in [(y_b, y), (dx_b, dx), (dp_b["weight"], dp["weight"])]:
+        assert got.dtype == np.float32
+        assert 1e-5 < rel_error(got, expected) < 3e-2  # bfloat16's rounding, not float32's
+    if "bias" in dp:  # a sum of the float32 output gradient (a convolution's comes from its bf16 kernel)
+        assert rel_error(dp_b["bias"], dp["bias"]) < 3e-2
 
 
 @contextmanager
