@@ -99,6 +99,54 @@ def test_checkpoints_move_between_gpu_and_cpu_machines(gpu2, tmp_path):
             np.testing.assert_allclose(got, value, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["lenet5", "inception"])
+def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
+    """Eight steps with each run replayed as a CUDA graph from the third on (taskrt.cuda_graphs) against
+    the same steps launched kernel by kernel, data parallel and a layer-wise split over two workers."""
+    graph = {"lenet5": lambda: models.lenet5(batch=8, image_size=16, width=0.5),
+             "inception": lambda: models.inception_v3(batch=4, image_size=75, num_classes=10, width=1 / 8)}[name]()
+    batches = [batch_for(graph, seed=s) for s in range(8)]
+    strategies = {"data": search.data_parallel(graph, gpu2), "mixed": mixed_strategy(graph)}
+    for label, strategy in strategies.items():
+        results = {}
+        for graphs in (True, False):
+            gpu2.client.run(_clear_graphs)
+            trainer = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+            losses = [trainer.step(x, y) for x, y in batches]
+            results[graphs] = losses, trainer.parameters()
+            if graphs:
+                captured = gpu2.client.run(_graph_stats)
+                assert all(not s["failed"] for s in captured.values()), captured
+                assert sum(s["graphs"] for s in captured.values()) > 0, captured
+        np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5, err_msg=label)
+        for layer, params in results[False][1].items():
+            for k, value in params.items():
+                np.testing.assert_allclose(results[True][1][layer][k], value, rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{label}: {layer}.{k}")
+
+
+def mixed_strategy(graph) -> Strategy:
+    """Layers in turn split over samples, over height (or channels) and kept whole on device 1."""
+    configs = {}
+    for i, layer in enumerate(l for l in graph if not l.is_input):
+        dims = layer.op.dims
+        configs[layer.name] = [P(n=2), P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2),
+                               P(devices=(1,))][i % 3]
+    return Strategy(configs)
+
+
+def _clear_graphs():
+    from taskrt import cuda_graphs
+
+    cuda_graphs.clear()
+
+
+def _graph_stats():
+    from taskrt import cuda_graphs
+
+    return cuda_graphs.stats()
+
+
 def test_search_on_gpu_workers_end_to_end(gpu2, tmp_path):
     graph = models.lenet5(batch=16, image_size=16, width=0.5)
     cost_model = search.CostModel(gpu2, cache=tmp_path / "costs.json", repeats=2, progress=False)
