@@ -1,14 +1,17 @@
-"""GPU benchmark (needs cupy, torch with CUDA and a CUDA device): three parts, each reporting on its own.
+"""GPU benchmark (needs cupy, torch with CUDA and a CUDA device): four parts, each reporting on its own.
 
-  a. kernels     forward + backward (input and weight gradients) of the large conv layers of AlexNet (224),
-                 VGG-16 (224) and Inception-v3 (299): this runtime's kernel (the dispatch: torch path)
-                 vs cuDNN called directly through torch vs the cupy im2col path, strict fp32 and TF32
-  b. training    one training step on one GPU: this runtime (`Machine.local(1, gpu=True)`, data parallel
-                 on one device) vs the PyTorch peer (same network, parameters, data and precision)
-  c. strategies  data, model, OWT and the searched strategy on 2 and 4 workers sharing the one GPU:
+  a. kernels     forward + backward of the large conv layers of AlexNet, VGG-16 and Inception-v3: taskrt's
+                 kernel against cuDNN through torch and the cupy im2col path (bench.gpu_kernels)
+  b. training    training steps on one GPU, AlexNet, VGG-16, Inception-v3 and ResNet-50, fp32 and TF32:
+                 taskrt's `fit` (data generated on the worker, CUDA graphs) against PyTorch eager, where the
+                 step's time goes, peak GPU memory (bench.gpu_steps)
+  c. bf16        the same steps in bf16 against PyTorch's autocast, and bf16's loss after 200 steps of
+                 LeNet-5 on the digits against fp32's
+  d. strategies  data, model, OWT and the searched strategy on 2 and 4 workers sharing the one GPU:
                  loss against the single-device reference, bytes per step (plan vs workers' logs), step time
 
-Writes results/gpu.json, gpu.md and gpu.png.  A part that fails is reported and the others still run.
+Writes results/gpu.json, gpu.md and gpu.png after each part.  A part that fails is reported and the
+others still run; `--parts` runs some and keeps the others' rows from the last gpu.json.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import datetime
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,39 +28,37 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import gpu_steps
+from bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
 from bench.report import markdown_table, write_result
-from bench.torch_peer import TorchPeer, time_steps
-from ops.rect import Rect
+from bench.torch_peer import time_steps
 from taskrt import models
 
-GOAL_KERNEL = 0.5  # each large conv layer: forward + backward at least half of cuDNN's rate
-GOAL_TRAINING, MOONSHOT_TRAINING = 0.5, 0.8  # images/s against the PyTorch peer's
-PRECISIONS = ("fp32", "tf32")
-LARGE_MIN_CHANNELS = 64  # as bench/kernels.py: the first layers' short reductions cannot run GEMM at full rate
-LARGE_MIN_GFLOP = 5.0  # forward GFLOP of the layer at the benchmark batch
 LR, MOMENTUM = 1e-4, 0.9  # a small learning rate keeps random-data training finite
 LOSS_RTOL = 1e-4  # float32: a strategy's loss against the single-device reference
-CHECK_STEPS = 3  # steps whose losses are compared in part c
+CHECK_STEPS = 3  # steps whose losses are compared in part d
+PRECISIONS = ("fp32", "tf32")
 
-# The networks of parts a and b at the batch sizes of the PyTorch peer measurements.
+# The networks of parts a-c at the batch sizes of the PyTorch peer measurements.
 NETWORKS = {
     "alexnet": lambda: models.alexnet(batch=128, image_size=224),
     "vgg16": lambda: models.vgg16(batch=64, image_size=224),
     "inception_v3": lambda: models.inception_v3(batch=64, image_size=299),
+    "resnet50": lambda: models.resnet50(batch=64, image_size=224),
 }
-# Part c: small enough that search, four strategies and two machine sizes fit in a minute or two.
+KERNEL_NETWORKS = ("alexnet", "vgg16", "inception_v3")
+# Part d: small enough that search, four strategies and two machine sizes fit in a minute or two.
 STRATEGY_NETWORK = {"vgg16_32": lambda: models.vgg16(batch=64, image_size=32, num_classes=10, width=0.5)}
 QUICK_STRATEGY_NETWORK = {"lenet5": lambda: models.lenet5(batch=64)}
+QUICK_NETWORK = {"alexnet_64": lambda: models.alexnet(batch=32, image_size=64)}
 
-FULL = {"networks": list(NETWORKS), "kernel_warmup": 2, "kernel_repeats": 5, "step_warmup": 3, "step_repeats": 10,
+FULL = {"networks": list(NETWORKS), "kernel_warmup": 2, "kernel_repeats": 5, "step_warmup": 3, "steps": 20,
         "workers": (2, 4), "strategy_network": STRATEGY_NETWORK, "strategy_repeats": 5}
-QUICK = {"networks": ["alexnet"], "kernel_warmup": 1, "kernel_repeats": 2, "step_warmup": 2, "step_repeats": 3,
+QUICK = {"networks": list(QUICK_NETWORK), "kernel_warmup": 1, "kernel_repeats": 2, "step_warmup": 3, "steps": 5,
          "workers": (2,), "strategy_network": QUICK_STRATEGY_NETWORK, "strategy_repeats": 2}
 
-CAVEAT = ("the workers of part c share one GPU and move data between them over TCP through host memory: "
+CAVEAT = ("the workers of part d share one GPU and move data between them over TCP through host memory: "
           "their step times show the runtime's costs, not multi-GPU scaling")
-DATA_NOTE = ("this runtime's step time includes sending the batch (numpy) from the client to the GPU worker; "
-             "the PyTorch peer keeps its batch on the GPU")
 
 
 def log(message: str) -> None:
@@ -142,6 +142,9 @@ def release_gpu_memory() -> None:
     gc.collect()
     if "cupy" in sys.modules:
         sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+    if "taskrt.cuda_graphs" in sys.modules:
+        sys.modules["taskrt.cuda_graphs"].clear()
+        gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -174,240 +177,7 @@ def random_batch(graph, seed=0):
     return rng.standard_normal(image.shape, dtype=np.float32), rng.integers(0, classes, labels.shape)
 
 
-# ---- a. conv kernels ----------------------------------------------------------------------------------
-IMPLEMENTATIONS = ("taskrt", "cudnn", "cupy_im2col")
-
-
-def large_conv_layers(graph, min_channels=LARGE_MIN_CHANNELS, min_gflop=LARGE_MIN_GFLOP):
-    """The distinct large conv layers of a graph: (first layer of each shape, how many layers share it)."""
-    shapes = {}
-    for layer in graph:
-        if layer.kind != "conv2d":
-            continue
-        op = layer.op
-        if op.in_shapes[0][1] < min_channels or op.flops(Rect.full(op.out_shape)) < min_gflop * 1e9:
-            continue
-        key = (op.in_shapes, op.out_channels, op.kernel, op.stride, op.padding, op.activation, op.bias)
-        first, count = shapes.get(key, (layer, 0))
-        shapes[key] = (first, count + 1)
-    return list(shapes.values())
-
-
-def _conv_timers(op, implementation, cupy, seed=0):
-    """(forward, backward) callables of one implementation on random float32 GPU data of the layer's shape."""
-    import torch
-
-    cupy.random.seed(seed)
-    x = cupy.random.standard_normal(op.in_shapes[0], dtype=cupy.float32)
-    fan_in = np.prod(op.param_shapes()["weight"][1:])
-    params = {k: cupy.random.standard_normal(s, dtype=cupy.float32) * np.float32(np.sqrt(2 / fan_in))
-              for k, s in op.param_shapes().items()}
-    dy = cupy.random.standard_normal(op.out_shape, dtype=cupy.float32)
-    whole = Rect.full(op.out_shape)
-    if implementation == "cudnn":  # torch's own calls, as autograd makes them; no fused relu
-        xt, dyt = torch.from_dlpack(x), torch.from_dlpack(dy)
-        wt = torch.from_dlpack(params["weight"])
-        bt = torch.from_dlpack(params["bias"]) if "bias" in params else None
-        stride, padding = list(op.stride), list(op.padding)
-
-        def forward():
-            return torch.nn.functional.conv2d(xt, wt, bt, stride, padding)
-
-        def backward():
-            return torch.ops.aten.convolution_backward(dyt, xt, wt, [op.out_channels] if op.bias else None, stride,
-                                                       padding, [1, 1], False, [0, 0], 1, [True, True, op.bias])
-        return forward, backward
-    from ops import torch_kernels
-
-    backend = "auto" if implementation == "taskrt" else "reference"
-    with torch_kernels.backend(backend):
-        if implementation == "taskrt" and not torch_kernels.use_torch(x):
-            raise RuntimeError("the dispatch does not choose the torch path for cupy arrays here")
-        y = op.forward([x], params, whole)
-
-    def forward():
-        with torch_kernels.backend(backend):
-            return op.forward([x], params, whole)
-
-    def backward():
-        with torch_kernels.backend(backend):
-            return op.backward(dy, [x], y, params, whole, [True])
-    return forward, backward
-
-
-def kernel_row(model, layer, count, precision, times: dict, errors: dict | None = None) -> dict:
-    """One layer at one precision: `times[implementation] = (forward s, backward s)`; derived rates and ratios."""
-    op = layer.op
-    n, c, h, w = op.in_shapes[0]
-    whole = Rect.full(op.out_shape)
-    gflop = (op.flops(whole) + op.backward_flops(whole)) / 1e9
-    row = {"part": "kernels", "model": model, "layer": layer.name, "layers_of_this_shape": count,
-           "input": f"{n}x{c}x{h}x{w}", "out_channels": op.out_channels,
-           "kernel": f"{op.kernel[0]}x{op.kernel[1]}/{op.stride[0]}", "precision": precision, "gflop": gflop}
-    for name in IMPLEMENTATIONS:
-        if name in times:
-            fwd, bwd = times[name]
-            row[f"{name}_forward_ms"], row[f"{name}_backward_ms"] = fwd * 1e3, bwd * 1e3
-            row[f"{name}_tflops"] = gflop / (fwd + bwd) / 1e3
-        elif errors and name in errors:
-            row[f"{name}_error"] = errors[name]
-    if "cudnn_tflops" in row:
-        for name in ("taskrt", "cupy_im2col"):
-            if f"{name}_tflops" in row:
-                row[f"{name}_of_cudnn"] = row[f"{name}_tflops"] / row["cudnn_tflops"]
-    return row
-
-
-def kernel_part(rows: list, networks, warmup: int, repeats: int) -> None:
-    import cupy
-
-    from ops.precision import set_precision
-
-    for model in networks:
-        graph = NETWORKS[model]()
-        layers = large_conv_layers(graph)
-        log(f"kernels: {model}, {len(layers)} distinct large conv layers")
-        for layer, count in layers:
-            for precision in PRECISIONS:
-                set_precision(precision)
-                times, errors = {}, {}
-                for name in IMPLEMENTATIONS:
-                    try:
-                        forward, backward = _conv_timers(layer.op, name, cupy)
-                        times[name] = (time_steps(forward, warmup, repeats, device="cuda")[0],
-                                       time_steps(backward, warmup, repeats, device="cuda")[0])
-                    except Exception as error:  # e.g. out of memory: the other implementations still count
-                        errors[name] = f"{type(error).__name__}: {error}"
-                    finally:
-                        forward = backward = None
-                        release_gpu_memory()
-                row = kernel_row(model, layer, count, precision, times, errors)
-                rows.append(row)
-                log(f"  {model}.{layer.name} {precision}: " + ", ".join(
-                    f"{name} {row[f'{name}_tflops']:.1f}" for name in IMPLEMENTATIONS if f"{name}_tflops" in row)
-                    + " TFLOP/s")
-
-
-def kernel_summary(rows) -> list[str]:
-    lines = []
-    for precision in PRECISIONS:
-        mine = [r for r in rows if r["precision"] == precision and "taskrt_of_cudnn" in r]
-        if not mine:
-            continue
-        ratios = [r["taskrt_of_cudnn"] for r in mine]
-        met = sum(v >= GOAL_KERNEL for v in ratios)
-        verdict = "met by all" if met == len(mine) else f"met by {met} of {len(mine)}"
-        lines.append(
-            f"kernels, {precision}: this runtime's conv forward+backward reaches {min(ratios):.0%} to "
-            f"{max(ratios):.0%} of cuDNN's rate (median {statistics.median(ratios):.0%}) over {len(mine)} large "
-            f"layers; goal {GOAL_KERNEL:.0%}: {verdict}")
-        im2col = [r["cupy_im2col_of_cudnn"] for r in rows
-                  if r["precision"] == precision and "cupy_im2col_of_cudnn" in r]
-        if im2col:
-            lines.append(f"kernels, {precision}: the cupy im2col path reaches median {statistics.median(im2col):.0%} "
-                         "of cuDNN's rate")
-    failed = [f"{r['model']}.{r['layer']} ({r['precision']}, {name})" for r in rows for name in IMPLEMENTATIONS
-              if f"{name}_error" in r]
-    if failed:
-        lines.append("kernels that failed: " + ", ".join(failed))
-    return lines
-
-
-# ---- b. one training step on one GPU ------------------------------------------------------------------
-def training_row(model, batch, precision, runtime_s, torch_s, runtime_loss, torch_loss) -> dict:
-    ratio = torch_s / runtime_s
-    return {"part": "training", "model": model, "batch": batch, "precision": precision,
-            "runtime_ms": runtime_s * 1e3, "runtime_images_per_s": batch / runtime_s,
-            "torch_ms": torch_s * 1e3, "torch_images_per_s": batch / torch_s, "of_torch": ratio,
-            "goal": "moonshot" if ratio >= MOONSHOT_TRAINING else "met" if ratio >= GOAL_TRAINING else "missed",
-            "first_loss_runtime": runtime_loss, "first_loss_torch": torch_loss,
-            "first_loss_rel_diff": abs(runtime_loss - torch_loss) / max(abs(torch_loss), 1e-30)}
-
-
-def time_runtime(machine, graph, strategy, x, y, precision, warmup, repeats) -> tuple[float, float]:
-    """(first step's loss, median step seconds) of this runtime; the first step counts as a warm-up."""
-    from taskrt.trainer import Trainer
-
-    trainer = Trainer(graph, strategy, machine, lr=LR, momentum=MOMENTUM, precision=precision)
-    loss = trainer.step(x, y)
-    seconds, _ = time_steps(lambda: trainer.step(x, y), warmup - 1, repeats)
-    return loss, seconds
-
-
-def time_batch_send(machine, x, repeats: int) -> float:
-    """Median seconds to send the batch `x` from the client to device 0's worker, as a step sends
-    its data: part of the runtime's step time that the PyTorch peer, its batch on the GPU, does not pay."""
-    address = machine.addresses()[0]
-
-    def send():
-        [future] = machine.client.scatter([x], workers=[address], hash=False, direct=True)
-        future.result()
-        machine.client.cancel([future])
-
-    seconds, _ = time_steps(send, 1, repeats)
-    return seconds
-
-
-def time_peer(graph, params, x, y, precision, warmup, repeats) -> tuple[float, float]:
-    """(first step's loss, median step seconds) of the PyTorch peer, data already on the GPU as users keep it."""
-    import torch
-
-    from ops.precision import set_precision
-
-    set_precision(precision)
-    peer = TorchPeer(graph, params, lr=LR, momentum=MOMENTUM, device="cuda")
-    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
-    loss = peer.step(xt, yt)
-    seconds, _ = time_steps(lambda: peer.step(xt, yt), warmup - 1, repeats, device="cuda")
-    return loss, seconds
-
-
-def training_part(rows: list, networks, warmup: int, repeats: int) -> None:
-    import torch
-
-    import search
-    from taskrt.machine import Machine
-    from taskrt.params import init_parameters
-
-    torch.backends.cudnn.benchmark = True  # the peer as PyTorch users train fixed shapes; the runtime does the same
-    with Machine.local(1, gpu=True) as machine:
-        for model in networks:
-            graph = NETWORKS[model]()
-            strategy = search.data_parallel(graph, machine)
-            x, y = random_batch(graph)
-            params = init_parameters(graph, 0, "float32")  # what Trainer(seed=0) starts from
-            batch = graph.inputs[0].shape[0]
-            for precision in PRECISIONS:
-                log(f"training: {model} batch {batch}, {precision}: this runtime")
-                runtime_loss, runtime_s = time_runtime(machine, graph, strategy, x, y, precision, warmup, repeats)
-                machine.client.run(release_gpu_memory)
-                log(f"training: {model} batch {batch}, {precision}: PyTorch")
-                torch_loss, torch_s = time_peer(graph, params, x, y, precision, warmup, repeats)
-                release_gpu_memory()
-                row = training_row(model, batch, precision, runtime_s, torch_s, runtime_loss, torch_loss)
-                row["batch_send_ms"] = time_batch_send(machine, x, repeats) * 1e3
-                rows.append(row)
-                log(f"  {model} {precision}: runtime {row['runtime_images_per_s']:.0f} images/s, PyTorch "
-                    f"{row['torch_images_per_s']:.0f} images/s: {row['of_torch']:.2f}x; sending the batch "
-                    f"alone {row['batch_send_ms']:.1f} ms, the runtime's step {row['runtime_ms']:.1f} ms")
-
-
-def training_summary(rows) -> list[str]:
-    lines = [f"training, {r['model']} batch {r['batch']} {r['precision']}: this runtime "
-             f"{r['runtime_images_per_s']:,.0f} images/s, PyTorch {r['torch_images_per_s']:,.0f} images/s = "
-             f"{r['of_torch']:.2f}x (goal {GOAL_TRAINING}x: {r['goal']})"
-             + (f"; sending the batch alone takes {r['batch_send_ms']:.0f} ms, "
-                f"the runtime's step {r['runtime_ms']:.0f} ms"
-                if "batch_send_ms" in r else "") for r in rows]
-    if rows:
-        worst = max(rows, key=lambda r: r["first_loss_rel_diff"])
-        lines.append(f"training: first-step losses of runtime and PyTorch differ by at most "
-                     f"{worst['first_loss_rel_diff']:.1e} (relative; {worst['model']} {worst['precision']})")
-        lines.append(f"training: {DATA_NOTE}")
-    return lines
-
-
-# ---- c. strategies on workers sharing the GPU ------------------------------------------------------------
+# ---- d. strategies on workers sharing the GPU ------------------------------------------------------------
 def strategy_row(model, workers, strategy, losses, reference_losses, planned: dict, measured: dict,
                  step_s: float, batch: int) -> dict:
     worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference_losses))
@@ -490,15 +260,22 @@ KERNEL_COLUMNS = [("model", "model"), ("layer", "layer"), ("layers_of_this_shape
                   ("gflop", "GFLOP fwd+bwd"), ("taskrt_tflops", "runtime TFLOP/s"), ("cudnn_tflops", "cuDNN TFLOP/s"),
                   ("cupy_im2col_tflops", "im2col TFLOP/s"), ("taskrt_of_cudnn", "runtime / cuDNN"),
                   ("cupy_im2col_of_cudnn", "im2col / cuDNN")]
-TRAINING_COLUMNS = [("model", "model"), ("batch", "batch"), ("precision", "precision"), ("runtime_ms", "runtime ms"),
-                    ("runtime_images_per_s", "runtime images/s"), ("torch_ms", "PyTorch ms"),
-                    ("torch_images_per_s", "PyTorch images/s"), ("of_torch", "runtime / PyTorch"),
-                    ("goal", "goal 0.5x"), ("batch_send_ms", "sending the batch alone ms"),
-                    ("first_loss_rel_diff", "first-loss rel. diff")]
+STEP_COLUMNS = [("model", "model"), ("batch", "batch"), ("precision", "precision"), ("runtime_ms", "taskrt ms"),
+                ("runtime_images_per_s", "taskrt images/s"), ("torch_ms", "PyTorch ms (loss read each step)"),
+                ("torch_queued_ms", "PyTorch ms (steps queued)"), ("of_torch", "taskrt / PyTorch"),
+                ("goal", f"goal {gpu_steps.GOAL}x"), ("first_loss_rel_diff", "first-loss rel. diff")]
+PARTS_COLUMNS = [("model", "model"), ("precision", "precision"), ("runtime_ms", "taskrt step ms"),
+                 ("replay_ms", "graph replay ms"), ("copy_in_ms", "inputs in ms"), ("copy_out_ms", "outputs out ms"),
+                 ("rest_ms", "the rest ms"), ("eager_ms", "kernel by kernel ms"),
+                 ("launches_ms", "saved by graphs ms"), ("memory_gib", "peak GiB (reserved)"),
+                 ("memory_allocated_gib", "peak GiB (arrays)"), ("torch_memory_gib", "PyTorch peak GiB"),
+                 ("memory_of_torch", "memory / PyTorch")]
 STRATEGY_COLUMNS = [("model", "model"), ("workers", "workers"), ("strategy", "strategy"), ("step_ms", "step ms"),
                     ("images_per_s", "images/s"), ("planned_bytes", "bytes planned"),
                     ("measured_bytes", "bytes measured"), ("bytes_match", "equal"),
                     ("loss_rel_diff", "loss rel. diff"), ("error", "error")]
+PARTS = ("kernels", "training", "bf16", "strategies")
+RECORD_KEYS = {"kernels": "kernels", "training": "rows", "bf16": "bf16", "strategies": "strategies"}
 
 
 def whole_numbers(rows, keys) -> list[dict]:
@@ -506,35 +283,57 @@ def whole_numbers(rows, keys) -> list[dict]:
     return [{**r, **{k: round(r[k]) for k in keys if isinstance(r.get(k), float)}} for r in rows]
 
 
-def write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta: dict, errors: dict) -> Path:
-    """results/gpu.json (every row of every part), gpu.md (the summary, then a table per part), gpu.png."""
-    summary = kernel_summary(kernel_rows) + training_summary(training_rows) + strategy_summary(strategy_rows)
+def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
+    """results/gpu.json (every row of every part), gpu.md (what it measures, the summary, a table per
+    part) and gpu.png.  `rows`: part -> its rows."""
+    kernel_rows, training_rows = rows.get("kernels", []), rows.get("training", [])
+    bf16_rows, strategy_rows = rows.get("bf16", []), rows.get("strategies", [])
+    summary = (kernel_summary(kernel_rows) + gpu_steps.step_summary(training_rows)
+               + gpu_steps.step_summary(bf16_rows) + strategy_summary(strategy_rows))
     summary += [f"part {name} FAILED: {error}" for name, error in errors.items()]
-    meta = {**meta, "errors": errors, "kernels": kernel_rows, "strategies": strategy_rows}
-    md = write_result(out_dir, "gpu", training_rows, TRAINING_COLUMNS, meta, summary)
+    meta = {**meta, "errors": errors, "kernels": kernel_rows, "bf16": bf16_rows, "strategies": strategy_rows}
+    md = write_result(out_dir, "gpu", training_rows, STEP_COLUMNS, meta, summary)
     record = json.loads((Path(out_dir) / "gpu.json").read_text())
     gpu = meta.get("gpu", {})
+    steps = [r for r in bf16_rows if "runtime_ms" in r]
     text = [
         "# gpu", "",
+        "What it measures: taskrt on one NVIDIA GPU against PyTorch eager on the same GPU: training steps of "
+        "AlexNet, VGG-16, Inception-v3 and ResNet-50 as `trainer.fit` runs them (data generated on the worker, "
+        "each device's run replayed as a CUDA graph), where their time goes, peak GPU memory, bf16 against "
+        "PyTorch's autocast, conv kernels against cuDNN, and strategies on workers sharing the GPU. "
+        f"Goals: steps at least {gpu_steps.GOAL}x PyTorch's speed (none below {gpu_steps.FLOOR}x), peak memory at most "
+        f"{gpu_steps.MEMORY_GOAL}x PyTorch's, bf16's loss within {gpu_steps.BF16_LOSS_GOAL:.0%} of fp32's. "
+        "Rerun: `python -m bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` "
+        "for some parts; the others keep their rows).", "",
         f"{record['date']}, {gpu.get('gpu', 'GPU')}, driver {gpu.get('driver')}, torch {gpu.get('torch')} "
-        f"(cuDNN {gpu.get('cudnn')}), cupy {gpu.get('cupy')}; host {record['machine']['cpu']}", "",
+        f"(cuDNN {gpu.get('cudnn')}), cupy {gpu.get('cupy')}; host {record['machine']['cpu']}, "
+        f"{record['machine']['cores']} cores", "",
         *[f"- {line}" for line in summary], "",
         *([f"Measured: {', '.join(f'{part} {when}' for part, when in sorted(meta['measured'].items()))}.", ""]
           if meta.get("measured") else []),
         "## a. Conv layers: forward + backward (input and weight gradients)", "",
         markdown_table(KERNEL_COLUMNS, kernel_rows), "",
-        "## b. One training step on one GPU: this runtime vs PyTorch", "",
-        markdown_table(TRAINING_COLUMNS, whole_numbers(training_rows, ("runtime_images_per_s", "torch_images_per_s"))),
-        "", "## c. Strategies on workers sharing one GPU", "",
+        "## b. Training steps on one GPU: taskrt's `fit` against PyTorch eager", "",
+        markdown_table(STEP_COLUMNS, whole_numbers(training_rows, ("runtime_images_per_s",))), "",
+        "Where taskrt's step goes: the CUDA graph's replay alone (its kernels, on the GPU), copying the "
+        "step's inputs into the graph and its outputs out, and the rest of the step (Dask, the data read, "
+        "the GPU waiting); the same steps launched kernel by kernel, and what replaying saves. "
+        "Peak memory: what torch's caching allocator (which serves cupy too) reserved, against PyTorch's "
+        "peak of allocated tensors.", "",
+        markdown_table(PARTS_COLUMNS, training_rows + steps), "",
+        "## c. bf16: taskrt's bf16 against PyTorch's autocast (bfloat16)", "",
+        markdown_table(STEP_COLUMNS, whole_numbers(steps, ("runtime_images_per_s",))), "",
+        "## d. Strategies on workers sharing one GPU", "",
         markdown_table(STRATEGY_COLUMNS, whole_numbers(strategy_rows, ("images_per_s",))), "",
         f"Caveat: {CAVEAT}.",
     ]
     md.write_text("\n".join(text) + "\n")
-    plot(kernel_rows, training_rows, strategy_rows, Path(out_dir) / "gpu.png")
+    plot(kernel_rows, training_rows + steps, strategy_rows, Path(out_dir) / "gpu.png")
     return md
 
 
-def plot(kernel_rows, training_rows, strategy_rows, path) -> None:
+def plot(kernel_rows, step_rows, strategy_rows, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -552,27 +351,24 @@ def plot(kernel_rows, training_rows, strategy_rows, path) -> None:
         ax.set_title(f"a. conv layers, {precision}")
         ax.legend(fontsize=7)
     ax = axes[1][0]
-    labels = [f"{r['model']}\n{r['precision']}" for r in training_rows]
-    ax.bar(np.arange(len(training_rows)) - 0.2, [r["runtime_images_per_s"] for r in training_rows], 0.4,
-           color="tab:blue", label="this runtime")
-    ax.bar(np.arange(len(training_rows)) + 0.2, [r["torch_images_per_s"] for r in training_rows], 0.4,
-           color="tab:gray", label="PyTorch")
-    ax.set_xticks(range(len(training_rows)), labels, fontsize=7)
+    labels = [f"{r['model']}\n{r['precision']}" for r in step_rows]
+    ax.bar(np.arange(len(step_rows)) - 0.2, [r["runtime_images_per_s"] for r in step_rows], 0.4,
+           color="tab:blue", label="taskrt (fit)")
+    ax.bar(np.arange(len(step_rows)) + 0.2, [r["torch_images_per_s"] for r in step_rows], 0.4,
+           color="tab:gray", label="PyTorch eager")
+    ax.set_xticks(range(len(step_rows)), labels, fontsize=7)
     ax.set_ylabel("images / s")
-    ax.set_title("b. training step on one GPU")
+    ax.set_title("b, c. training steps on one GPU")
     ax.legend(fontsize=7)
     ax = axes[1][1]
     done = [r for r in strategy_rows if "error" not in r]
     ax.bar(range(len(done)), [r["step_ms"] for r in done], color="tab:blue")
     ax.set_xticks(range(len(done)), [f"{r['strategy']}\n{r['workers']} workers" for r in done], fontsize=7)
     ax.set_ylabel("ms / step")
-    ax.set_title("c. strategies, workers sharing one GPU")
+    ax.set_title("d. strategies, workers sharing one GPU")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-PARTS = ("kernels", "training", "strategies")
 
 
 def earlier_rows(out_dir) -> tuple[dict, dict]:
@@ -581,8 +377,7 @@ def earlier_rows(out_dir) -> tuple[dict, dict]:
     if not path.exists():
         return {}, {}
     record = json.loads(path.read_text())
-    rows = {"kernels": record.get("kernels", []), "training": record.get("rows", []),
-            "strategies": record.get("strategies", [])}
+    rows = {part: record.get(key, []) for part, key in RECORD_KEYS.items()}
     measured = record.get("measured") or {part: record["date"] for part in PARTS}
     return {part: r for part, r in rows.items() if r}, measured
 
@@ -601,27 +396,37 @@ def run(out_dir="results", quick=False, parts=PARTS):
             "strategy_network": list(config["strategy_network"]), "caveat": CAVEAT}
     log("; ".join(f"{k} {v}" for k, v in meta["gpu"].items()))
     kept, measured = earlier_rows(out_dir) if set(parts) != set(PARTS) else ({}, {})
-    kernel_rows, training_rows, strategy_rows, errors = (kept.get("kernels", []), kept.get("training", []),
-                                                        kept.get("strategies", []), {})
+    rows = {part: kept.get(part, []) for part in PARTS}
+    errors = {}
     meta["measured"] = {part: measured[part] for part in kept if part not in parts}
+    networks = QUICK_NETWORK if quick else {name: NETWORKS[name] for name in config["networks"]}
+    step_args = (config["step_warmup"], config["steps"], LR, MOMENTUM)
     steps = {
-        "kernels": (kernel_part, kernel_rows, config["networks"], config["kernel_warmup"], config["kernel_repeats"]),
-        "training": (training_part, training_rows, config["networks"], config["step_warmup"],
-                     config["step_repeats"]),
-        "strategies": (strategy_part, strategy_rows, config["strategy_network"], config["workers"],
-                       config["strategy_repeats"]),
+        "kernels": (kernel_part, {name: NETWORKS[name] for name in KERNEL_NETWORKS if name in networks}
+                    or networks, config["kernel_warmup"], config["kernel_repeats"]),
+        "training": (gpu_steps.steps_part, "training", networks, PRECISIONS, *step_args),
+        "bf16": (bf16_part, networks, *step_args),
+        "strategies": (strategy_part, config["strategy_network"], config["workers"], config["strategy_repeats"]),
     }
     meta["seconds"] = {}
-    for name, (fn, rows, *args) in steps.items():
+    for name, (fn, *args) in steps.items():
         if name not in parts:
             continue
-        rows.clear()
-        meta["seconds"][name] = run_part(name, errors, fn, rows, *args)
+        rows[name].clear()
+        meta["seconds"][name] = run_part(name, errors, fn, rows[name], *args)
         meta["measured"][name] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         # after every part, so that a run stopped later (a machine's time limit) keeps what it measured
-        md = write_report(out_dir, kernel_rows, training_rows, strategy_rows, meta, errors)
+        md = write_report(out_dir, rows, meta, errors)
     print(md.read_text())
-    return {"kernels": kernel_rows, "training": training_rows, "strategies": strategy_rows, "errors": errors}
+    return {**rows, "errors": errors}
+
+
+def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum) -> None:
+    gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=())
+    log("bf16: LeNet-5 on the digits, fp32 and bf16")
+    row = gpu_steps.bf16_loss_row()
+    rows.append(row)
+    log("  " + gpu_steps.step_summary([row])[-1])
 
 
 if __name__ == "__main__":

@@ -63,10 +63,13 @@ def forward_layer(layer, xs, params, running=None, mode="gradients"):
 
 
 class TorchPeer:
-    def __init__(self, graph, params, lr=0.01, momentum=0.0, weight_decay=0.0, device="cpu", dtype=None):
-        """`params` as `init_parameters` returns them; `dtype` defaults to theirs (float32 or float64)."""
+    def __init__(self, graph, params, lr=0.01, momentum=0.0, weight_decay=0.0, device="cpu", dtype=None,
+                 autocast=None):
+        """`params` as `init_parameters` returns them; `dtype` defaults to theirs (float32 or float64).
+        `autocast`: "bf16" runs the forward under `torch.autocast` in bfloat16 (float32 parameters)."""
         torch = _torch()
         self.graph = graph
+        self.autocast = {"bf16": torch.bfloat16, None: None}[autocast]
         self.device = torch.device(device)
         first = next((v for p in params.values() for v in p.values()), np.zeros(0, np.float32))
         self.np_dtype = np.dtype(dtype or first.dtype)
@@ -126,11 +129,21 @@ class TorchPeer:
 
     def step(self, *data) -> float:
         """One SGD step; returns the loss before the update (waits for the step, as `Trainer.step`)."""
+        return float(self.step_queued(*data).item())
+
+    def step_queued(self, *data):
+        """One SGD step, not waited for: the loss as a tensor on the device (as a training loop that
+        reads its losses later queues its steps)."""
+        torch = _torch()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(self.activations(self.inputs(*data), mode="train"))
+        if self.autocast is None:
+            loss = self._loss(self.activations(self.inputs(*data), mode="train"))
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                loss = self._loss(self.activations(self.inputs(*data), mode="train")).float()
         loss.backward()
         self.optimizer.step()
-        return float(loss.item())
+        return loss.detach()
 
     def predict(self, x) -> np.ndarray:
         """Logits for any number of samples, in batches of the graph's batch size."""

@@ -68,6 +68,40 @@ def stats() -> dict:
             "failed": {name: p.failed for name, p in _programs.items() if p.failed}}
 
 
+def timings(repeats: int = 5) -> dict:
+    """GPU milliseconds of each captured graph of this process (median of `repeats`, CUDA events):
+    its replay alone, copying its inputs in and copying its outputs out.  {run name: {...}}."""
+    backend = _torch_backend()
+    if backend is None:
+        return {}
+    torch = backend.torch
+
+    def gpu_ms(fn):
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    out = {}
+    for name, program in _programs.items():
+        for captured in program.graphs.values():
+            sources = [backend.copy(target) for target in captured.static]
+
+            def copy_in(c=captured, sources=sources):
+                for target, source in zip(c.static, sources):
+                    backend.copy_into(target, source)
+
+            out[name] = {"replay_ms": gpu_ms(captured.replay_graph), "copy_in_ms": gpu_ms(copy_in),
+                         "copy_out_ms": gpu_ms(captured.outputs_copied), "inputs": len(captured.static),
+                         "outputs": sum(leaf is not None for leaf in captured.out_leaves)}
+    return out
+
+
 def call(run, inputs, backend=None):
     """`run(*inputs)` (a FusedRun with a program name), replayed from its graph when it can be."""
     backend = backend or _torch_backend()
@@ -238,6 +272,7 @@ class TorchBackend:
         torch, cupy = self.torch, self.cupy
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the ordinary calls' cached blocks: the capture's pool takes their place
         # (As torch.cuda.graph, but the stream is restored even when the capture fails.)  thread_local:
         # the worker's event loop may touch the GPU (reading a loss) while this thread captures.
         with torch.cuda.stream(stream):

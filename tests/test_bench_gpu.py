@@ -9,7 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from bench import gpu
+from bench import gpu, gpu_kernels, gpu_steps
+from ops.rect import Rect
 from taskrt import models
 
 
@@ -39,13 +40,13 @@ def test_a_cupy_without_a_device_is_named(monkeypatch):
 
 def test_large_conv_layers_are_distinct_and_large():
     vgg = gpu.NETWORKS["vgg16"]()
-    layers = gpu.large_conv_layers(vgg)
+    layers = gpu_kernels.large_conv_layers(vgg)
     assert [layer.name for layer, _ in layers] == ["conv1_2", "conv2_1", "conv2_2", "conv3_1", "conv3_2", "conv4_1",
                                                    "conv4_2", "conv5_1"]
     assert sum(count for _, count in layers) == 12  # all but conv1_1, which has 3 input channels
-    alexnet = gpu.large_conv_layers(gpu.NETWORKS["alexnet"]())
+    alexnet = gpu_kernels.large_conv_layers(gpu.NETWORKS["alexnet"]())
     assert [layer.name for layer, _ in alexnet] == ["conv2", "conv3", "conv4", "conv5"]
-    inception = gpu.large_conv_layers(gpu.NETWORKS["inception_v3"]())
+    inception = gpu_kernels.large_conv_layers(gpu.NETWORKS["inception_v3"]())
     shapes = {(l.op.in_shapes, l.op.out_channels, l.op.kernel, l.op.stride) for l, _ in inception}
     assert len(shapes) == len(inception) > 10
 
@@ -58,37 +59,53 @@ def fake_layer():
 def test_kernel_rows_and_summary():
     layer = fake_layer()
     rows = [
-        gpu.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
+        gpu_kernels.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
                                                     "cupy_im2col": (0.01, 0.02)}),
-        gpu.kernel_row("vgg16", layer, 1, "tf32", {"taskrt": (0.001, 0.002), "cudnn": (0.0006, 0.0012)},
+        gpu_kernels.kernel_row("vgg16", layer, 1, "tf32", {"taskrt": (0.001, 0.002), "cudnn": (0.0006, 0.0012)},
                        {"cupy_im2col": "OutOfMemoryError: out of memory"}),
     ]
-    gflop = 3 * layer.op.flops(gpu.Rect.full(layer.shape)) / 1e9
+    gflop = 3 * layer.op.flops(Rect.full(layer.shape)) / 1e9
     assert rows[0]["gflop"] == pytest.approx(gflop)
     assert rows[0]["taskrt_tflops"] == pytest.approx(gflop / 0.006 / 1e3)
     assert rows[0]["taskrt_of_cudnn"] == pytest.approx(0.5)
     assert rows[0]["cupy_im2col_of_cudnn"] == pytest.approx(0.1)
     assert rows[1]["taskrt_of_cudnn"] == pytest.approx(0.6)
     assert "cupy_im2col_tflops" not in rows[1] and "out of memory" in rows[1]["cupy_im2col_error"]
-    lines = gpu.kernel_summary(rows)
+    lines = gpu_kernels.kernel_summary(rows)
     assert any("fp32" in line and "median 50%" in line and "met by all" in line for line in lines)
     assert any("im2col path reaches median 10%" in line for line in lines)
     assert any("failed" in line and "cupy_im2col" in line for line in lines)
-    missed = gpu.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.003, 0.006), "cudnn": (0.001, 0.002)})
-    assert any("met by 1 of 2" in line for line in gpu.kernel_summary([rows[0], missed]))
+    missed = gpu_kernels.kernel_row("vgg16", layer, 1, "fp32", {"taskrt": (0.003, 0.006), "cudnn": (0.001, 0.002)})
+    assert any("met by 1 of 2" in line for line in gpu_kernels.kernel_summary([rows[0], missed]))
 
 
-def test_training_rows_and_summary():
-    row = gpu.training_row("alexnet", 128, "fp32", runtime_s=0.030, torch_s=0.015, runtime_loss=6.9078,
-                           torch_loss=6.9077)
+def measured(step_s, loss, memory=2**30, graphs=None, queued_s=None) -> dict:
+    out = {"step_s": step_s, "first_loss": loss, "memory": {"allocated": memory, "reserved": memory}}
+    if queued_s is not None:
+        out["queued_step_s"] = queued_s
+    if graphs is not None:
+        out["graphs"] = graphs
+    return out
+
+
+def test_step_rows_and_summary():
+    graphs = {"a/dev0/0": {"replay_ms": 10.0, "copy_in_ms": 1.0, "copy_out_ms": 2.0}}
+    row = gpu_steps.step_row("training", "alexnet", 128, "fp32", measured(0.030, 6.9078, 2**31, graphs),
+                             measured(0.016, 6.9077, 2**30, queued_s=0.015), eager=measured(0.050, 6.9078))
     assert row["runtime_images_per_s"] == pytest.approx(128 / 0.030)
-    assert row["of_torch"] == pytest.approx(0.5) and row["goal"] == "met"
-    assert gpu.training_row("a", 1, "tf32", 0.1, 0.09, 1.0, 1.0)["goal"] == "moonshot"
-    assert gpu.training_row("a", 1, "tf32", 0.1, 0.04, 1.0, 1.0)["goal"] == "missed"
+    assert row["of_torch"] == pytest.approx(0.5) and row["goal"] == "missed (above 0.5x)"  # the faster PyTorch
+    assert row["rest_ms"] == pytest.approx(30 - 13) and row["launches_ms"] == pytest.approx(20)
+    assert row["memory_of_torch"] == pytest.approx(2.0)
+    assert gpu_steps.step_row("b", "a", 1, "tf32", measured(0.1, 1), measured(0.09, 1, queued_s=0.2))["goal"] == "met"
+    assert "below" in gpu_steps.step_row("b", "a", 1, "tf32", measured(0.1, 1), measured(0.04, 1, queued_s=0.2))["goal"]
     assert row["first_loss_rel_diff"] == pytest.approx(1e-4 / 6.9077)
-    lines = gpu.training_summary([row])
-    assert "0.50x" in lines[0] and "met" in lines[0]
+    lines = gpu_steps.step_summary([row])
+    assert "0.50x" in lines[0] and "graph replay 10.0 ms" in lines[0] and "the rest (Dask, data, waiting) 17.0 ms" \
+        in lines[0] and "= 2.00x (goal 1.3x: missed)" in lines[0]
     assert "1.4e-05" in lines[1]
+    loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
+                "loss_bf16": 0.505, "loss_rel_diff": 0.01}
+    assert "1.00%; goal 2%: met" in gpu_steps.step_summary([loss_row])[0]
 
 
 def test_strategy_rows_and_summary():
@@ -127,45 +144,40 @@ def test_run_part_reports_a_failure_and_goes_on(keep_cupy_variable, capsys):
 
 def test_report_files(tmp_path):
     layer = fake_layer()
-    kernel_rows = [gpu.kernel_row("vgg16", layer, 2, p, {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
-                                                         "cupy_im2col": (0.01, 0.02)}) for p in gpu.PRECISIONS]
-    training_rows = [gpu.training_row("alexnet", 128, p, 0.03, 0.015, 6.9, 6.9) for p in gpu.PRECISIONS]
+    kernel_rows = [gpu_kernels.kernel_row("vgg16", layer, 2, p, {"taskrt": (0.002, 0.004), "cudnn": (0.001, 0.002),
+                                                                 "cupy_im2col": (0.01, 0.02)}) for p in gpu.PRECISIONS]
+    training_rows = [gpu_steps.step_row("training", "alexnet", 128, p, measured(0.03, 6.9),
+                                        measured(0.015, 6.9, queued_s=0.014)) for p in gpu.PRECISIONS]
+    bf16_rows = [gpu_steps.step_row("bf16", "alexnet", 128, "bf16", measured(0.02, 6.9),
+                                    measured(0.01, 6.9, queued_s=0.01))]
     planned = {(0, 1): 10, (1, 0): 20}
     strategy_rows = [gpu.strategy_row("lenet5", 2, s, [2.3], [2.3], planned, planned, 0.01, 64)
                      for s in ("data", "model")]
     strategy_rows.append({"part": "strategies", "model": "lenet5", "workers": 2, "strategy": "owt", "error": "x"})
     meta = {"gpu": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cupy": "14.2", "driver": "570.1"}}
-    md = gpu.write_report(tmp_path, kernel_rows, training_rows, strategy_rows, meta,
-                          {"strategies": "MachineError: no GPU worker"})
+    rows = {"kernels": kernel_rows, "training": training_rows, "bf16": bf16_rows, "strategies": strategy_rows}
+    md = gpu.write_report(tmp_path, rows, meta, {"strategies": "MachineError: no GPU worker"})
     record = json.loads((tmp_path / "gpu.json").read_text())
     assert record["gpu"]["gpu"] == "NVIDIA H100 80GB HBM3"
     assert len(record["rows"]) == 2 and len(record["kernels"]) == 2 and len(record["strategies"]) == 3
+    assert len(record["bf16"]) == 1
     assert record["errors"] == {"strategies": "MachineError: no GPU worker"}
     text = md.read_text()
-    for heading in ("## a.", "## b.", "## c.", "Caveat:", "part strategies FAILED", "NVIDIA H100"):
+    for heading in ("What it measures", "Rerun:", "## a.", "## b.", "## c.", "## d.", "Caveat:",
+                    "part strategies FAILED", "NVIDIA H100"):
         assert heading in text
     assert (tmp_path / "gpu.png").stat().st_size > 0
     # a later run of some parts keeps the others' rows, and says when each was measured
-    kept, measured = gpu.earlier_rows(tmp_path)
-    assert kept == {"kernels": record["kernels"], "training": record["rows"], "strategies": record["strategies"]}
-    assert measured == {part: record["date"] for part in gpu.PARTS}
+    kept, when = gpu.earlier_rows(tmp_path)
+    assert kept == {"kernels": record["kernels"], "training": record["rows"], "bf16": record["bf16"],
+                    "strategies": record["strategies"]}
+    assert when == {part: record["date"] for part in gpu.PARTS}
     assert gpu.earlier_rows(tmp_path / "nothing") == ({}, {})
 
 
-def test_the_batch_send_is_timed_on_a_cpu_worker_too():
-    from taskrt.machine import Machine
-
-    with Machine.local(1, probe=False) as machine:
-        seconds = gpu.time_batch_send(machine, np.ones((64, 3, 32, 32), dtype=np.float32), 3)
-        assert 0 < seconds < 5
-        assert not machine.client.who_has()  # nothing left on the worker
-    row = gpu.training_row("alexnet", 128, "fp32", 0.1, 0.01, 6.9, 6.9)
-    row["batch_send_ms"] = 80.0
-    assert "sending the batch alone takes 80 ms, the runtime's step 100 ms" in gpu.training_summary([row])[0]
-
-
 def test_unknown_parts_are_refused_before_anything_runs(tmp_path):
-    with pytest.raises(SystemExit, match=r"unknown part\(s\) kernel; the parts are kernels, training, strategies"):
+    parts = "kernels, training, bf16, strategies"
+    with pytest.raises(SystemExit, match=rf"unknown part\(s\) kernel; the parts are {parts}"):
         gpu.run(out_dir=tmp_path, parts=("kernel",))
 
 

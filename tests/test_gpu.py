@@ -130,8 +130,8 @@ def mixed_strategy(graph) -> Strategy:
     configs = {}
     for i, layer in enumerate(l for l in graph if not l.is_input):
         dims = layer.op.dims
-        configs[layer.name] = [P(n=2), P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2),
-                               P(devices=(1,))][i % 3]
+        second = P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2)
+        configs[layer.name] = [P(n=2), second, P(devices=(1,))][i % 3]
     return Strategy(configs)
 
 

@@ -1,0 +1,236 @@
+"""Training steps on one GPU against PyTorch eager: parts "training" and "bf16" of `bench gpu`.
+
+What a user waits for: `trainer.fit` over a synthetic dataset that the GPU worker generates itself
+(`taskrt.datasets.Synthetic`: no batch crosses from the client), steps submitted ahead as `fit`
+submits them, each device's run replayed as a CUDA graph after warm-up.  Beside it, where the
+step's time goes: the graph's replay alone on the GPU (its kernels), copying its inputs in and its
+outputs out, the rest (Dask, data reads, waiting), and the same steps launched kernel by kernel
+(what the graphs save).  The PyTorch peer is the same network with the same initial parameters,
+batch and precision, timed two ways: reading each step's loss (`loss.item()`, a wait per step) and
+queueing its steps (reading the last loss only); the comparison takes the faster.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+GOAL, FLOOR = 0.8, 0.5  # taskrt's step against PyTorch eager: the goal, and no network below the floor
+MEMORY_GOAL = 1.3  # taskrt's peak GPU memory against PyTorch's
+BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
+BF16_STEPS = 200
+
+
+def log(message: str) -> None:
+    print(f"[bench gpu] {message}", flush=True)
+
+
+# ---- on the worker ---------------------------------------------------------------------------------
+def reset_peak_memory() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> dict:
+    """Peak bytes since the last reset: allocated by arrays and reserved by torch's caching allocator
+    (from which cupy allocates too, CUDA graphs' private pools included)."""
+    import torch
+
+    torch.cuda.synchronize()
+    return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+
+
+def graph_timings() -> dict:
+    from taskrt import cuda_graphs
+
+    return cuda_graphs.timings()
+
+
+# ---- taskrt ---------------------------------------------------------------------------------------
+def synthetic_for(graph, steps: int, seed: int):
+    """A synthetic dataset of `steps` batches of the graph's shapes."""
+    from taskrt.datasets import Synthetic
+
+    image = graph.inputs[0]
+    classes = graph[graph.losses[0].inputs[0]].shape[1]
+    return Synthetic(image.shape[0] * steps, shape=image.shape[1:], classes=classes, seed=seed)
+
+
+def fit_seconds(trainer, graph, steps: int, seed: int) -> float:
+    """Seconds per step of `trainer.fit` over `steps` batches, as the user waits for them (from the
+    call to its return: the first step's start and the last one's end included)."""
+    data = synthetic_for(graph, steps, seed)
+    started = time.perf_counter()
+    trainer.fit(data, epochs=1, shuffle=False, progress=False)
+    return (time.perf_counter() - started) / steps
+
+
+def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps: int, lr, momentum,
+                   cuda_graphs=True) -> dict:
+    """First loss (on the numpy batch), seconds per step of `fit`, peak memory and graph timings."""
+    from taskrt.trainer import Trainer
+
+    trainer = Trainer(graph, strategy, machine, lr=lr, momentum=momentum, precision=precision,
+                      cuda_graphs=cuda_graphs)
+    out = {"first_loss": trainer.step(x, y)}
+    fit_seconds(trainer, graph, warmup, seed=1)  # warm-up: cuDNN's autotuner, then the graphs' capture
+    machine.client.run(reset_peak_memory)
+    out["step_s"] = fit_seconds(trainer, graph, steps, seed=2)
+    [memory] = machine.client.run(peak_memory).values()
+    out["memory"] = memory
+    if cuda_graphs:
+        [timings] = machine.client.run(graph_timings).values()
+        out["graphs"] = timings
+    del trainer
+    return out
+
+
+# ---- PyTorch --------------------------------------------------------------------------------------
+def measure_peer(graph, params, x, y, precision, warmup: int, steps: int, lr, momentum) -> dict:
+    """First loss, seconds per step waiting for each loss and queueing the steps, peak memory."""
+    import torch
+
+    from bench.torch_peer import TorchPeer, time_steps
+    from ops.precision import set_precision
+
+    set_precision("fp32" if precision == "bf16" else precision)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    peer = TorchPeer(graph, params, lr=lr, momentum=momentum, device="cuda",
+                     autocast="bf16" if precision == "bf16" else None)
+    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+    out = {"first_loss": peer.step(xt, yt)}
+    out["step_s"], _ = time_steps(lambda: peer.step(xt, yt), warmup, steps, device="cuda")
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = peer.step_queued(xt, yt)
+    float(loss)
+    out["queued_step_s"] = (time.perf_counter() - started) / steps
+    out["memory"] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    set_precision("fp32")
+    return out
+
+
+# ---- rows -----------------------------------------------------------------------------------------
+def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: dict | None = None) -> dict:
+    """One network at one precision: taskrt's `fit` step against PyTorch's faster timing, the step's
+    parts, and memory.  `runtime`, `peer`, `eager` as `measure_taskrt` / `measure_peer` return them."""
+    torch_s = min(peer["step_s"], peer["queued_step_s"])
+    ratio = torch_s / runtime["step_s"]
+    row = {"part": part, "model": model, "batch": batch, "precision": precision,
+           "runtime_ms": runtime["step_s"] * 1e3, "runtime_images_per_s": batch / runtime["step_s"],
+           "torch_ms": peer["step_s"] * 1e3, "torch_queued_ms": peer["queued_step_s"] * 1e3,
+           "torch_images_per_s": batch / torch_s, "of_torch": ratio,
+           "goal": "met" if ratio >= GOAL else f"missed ({'above' if ratio >= FLOOR else 'below'} {FLOOR}x)",
+           "first_loss_runtime": runtime["first_loss"], "first_loss_torch": peer["first_loss"],
+           "first_loss_rel_diff": abs(runtime["first_loss"] - peer["first_loss"]) / max(abs(peer["first_loss"]), 1e-30)}
+    graphs = runtime.get("graphs") or {}
+    if graphs:
+        for key in ("replay_ms", "copy_in_ms", "copy_out_ms"):
+            row[key] = sum(g[key] for g in graphs.values())
+        row["rest_ms"] = row["runtime_ms"] - row["replay_ms"] - row["copy_in_ms"] - row["copy_out_ms"]
+    if eager is not None:
+        row["eager_ms"] = eager["step_s"] * 1e3
+        row["launches_ms"] = row["eager_ms"] - row["runtime_ms"]  # what replaying the graphs saves
+    memory, torch_memory = runtime["memory"], peer["memory"]
+    row.update(memory_gib=memory["reserved"] / 2**30, memory_allocated_gib=memory["allocated"] / 2**30,
+               torch_memory_gib=torch_memory["allocated"] / 2**30,
+               torch_reserved_gib=torch_memory["reserved"] / 2**30,
+               memory_of_torch=memory["reserved"] / max(torch_memory["allocated"], 1))
+    return row
+
+
+def step_summary(rows) -> list[str]:
+    lines = []
+    for r in rows:
+        if "runtime_ms" not in r:
+            continue
+        parts = (f"; its parts: graph replay {r['replay_ms']:.1f} ms, copies {r['copy_in_ms'] + r['copy_out_ms']:.1f}"
+                 f" ms, the rest (Dask, data, waiting) {r['rest_ms']:.1f} ms" if "replay_ms" in r else "")
+        eager = f"; kernel by kernel {r['eager_ms']:.0f} ms" if "eager_ms" in r else ""
+        memory = "met" if r["memory_of_torch"] <= MEMORY_GOAL else "missed"
+        lines.append(
+            f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
+            f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "
+            f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}; peak memory "
+            f"{r['memory_gib']:.1f} GiB against PyTorch's {r['torch_memory_gib']:.1f} GiB = "
+            f"{r['memory_of_torch']:.2f}x (goal {MEMORY_GOAL}x: {memory})")
+    timed = [r for r in rows if "first_loss_rel_diff" in r]
+    if timed:
+        worst = max(timed, key=lambda r: r["first_loss_rel_diff"])
+        lines.append(f"first-step losses of taskrt and PyTorch differ by at most {worst['first_loss_rel_diff']:.1e} "
+                     f"(relative; {worst['model']} {worst['precision']})")
+    for r in rows:
+        if "loss_rel_diff" in r:
+            lines.append(f"bf16 against fp32, {r['model']}: mean loss of the last {r['last']} of {r['steps']} steps "
+                         f"{r['loss_bf16']:.4f} against {r['loss_fp32']:.4f} ({r['loss_rel_diff']:.2%}; goal "
+                         f"{BF16_LOSS_GOAL:.0%}: {'met' if r['loss_rel_diff'] <= BF16_LOSS_GOAL else 'missed'})")
+    return lines
+
+
+# ---- parts ----------------------------------------------------------------------------------------
+def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, steps: int, lr, momentum,
+               eager_for=("fp32",)) -> None:
+    """Each network at each precision: taskrt (`fit`, graphs; kernel by kernel at `eager_for`) and PyTorch."""
+    import search
+    from bench.gpu import random_batch, release_gpu_memory
+    from taskrt.machine import Machine
+    from taskrt.params import init_parameters
+
+    with Machine.local(1, gpu=True) as machine:
+        for model, make in networks.items():
+            graph = make()
+            strategy = search.data_parallel(graph, machine)
+            x, y = random_batch(graph)
+            params = init_parameters(graph, 0, "float32")  # what Trainer(seed=0) starts from
+            batch = graph.inputs[0].shape[0]
+            for precision in precisions:
+                log(f"{part}: {model} batch {batch}, {precision}: taskrt")
+                runtime = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, steps, lr, momentum)
+                machine.client.run(release_gpu_memory)
+                eager = None
+                if precision in eager_for:
+                    log(f"{part}: {model} {precision}: taskrt kernel by kernel")
+                    eager = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, max(steps // 2, 3), lr,
+                                           momentum, cuda_graphs=False)
+                    machine.client.run(release_gpu_memory)
+                log(f"{part}: {model} {precision}: PyTorch")
+                peer = measure_peer(graph, params, x, y, precision, warmup, steps, lr, momentum)
+                release_gpu_memory()
+                row = step_row(part, model, batch, precision, runtime, peer, eager)
+                rows.append(row)
+                log("  " + step_summary([row])[0])
+
+
+def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9) -> dict:
+    """LeNet-5 on the bundled digits (a fixed task that learns), `steps` steps at fp32 and at bf16 on
+    one GPU worker: the mean loss of the last `last` steps."""
+    import search
+    from taskrt import models
+    from taskrt.data import epoch_batches, load_digits
+    from taskrt.machine import Machine
+    from taskrt.trainer import Trainer
+
+    graph = models.lenet5(batch=64)
+    x_train, y_train, _, _ = load_digits(image_size=32, seed=0)
+    losses = {}
+    with Machine.local(1, gpu=True) as machine:
+        for precision in ("fp32", "bf16"):
+            trainer = Trainer(graph, search.data_parallel(graph, machine), machine, lr=lr, momentum=momentum,
+                              precision=precision)
+            rng, futures = np.random.default_rng(0), []
+            while len(futures) < steps:
+                for xb, yb in epoch_batches(x_train, y_train, 64, rng):
+                    futures.append(trainer.submit(xb, yb))
+                    if len(futures) == steps:
+                        break
+            losses[precision] = [f.result() for f in futures]
+    fp32, bf16 = statistics.mean(losses["fp32"][-last:]), statistics.mean(losses["bf16"][-last:])
+    return {"part": "bf16", "model": "lenet5 on digits", "steps": steps, "last": last, "loss_fp32": fp32,
+            "loss_bf16": bf16, "loss_rel_diff": abs(bf16 - fp32) / fp32, "losses_fp32": losses["fp32"],
+            "losses_bf16": losses["bf16"]}
