@@ -9,11 +9,14 @@ static copies of its inputs.  Every later call copies its inputs in, replays the
 its outputs out: values the step returns are fresh arrays, as an ordinary call returns, so a value
 Dask still holds (a snapshot's state, a loss not yet read) is never overwritten by a later replay.
 
-A run is captured per input signature (the shapes and dtypes of the values it reads and the
-literal values it was given, such as the learning rate), so a changed learning rate captures
-again.  A run that cannot be captured (it reads a value to the host, computes on numpy arrays)
-warns once and runs as before.  Captures are kept per run name (`FusedRun.program`), the
-`MAX_PROGRAMS` most recently used per worker.  TASKRT_CUDA_GRAPHS=0 turns replay off in a process.
+A run is captured per input signature (the shapes and dtypes of the values it reads, in the order
+its steps first read them, and the literal values it was given, such as the learning rate), so a
+changed learning rate captures again.  Where the values come from does not matter: a step whose
+state arrives as futures (the first step, or after `Executor.cut_lineage`) replays the graph that
+steps reading the state out of the previous run captured.  A run that cannot be captured (it
+reads a value to the host, computes on numpy arrays) warns once and runs as before.  Captures are
+kept per run name (`FusedRun.program`), the `MAX_PROGRAMS` most recently used per worker.
+TASKRT_CUDA_GRAPHS=0 turns replay off in a process.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def call(run, inputs, backend=None):
     program = _program(run.program)
     if program.failed:
         return run.run(inputs)
-    paths = used_paths(run.steps)
+    paths = read_order(run.steps)
     values = [_at(inputs, path) for path in paths]
     leaves, structure = flatten(values, backend.is_array)
     if any(not backend.is_array(leaf) for leaf in leaves):
@@ -178,16 +181,18 @@ def _fall_back(program: Program, run, inputs, why: str):
 
 
 # ---- the values a run reads -------------------------------------------------------------------------
-def used_paths(steps) -> list[tuple]:
-    """Where the run's steps read its inputs: (slot,) for a whole input, (slot, j) for item j of one."""
-    whole, items = set(), set()
+def read_order(steps) -> list[tuple]:
+    """Where the run's steps read its inputs, in the order they first do: (slot,) for a whole input,
+    (slot, j) for item j of one (another run's result).  The same values come in the same order
+    whichever way the run is given them."""
+    order = {}
     for _, _, args in steps:
         for kind, ref in args:
             if kind == "in":
-                whole.add((ref,))
+                order.setdefault((ref,), None)
             elif kind == "item":
-                items.add(tuple(ref))
-    return sorted(whole | {p for p in items if (p[0],) not in whole})
+                order.setdefault(tuple(ref), None)
+    return [p for p in order if len(p) == 1 or (p[0],) not in order]
 
 
 def _at(inputs, path):
