@@ -379,6 +379,9 @@ def earlier_rows(out_dir) -> tuple[dict, dict]:
     record = json.loads(path.read_text())
     rows = {part: record.get(key, []) for part, key in RECORD_KEYS.items()}
     measured = record.get("measured") or {part: record["date"] for part in PARTS}
+    device = (record.get("gpu") or {}).get("gpu")
+    if device:  # parts kept from a run on another GPU say so
+        measured = {part: when if "(" in when else f"{when} ({device})" for part, when in measured.items()}
     return {part: r for part, r in rows.items() if r}, measured
 
 
@@ -414,7 +417,8 @@ def run(out_dir="results", quick=False, parts=PARTS):
             continue
         rows[name].clear()
         meta["seconds"][name] = run_part(name, errors, fn, rows[name], *args)
-        meta["measured"][name] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        meta["measured"][name] = (datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+                                  + f" ({meta['gpu'].get('gpu')})")
         # after every part, so that a run stopped later (a machine's time limit) keeps what it measured
         md = write_report(out_dir, rows, meta, errors)
     print(md.read_text())

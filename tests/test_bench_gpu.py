@@ -171,7 +171,7 @@ def test_report_files(tmp_path):
     kept, when = gpu.earlier_rows(tmp_path)
     assert kept == {"kernels": record["kernels"], "training": record["rows"], "bf16": record["bf16"],
                     "strategies": record["strategies"]}
-    assert when == {part: record["date"] for part in gpu.PARTS}
+    assert when == {part: f"{record['date']} (NVIDIA H100 80GB HBM3)" for part in gpu.PARTS}
     assert gpu.earlier_rows(tmp_path / "nothing") == ({}, {})
 
 
