@@ -65,6 +65,8 @@ class Simulation:
     finish: dict = field(repr=False)
     bytes_moved: int = 0
     cpu_s: float = 0.0  # processor time the step needs, where devices share cores (0: not modeled)
+    # each message between devices: (source, destination, start, end on its link, bytes, reading task)
+    transfers: list = field(repr=False, default_factory=list)
 
     @property
     def critical_device(self) -> int:
@@ -148,7 +150,9 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     start: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}  # (dependency, device) -> when its value is there
 
-    def transfer(src, dst, nbytes, at):
+    booked = []
+
+    def transfer(src, dst, nbytes, at, reader=None):
         """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
         seconds = nbytes / bandwidth[src, dst]
         begin = max(at, link_free[(src, dst)])
@@ -157,6 +161,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             begin = max(begin, nic_out_free[node[src]], nic_in_free[node[dst]])
             nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
         link_free[(src, dst)] = begin + seconds
+        booked.append((src, dst, begin, begin + seconds, nbytes, reader))
         return begin + seconds + latency[src, dst]
 
     waiting, dependents = {}, defaultdict(list)
@@ -228,7 +233,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # So does what is left after the last task ends of the runtime's work (`now`: when it is done).
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, now - origin)
-    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, transfers=booked)
 
 
 def _task_overhead(task, runtime: Runtime) -> float:
@@ -266,7 +271,8 @@ def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> flo
     for src, deps in remote.items():
         missing = [d for d in deps if (d, task.device) not in arrived]
         if missing:
-            when = transfer(src, task.device, sum(plan.nbytes_of(d) for d in missing), ready) + runtime.fetch_s
+            nbytes = sum(plan.nbytes_of(d) for d in missing)
+            when = transfer(src, task.device, nbytes, ready, task.key) + runtime.fetch_s
             for d in missing:
                 arrived[(d, task.device)] = when
         arrival = max(arrival, max(arrived[(d, task.device)] for d in deps))
