@@ -232,7 +232,7 @@ def strategy_doc(scheduler, extra, doc):
 
     update()
     doc.add_periodic_callback(update, 1000)
-    doc.add_root(column(header, row(grid_fig, bytes_fig), time_fig, gantt_fig))
+    doc.add_root(column(header, row(grid_fig, bytes_fig), gantt_fig, time_fig))
 
 
 def _show_profile(fig, bars, profile: dict):

@@ -43,7 +43,9 @@ def write_gantt(profile, path) -> None:
     simulated = profile.simulated_at(step)
     timelines = [t for t in (step, simulated) if t is not None]
     rows = [(device, t) for device in step.devices for t in timelines]
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.75 * len(rows)))
+    height = 2.3 + 0.75 * len(rows)  # inches: the rows, the title above, the axis and legend below
+    fig, ax = plt.subplots(figsize=(14, height))
+    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / height, bottom=1.6 / height)
     labels = []
     for i, (device, timeline) in enumerate(rows):
         y = len(rows) - 1 - i
@@ -70,8 +72,6 @@ def write_gantt(profile, path) -> None:
               PHASE_COLORS.items()]
     legend += [Patch(color=c, label=lane) for lane, c in TRANSFER_COLORS.items()]
     legend += [Patch(color=c, label=name) for name, c in WAIT_COLORS.items()]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (1 + 0.75 * len(rows)) - 0.12),
-              ncol=5, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=5, fontsize=8, frameon=False)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -285,11 +285,9 @@ def _simulated(trainer, cost_model) -> StepTimeline | None:
     from taskrt.fusion import fused_plan
 
     plan, fused = trainer.plan, trainer.executor.fused
-    runtime = cost_model.runtime(plan, fused) if hasattr(cost_model, "runtime") else None
-    simulation = cost_model.simulate(plan, fused) if runtime is None else cost_model.simulate(plan, fused, runtime)
+    simulation = cost_model.simulate(plan, fused)
     runs = fused_plan(plan)[1] if fused else {}
-    return simulated_step(plan, simulation, tuple(range(trainer.machine.num_devices)), 0.0, 0, runs,
-                          0.0 if runtime is None else runtime.task_s)
+    return simulated_step(plan, simulation, tuple(range(trainer.machine.num_devices)), 0.0, 0, runs)
 
 
 def _reference(trainer, plan, arrays) -> dict | None:

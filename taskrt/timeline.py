@@ -271,11 +271,10 @@ def _inputs_ready(key, graph, device_of, ended, arrived, tag) -> tuple:
 
 # ---- simulated ------------------------------------------------------------------------------------
 def simulated_step(plan, simulation, devices, start_s: float = 0.0, step: int = 0, runs: dict | None = None,
-                   task_s: float = 0.0) -> StepTimeline:
+                   ) -> StepTimeline:
     """The simulator's timeline of one step of `plan` (`taskrt.simulate.simulate`'s result), from
     `start_s`.  runs: {Dask task key: plan tasks it runs} of the fused view (`fused_plan`), shown on
-    the 'dask tasks' lane.  task_s: the device's time per Dask task beyond its kernels (the
-    simulator's `Runtime.task_s`), which comes before a task's kernel (as in a fused run), not in it."""
+    the 'dask tasks' lane.  A task's kernel starts after the runtime's own time for its Dask task."""
     from taskrt.plan import TASK
 
     busy, other = [], []
@@ -285,7 +284,8 @@ def simulated_step(plan, simulation, devices, start_s: float = 0.0, step: int = 
         if task.key not in simulation.start:
             continue
         name = short_name(task.key)
-        begin = simulation.start[task.key] + (0.0 if task.key in inside else task_s)  # runs place their own
+        # a run's tasks are placed inside it already (`simulate`), one of its own by its kernel's start
+        begin = simulation.start[task.key] if task.key in inside else simulation.kernel_start[task.key]
         span = Span(task.device, lane_of(name), name, start_s + min(begin, finish[task.key]),
                     start_s + finish[task.key])
         deps = [(finish[d.key], d.key) for d in task.deps if d.kind == TASK and d.key in finish]

@@ -118,13 +118,14 @@ def test_a_simulated_step_shows_every_task_and_transfer_and_adds_up(machine2):
 
     plan = lower(graph, mixed(graph).validated(graph, machine2), "train", 4)
     sim = simulate(plan, lambda task: 1e-3, machine2, Runtime(fused=True, task_s=2e-4, dispatch_s=1e-3))
-    step = simulated_step(plan, sim, (0, 1), 0.5, 3, fused_plan(plan)[1], task_s=2e-4)
+    step = simulated_step(plan, sim, (0, 1), 0.5, 3, fused_plan(plan)[1])
     assert step.start_s == 0.5 and step.wall_s == sim.step_s
     kernels = {s.name: s for s in step.spans if s.lane == KERNELS}
     assert set(kernels) == {short_name(t.key) for t in plan.tasks}
-    for task in plan.tasks:
+    for task in plan.tasks:  # each kernel's 1 ms, after the runtime's 0.2 ms for a task of its own
         span = kernels[short_name(task.key)]
         assert span.device == task.device and span.end_s == pytest.approx(0.5 + sim.finish[task.key])
+        assert span.seconds == pytest.approx(1e-3)
     assert len(step.on(0, TRANSFERS_IN) + step.on(1, TRANSFERS_IN)) == len(sim.transfers) > 0
     assert step.on(0, DASK) and step.on(1, DASK)
     for device in (0, 1):
