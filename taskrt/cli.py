@@ -343,7 +343,7 @@ def main(argv=None):
     prof.add_argument("--trace", default="trace.json", help="the Chrome trace (Perfetto, chrome://tracing)")
     prof.add_argument("--png", default="trace.png", help="the Gantt chart of the last step")
     prof.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
-    prof.add_argument("--lr", type=float, default=0.01)
+    prof.add_argument("--lr", type=float, default=0.001)
     prof.add_argument("--seed", type=int, default=0)
     prof.add_argument("--serve", type=float, default=0.0, help="seconds to keep the dashboard up afterwards")
     prof.set_defaults(func=cmd_profile)

@@ -45,7 +45,7 @@ def write_gantt(profile, path) -> None:
     rows = [(device, t) for device in step.devices for t in timelines]
     height = 2.3 + 0.75 * len(rows)  # inches: the rows, the title above, the axis and legend below
     fig, ax = plt.subplots(figsize=(14, height))
-    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / height, bottom=1.6 / height)
+    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / height, bottom=1.3 / height)
     labels = []
     for i, (device, timeline) in enumerate(rows):
         y = len(rows) - 1 - i
@@ -73,5 +73,5 @@ def write_gantt(profile, path) -> None:
     legend += [Patch(color=c, label=lane) for lane, c in TRANSFER_COLORS.items()]
     legend += [Patch(color=c, label=name) for name, c in WAIT_COLORS.items()]
     fig.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=5, fontsize=8, frameon=False)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

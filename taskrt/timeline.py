@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from taskrt.fusion import export_source
+
 KERNELS, DATA, TRANSFERS_IN, TRANSFERS_OUT, WAITING, DASK = (
     "kernels", "data", "transfers in", "transfers out", "waiting", "dask tasks")
 LANES = (KERNELS, DATA, TRANSFERS_IN, TRANSFERS_OUT, WAITING, DASK)
@@ -184,8 +186,8 @@ def with_waiting(source: str, step: int, start_s: float, wall_s: float, devices,
 # ---- measured -------------------------------------------------------------------------------------
 def measured_step(step: int, tag: str, window: tuple, graph: dict, device_of: dict, records: list,
                   stream: list, transfers: list, devices, origin: float = 0.0) -> StepTimeline:
-    """A profiled step's timeline from what the cluster recorded (times in the scheduler's clock,
-    seconds; `origin` is subtracted from all of them).
+    """A profiled step's timeline from what the cluster recorded (times on one clock, in seconds;
+    `origin` is subtracted from all of them).
 
     window: (start, end) of the step as the client saw it.  graph, device_of: the step's graph
     (key -> (callable, *args)) and each key's device.  records: (Dask key, task key, start, end) of
@@ -214,6 +216,12 @@ def measured_step(step: int, tag: str, window: tuple, graph: dict, device_of: di
                 a, b = clip(ss["start"], ss["stop"])
                 if b > a:
                     other.append(Span(device_of[key], DATA, "disk read", a, b, (("key", short_name(key, tag)),)))
+    # A fused run's value exists when the run ends; the export naming it runs when the scheduler
+    # sends it (a wait for the runtime, not for the value)
+    for key in graph:
+        run, index = export_source(graph, key)
+        if index is not None and run in ended:
+            ended[key] = ended[run]
     arrived = {}  # (Dask key, device) -> when the value was there (the receiver's transfer log)
     busy = []
     for device, peer, start, stop, keys, direction in transfers:
