@@ -19,6 +19,7 @@ import time
 
 PATH = "/taskrt"  # one level, like the dashboard's own pages: Bokeh's static files resolve relative to it
 METADATA_KEY = "taskrt"
+PROFILE_KEY = "taskrt-profile"  # the last profiled step: published once, not with every step
 PUBLISH_EVERY_S = 1.0  # at most one publication per second: a scheduler round trip each
 MEASURE_EVERY_S = 10.0  # reading the transfer logs asks every worker
 MAX_STEPS_SHOWN = 500
@@ -68,11 +69,13 @@ class Publisher:
         self.predicted_s = trainer.strategy.meta.get("predicted_step_s")
         self._last = 0.0
         self._measured, self._measured_at = None, 0.0
-        self.profile = None  # the last profiled step (`profile_data`)
 
     def profiled(self, profile):
         """Show the last step of `profile` (a taskrt.profile.Profile) from now on."""
-        self.profile = profile_data(profile)
+        try:
+            self.trainer.machine.client.set_metadata([PROFILE_KEY], {**profile_data(profile), "updated": time.time()})
+        except Exception as error:  # noqa: BLE001  (the page is a view, as in `publish`)
+            logging.getLogger("taskrt").warning("dashboard page not updated: %r", error)
         self.publish(measure=False)
 
     def step_finished(self, step: int, wall_s: float, force: bool = False):
@@ -88,7 +91,6 @@ class Publisher:
             if measure and trainer.stats is not None:
                 self._measured, self._measured_at = trainer.stats.measured_bytes, time.monotonic()
             data = page_data(trainer, self._measured, self.step_times, self.predicted_s)
-            data["profile"] = self.profile
             trainer.machine.client.set_metadata([METADATA_KEY], data)
         except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must not
             # fail the step; the trainer's own checks deal with the loss)
@@ -209,9 +211,13 @@ def strategy_doc(scheduler, extra, doc):
     gantt_fig.xaxis.axis_label = "ms from the step's start"
     gantt_fig.ygrid.grid_line_color = None
 
-    shown = {"updated": None}
+    shown = {"updated": None, "profile": None}
 
     def update():
+        profiled = scheduler.get_metadata([PROFILE_KEY], default=None)
+        if profiled and profiled["updated"] != shown["profile"]:
+            shown["profile"] = profiled["updated"]
+            _show_profile(gantt_fig, bars, profiled)
         data = scheduler.get_metadata([METADATA_KEY], default=None)
         if not data or data.get("updated") == shown["updated"]:
             return
@@ -227,8 +233,6 @@ def strategy_doc(scheduler, extra, doc):
         steps.data = {"step": [s for s, _ in data["step_times"]], "ms": [t * 1e3 for _, t in data["step_times"]]}
         if data.get("predicted_step_s"):
             predicted.location, predicted.visible = data["predicted_step_s"] * 1e3, True
-        if data.get("profile"):
-            _show_profile(gantt_fig, bars, data["profile"])
 
     update()
     doc.add_periodic_callback(update, 1000)
