@@ -276,3 +276,24 @@ def test_cli_profile_names_a_bad_strategy_before_starting(tmp_path):
         cli.main(["profile", "lenet5", "--strategy", str(tmp_path / "none.json")])
     with pytest.raises(SystemExit, match="unknown model"):
         cli.main(["profile", "lenet6"])
+
+
+@pytest.mark.slow  # calibrates a fresh local(2) cluster's runtime costs and times its parts: a minute or more
+def test_cli_profile_simulates_with_the_cost_model(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    trace = tmp_path / "lenet.json"
+    done = subprocess.run([sys.executable, "-m", "taskrt", "profile", "lenet5", "--batch", "16", "--image-size", "16",
+                           "--steps", "2", "--warmup", "2", "--trace", str(trace), "--png", str(tmp_path / "lenet.png"),
+                           "--cache", str(tmp_path / "costs.json")], capture_output=True, text=True, env=env,
+                          timeout=1200, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "simulated step" in done.stdout and "inconsistent" not in done.stdout
+    other = json.loads(trace.read_text())["otherData"]
+    assert other["simulated_step_ms"] > 0 and len(other["measured_step_ms"]) == 2
+    assert (tmp_path / "lenet.png").stat().st_size > 10_000
