@@ -126,6 +126,81 @@ def _data_parallel(graph, devices):
     return Strategy({l.name: P(n=devices) for l in graph if not l.is_input}, name=f"data-parallel-{devices}")
 
 
+def random_batch(graph, seed: int = 0) -> tuple:
+    """A seeded batch for every input of `graph`: standard normal images, labels of its classes."""
+    from taskrt.data import data_inputs, logits_layer
+
+    rng = np.random.default_rng(seed)
+    classes = graph[logits_layer(graph)].shape[1]
+    return tuple(rng.integers(0, classes, layer.shape) if layer.op.dtype == "int64"
+                 else rng.standard_normal(layer.shape).astype(np.float32) for layer in data_inputs(graph))
+
+
+def profile_cost_model(machine, cache=None):
+    """What `taskrt profile` simulates the plan with: the search's cost model of `machine` (its
+    runtime calibrated and parts timed once, then cached in `cache`)."""
+    from search import CostModel
+
+    return CostModel(machine, cache=cache)
+
+
+def profile_strategy(spec: str, graph, machine, cost_model):
+    """--strategy: 'data-parallel', 'search' (search.optimize under `cost_model`) or a JSON file."""
+    from taskrt.strategy import Strategy
+
+    if spec == "data-parallel":
+        return _data_parallel(graph, machine.num_devices)
+    if spec == "search":
+        import search
+
+        return search.optimize(graph, machine, cost_model)
+    return Strategy.load(spec, graph, machine)
+
+
+def cmd_profile(args):
+    from pathlib import Path
+
+    from taskrt import models
+    from taskrt.dashboard import page_url
+    from taskrt.machine import Machine
+    from taskrt.strategy import StrategyError
+    from taskrt.trainer import Trainer
+
+    kwargs = {k: v for k, v in (("batch", args.batch), ("image_size", args.image_size),
+                                ("num_classes", args.classes)) if v is not None}
+    try:
+        graph = models.get(args.model, **kwargs)
+    except ValueError as error:
+        raise SystemExit(f"taskrt profile: {error}") from None
+    if args.strategy not in ("data-parallel", "search") and not Path(args.strategy).is_file():
+        raise SystemExit(f"--strategy {args.strategy!r}: expected data-parallel, search or a strategy JSON file "
+                         "(taskrt search --out FILE writes one)")
+    for target in (args.trace, args.png):
+        if not Path(target).resolve().parent.is_dir():
+            raise SystemExit(f"cannot write {target}: its directory does not exist")
+    batch = random_batch(graph, args.seed)
+    with Machine.local(args.devices) as machine:
+        cost_model = profile_cost_model(machine, args.cache)
+        try:
+            strategy = profile_strategy(args.strategy, graph, machine, cost_model)
+        except StrategyError as error:
+            raise SystemExit(f"--strategy {args.strategy}: {error}") from None
+        trainer = Trainer(graph, strategy, machine, lr=args.lr, momentum=0.9, seed=args.seed)
+        print(f"{graph.name}, batch {graph.inputs[0].shape[0]}, on {machine.description}, strategy "
+              f"{strategy.name or args.strategy!r}: {args.warmup} step(s) to warm up, then {args.steps} profiled")
+        for _ in range(args.warmup):
+            trainer.step(*batch)
+        profile = trainer.profile(*batch, steps=args.steps, path=args.trace, png=args.png, cost_model=cost_model)
+        print(profile.summary())
+        for problem in profile.check():
+            print(f"inconsistent: {problem}")
+        print(f"the last profiled step on the dashboard: {page_url(machine.client)}")
+        if args.serve:
+            print(f"serving the dashboard for {args.serve:g} s")
+            time.sleep(args.serve)
+    return 0
+
+
 def parse_machine(spec: str, devices: int | None):
     """'simulated:4x4[:P100]' or 'local:2' -> Machine; `devices`, when given, must agree."""
     from taskrt.machine import Machine
@@ -255,6 +330,23 @@ def main(argv=None):
                       help="local machines: time the result and data, model and OWT parallelism a few steps each "
                            "and keep the fastest")
     find.set_defaults(func=cmd_search)
+    prof = sub.add_parser("profile", help="profile training steps of a zoo model into a per-device timeline, "
+                                          "measured beside simulated (Chrome trace and PNG)")
+    prof.add_argument("model", help="lenet5, alexnet, vgg16, inception_v3, resnet50 or splitbrain_vgg")
+    prof.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
+    prof.add_argument("--batch", type=int, help="default: the model's")
+    prof.add_argument("--image-size", type=int, help="default: the network's published size")
+    prof.add_argument("--classes", type=int, help="default: the network's published class count")
+    prof.add_argument("--strategy", default="data-parallel", help="data-parallel (default), search, or a JSON file")
+    prof.add_argument("--steps", type=int, default=3, help="steps profiled")
+    prof.add_argument("--warmup", type=int, default=3, help="steps before, not profiled")
+    prof.add_argument("--trace", default="trace.json", help="the Chrome trace (Perfetto, chrome://tracing)")
+    prof.add_argument("--png", default="trace.png", help="the Gantt chart of the last step")
+    prof.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
+    prof.add_argument("--lr", type=float, default=0.001)
+    prof.add_argument("--seed", type=int, default=0)
+    prof.add_argument("--serve", type=float, default=0.0, help="seconds to keep the dashboard up afterwards")
+    prof.set_defaults(func=cmd_profile)
     sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m bench)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:

@@ -3,6 +3,7 @@
     layers x devices grid: each layer's split (n, c, h, w degrees) and the devices of its parts
     bytes per device pair per step: planned (the plan) and measured (the workers' transfer logs)
     step times: measured per step against the predicted step time
+    the last profiled step (Trainer.profile): per device, measured above simulated
 
 The page is a Bokeh application served by the scheduler's own dashboard.  It registers itself
 when this module is imported before the scheduler starts: Machine.local does so, and a separate
@@ -18,9 +19,11 @@ import time
 
 PATH = "/taskrt"  # one level, like the dashboard's own pages: Bokeh's static files resolve relative to it
 METADATA_KEY = "taskrt"
+PROFILE_KEY = "taskrt-profile"  # the last profiled step: published once, not with every step
 PUBLISH_EVERY_S = 1.0  # at most one publication per second: a scheduler round trip each
 MEASURE_EVERY_S = 10.0  # reading the transfer logs asks every worker
 MAX_STEPS_SHOWN = 500
+MAX_SPANS_SHOWN = 20_000  # of a profiled step, in both timelines
 
 
 def page_url(client) -> str:
@@ -67,6 +70,14 @@ class Publisher:
         self._last = 0.0
         self._measured, self._measured_at = None, 0.0
 
+    def profiled(self, profile):
+        """Show the last step of `profile` (a taskrt.profile.Profile) from now on."""
+        try:
+            self.trainer.machine.client.set_metadata([PROFILE_KEY], {**profile_data(profile), "updated": time.time()})
+        except Exception as error:  # noqa: BLE001  (the page is a view, as in `publish`)
+            logging.getLogger("taskrt").warning("dashboard page not updated: %r", error)
+        self.publish(measure=False)
+
     def step_finished(self, step: int, wall_s: float, force: bool = False):
         self.step_times.append((step, wall_s))
         now = time.monotonic()
@@ -84,6 +95,30 @@ class Publisher:
         except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must not
             # fail the step; the trainer's own checks deal with the loss)
             logging.getLogger("taskrt").warning("dashboard page not updated: %r", error)
+
+
+def profile_data(profile) -> dict:
+    """The last profiled step as plain data for the page: one row per device and source (measured
+    above simulated), its spans as bars (ms from the step's start) in the Gantt chart's bands and
+    colors (taskrt.gantt)."""
+    from taskrt.gantt import BANDS, span_color
+
+    step = profile.last
+    timelines = [t for t in (step, profile.simulated_at(step)) if t is not None]
+    rows = [f"device {d} {t.source}" for d in step.devices for t in timelines]
+    bottom = {row: len(rows) - 1 - i for i, row in enumerate(rows)}  # the first row on top
+    bars = {k: [] for k in ("row", "lane", "name", "left", "right", "y", "height", "color")}
+    for timeline in timelines:
+        for span in [s for s in timeline.spans if s.lane in BANDS][:MAX_SPANS_SHOWN // len(timelines)]:
+            offset, height = BANDS[span.lane]
+            row = f"device {span.device} {timeline.source}"
+            for k, v in (("row", row), ("lane", span.lane), ("name", span.name),
+                         ("left", (span.start_s - timeline.start_s) * 1e3),
+                         ("right", (span.end_s - timeline.start_s) * 1e3),
+                         ("y", bottom[row] + offset + height / 2), ("height", height), ("color", span_color(span))):
+                bars[k].append(v)
+    return {"step": step.step, "rows": rows, "bars": bars,
+            "walls_ms": {t.source: t.wall_s * 1e3 for t in timelines}}
 
 
 # ---- the Bokeh page (runs in the scheduler) ---------------------------------------------------
@@ -168,9 +203,21 @@ def strategy_doc(scheduler, extra, doc):
     time_fig.xaxis.axis_label = "step"
     time_fig.yaxis.axis_label = "ms"
 
-    shown = {"updated": None}
+    bars = ColumnDataSource({k: [] for k in ("row", "lane", "name", "left", "right", "y", "height", "color")})
+    gantt_fig = figure(title="last profiled step: per device, measured above simulated (Trainer.profile)",
+                       width=1280, height=300, toolbar_location=None, visible=False)
+    gantt_fig.hbar(y="y", left="left", right="right", height="height", color="color", source=bars)
+    gantt_fig.add_tools(HoverTool(tooltips=[("", "@row"), ("", "@lane: @name"), ("ms", "@left{0.00} - @right{0.00}")]))
+    gantt_fig.xaxis.axis_label = "ms from the step's start"
+    gantt_fig.ygrid.grid_line_color = None
+
+    shown = {"updated": None, "profile": None}
 
     def update():
+        profiled = scheduler.get_metadata([PROFILE_KEY], default=None)
+        if profiled and profiled["updated"] != shown["profile"]:
+            shown["profile"] = profiled["updated"]
+            _show_profile(gantt_fig, bars, profiled)
         data = scheduler.get_metadata([METADATA_KEY], default=None)
         if not data or data.get("updated") == shown["updated"]:
             return
@@ -189,7 +236,20 @@ def strategy_doc(scheduler, extra, doc):
 
     update()
     doc.add_periodic_callback(update, 1000)
-    doc.add_root(column(header, row(grid_fig, bytes_fig), time_fig))
+    doc.add_root(column(header, row(grid_fig, bytes_fig), gantt_fig, time_fig))
+
+
+def _show_profile(fig, bars, profile: dict):
+    from bokeh.models import FixedTicker
+
+    rows = profile["rows"]
+    fig.yaxis.ticker = FixedTicker(ticks=[len(rows) - 1 - i + 0.5 for i in range(len(rows))])
+    fig.yaxis.major_label_overrides = {len(rows) - 1 - i + 0.5: row for i, row in enumerate(rows)}
+    fig.height = 90 + 45 * len(rows)
+    walls = ", ".join(f"{source} {ms:.1f} ms" for source, ms in profile["walls_ms"].items())
+    fig.title.text = f"last profiled step (step {profile['step']}): per device, measured above simulated; {walls}"
+    bars.data = profile["bars"]
+    fig.visible = True
 
 
 def _header(data: dict) -> str:

@@ -76,6 +76,7 @@ class StepRun:
     finished: float | None = None
     reads: dict | None = None  # what the client waits for on each device (taskrt.worker_reads.reads_of)
     address: dict | None = None  # the devices' worker addresses when the step was sent
+    profiled: dict | None = None  # a profiled step's graph and each key's device (`Executor.profiling`)
 
     def futures(self) -> list:
         return futures_of(output_keys(self.outputs))
@@ -96,6 +97,7 @@ class Executor:
         self.fused = fused
         self.cuda_graphs = cuda_graphs
         self.client = machine.client
+        self.profiling = False  # steps submitted time each task on its worker (taskrt.task_timing)
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
         """Send each input tile straight to its device; returns {(layer, part): future}, or the
@@ -130,6 +132,8 @@ class Executor:
         `buffers`: the batch norms' running statistics, {(layer, group): future}."""
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
                                                self.machine.tag, self.fused, self.cuda_graphs)
+        if self.profiling:  # checked once per step: normal steps' graphs are left as they are
+            dsk = self._profiled(dsk)
         wanted = futures_of(output_keys(outputs))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
@@ -152,7 +156,16 @@ class Executor:
         def device_of(key):
             return device_by_tag[next(iter(restriction[key]))]
 
-        return StepRun(step, tag, plan, out, keys, submitted, reads=reads_of(dsk, device_of, outputs))
+        profiled = {"graph": dsk, "device": {key: device_of(key) for key in dsk}} if self.profiling else None
+        return StepRun(step, tag, plan, out, keys, submitted, reads=reads_of(dsk, device_of, outputs),
+                       profiled=profiled)
+
+    @staticmethod
+    def _profiled(dsk: dict) -> dict:
+        """A step's graph whose tasks time themselves where they run (taskrt.task_timing)."""
+        from taskrt.task_timing import profiled_graph
+
+        return profiled_graph(dsk)
 
     def read_when_done(self, run: StepRun, timeout: float):
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as

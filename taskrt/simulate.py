@@ -65,6 +65,10 @@ class Simulation:
     finish: dict = field(repr=False)
     bytes_moved: int = 0
     cpu_s: float = 0.0  # processor time the step needs, where devices share cores (0: not modeled)
+    # each message between devices: (source, destination, start, end on its link, bytes, reading task)
+    transfers: list = field(repr=False, default_factory=list)
+    # task key -> when its kernel started, after the runtime's own time for the task (`Runtime.task_s`)
+    kernel_start: dict = field(repr=False, default_factory=dict)
 
     @property
     def critical_device(self) -> int:
@@ -148,6 +152,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     start: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}  # (dependency, device) -> when its value is there
 
+    booked, reader = [], [None]  # messages as booked; the task whose inputs are being booked
+
     def transfer(src, dst, nbytes, at):
         """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
         seconds = nbytes / bandwidth[src, dst]
@@ -157,6 +163,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             begin = max(begin, nic_out_free[node[src]], nic_in_free[node[dst]])
             nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
         link_free[(src, dst)] = begin + seconds
+        booked.append((src, dst, begin, begin + seconds, nbytes, reader[0]))
         return begin + seconds + latency[src, dst]
 
     waiting, dependents = {}, defaultdict(list)
@@ -168,11 +175,14 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
         for d in deps:
             dependents[d].append(task)
         if not deps:
+            reader[0] = task.key
             ready = _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime)
             heapq.heappush(pending, (ready, order[task.key], task))
     queued = [[] for _ in range(n)]  # per device, tasks whose inputs are there
-    # device -> [task, remaining seconds of work (run alone), start, slow-down beside another kernel]
+    # device -> [task, remaining seconds of work (run alone), start, slow-down beside another kernel,
+    # the kernel's share of the work]
     running: dict[int, list] = {}
+    kernel_start = {}
     now = origin
 
     # The runtime's work left to do, and its threads: one per device (each worker's event loop takes
@@ -192,7 +202,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
                 _, _, task = heapq.heappop(queued[d])
                 alone = task_time(task)
                 beside = corun_time(task) / alone if alone > 0 else 1.0
-                running[d] = [task, _task_overhead(task, runtime) + alone, now, max(beside, 1.0)]
+                work = _task_overhead(task, runtime) + alone
+                running[d] = [task, work, now, max(beside, 1.0), alone / work if work > 0 else 1.0]
                 start[task.key] = now
                 backlog += per_task_cpu
         speed = share()
@@ -208,12 +219,14 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             backlog = 0.0 if worked_off <= later else backlog - (later - now) * speed * threads
         now = later
         for d in [d for d, item in running.items() if item[1] <= 1e-12]:
-            task, _, began, _ = running.pop(d)
+            task, _, began, _, kernel_share = running.pop(d)
+            kernel_start[task.key] = now - (now - began) * kernel_share
             finish[task.key] = now
             busy[d] += now - began
             for consumer in dependents[task.key]:
                 waiting[consumer.key] -= 1
                 if waiting[consumer.key] == 0:
+                    reader[0] = consumer.key
                     ready = _inputs_ready(consumer, plan, finish, arrived, transfer, origin, runtime)
                     heapq.heappush(pending, (ready, order[consumer.key], consumer))
     if len(finish) != len(plan.tasks):
@@ -228,7 +241,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # So does what is left after the last task ends of the runtime's work (`now`: when it is done).
     read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, now - origin)
-    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved)
+    return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, transfers=booked,
+                      kernel_start=kernel_start)
 
 
 def _task_overhead(task, runtime: Runtime) -> float:

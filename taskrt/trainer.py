@@ -425,6 +425,16 @@ class Trainer:
         """One SGD step on a batch; returns the mean loss over the batch."""
         return self.submit(*data).result()
 
+    def profile(self, *data, steps: int = 3, path="trace.json", png=None, cost_model=None, reference=True):
+        """`steps` training steps on a batch, profiled into per-device timelines, measured beside
+        the cost model's simulation of the same plan; writes them as a Chrome trace (`path`) and a
+        Gantt chart of the last step (`png`, default beside the trace) and shows that step on the
+        dashboard.  Returns a taskrt.profile.Profile (`summary()`: per device busy and waiting).
+        The steps train as any step does; later steps are not profiled.  See taskrt.profile."""
+        from taskrt.profile import profile
+
+        return profile(self, data, steps=steps, path=path, png=png, cost_model=cost_model, reference=reference)
+
     def _cut_lineage(self, run: StepRun):
         """Every CUT_LINEAGE_EVERY steps, give the current state fresh keys once its step is done
         (see Executor.cut_lineage)."""
