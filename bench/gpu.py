@@ -267,7 +267,8 @@ STEP_COLUMNS = [("model", "model"), ("batch", "batch"), ("precision", "precision
 PARTS_COLUMNS = [("model", "model"), ("precision", "precision"), ("runtime_ms", "taskrt step ms"),
                  ("replay_ms", "graph replay ms"), ("copy_in_ms", "inputs in ms"), ("copy_out_ms", "outputs out ms"),
                  ("rest_ms", "the rest ms"), ("eager_ms", "kernel by kernel ms"),
-                 ("launches_ms", "saved by graphs ms"), ("memory_gib", "peak GiB (reserved)"),
+                 ("launches_ms", "saved by graphs ms"), ("profiled_kernels_ms", "profiled: kernels ms"),
+                 ("profiled_waiting_ms", "profiled: waiting ms"), ("memory_gib", "peak GiB (reserved)"),
                  ("memory_allocated_gib", "peak GiB (arrays)"), ("torch_memory_gib", "PyTorch peak GiB"),
                  ("memory_of_torch", "memory / PyTorch")]
 STRATEGY_COLUMNS = [("model", "model"), ("workers", "workers"), ("strategy", "strategy"), ("step_ms", "step ms"),
@@ -318,7 +319,9 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
         markdown_table(STEP_COLUMNS, whole_numbers(training_rows, ("runtime_images_per_s",))), "",
         "Where taskrt's step goes: the CUDA graph's replay alone (its kernels, on the GPU), copying the "
         "step's inputs into the graph and its outputs out, and the rest of the step (Dask, the data read, "
-        "the GPU waiting); the same steps launched kernel by kernel, and what replaying saves. "
+        "the GPU waiting); the same steps launched kernel by kernel, and what replaying saves; a profiled step "
+        "kernel by kernel (`Trainer.profile`, CUDA events around each task: a task's kernels include the GPU "
+        "waiting for its launches), whose Chrome trace is in gpu_traces/. "
         "Peak memory: what torch's caching allocator (which serves cupy too) reserved, against PyTorch's "
         "peak of allocated tensors.", "",
         markdown_table(PARTS_COLUMNS, training_rows + steps), "",
@@ -407,7 +410,8 @@ def run(out_dir="results", quick=False, parts=PARTS):
     steps = {
         "kernels": (kernel_part, {name: NETWORKS[name] for name in KERNEL_NETWORKS if name in networks}
                     or networks, config["kernel_warmup"], config["kernel_repeats"]),
-        "training": (gpu_steps.steps_part, "training", networks, PRECISIONS, *step_args),
+        "training": (gpu_steps.steps_part, "training", networks, PRECISIONS, *step_args, ("fp32",),
+                     Path(out_dir) / "gpu_traces"),
         "bf16": (bf16_part, networks, *step_args),
         "strategies": (strategy_part, config["strategy_network"], config["workers"], config["strategy_repeats"]),
     }

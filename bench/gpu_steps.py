@@ -28,18 +28,30 @@ def log(message: str) -> None:
 
 
 # ---- on the worker ---------------------------------------------------------------------------------
-def reset_peak_memory() -> None:
+def _cuda():
+    """torch, where this process computes on a GPU (None on a CPU worker)."""
+    from taskrt.device import is_gpu
+
+    if not is_gpu():
+        return None
     import torch
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    return torch
+
+
+def reset_peak_memory() -> None:
+    torch = _cuda()
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak_memory() -> dict:
     """Peak bytes since the last reset: allocated by arrays and reserved by torch's caching allocator
-    (from which cupy allocates too, CUDA graphs' private pools included)."""
-    import torch
-
+    (from which cupy allocates too, CUDA graphs' private pools included); zeros on a CPU worker."""
+    torch = _cuda()
+    if torch is None:
+        return {"allocated": 0, "reserved": 0}
     torch.cuda.synchronize()
     return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
 
@@ -70,8 +82,10 @@ def fit_seconds(trainer, graph, steps: int, seed: int) -> float:
 
 
 def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps: int, lr, momentum,
-                   cuda_graphs=True) -> dict:
-    """First loss (on the numpy batch), seconds per step of `fit`, peak memory and graph timings."""
+                   cuda_graphs=True, trace=None) -> dict:
+    """First loss (on the numpy batch), seconds per step of `fit`, peak memory and graph timings;
+    with `trace` (a path), two more steps profiled into a Chrome trace there (`Trainer.profile`:
+    kernels timed with CUDA events, task by task, so never replayed as graphs)."""
     from taskrt.trainer import Trainer
 
     trainer = Trainer(graph, strategy, machine, lr=lr, momentum=momentum, precision=precision,
@@ -85,33 +99,39 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     if cuda_graphs:
         [timings] = machine.client.run(graph_timings).values()
         out["graphs"] = timings
-    del trainer
+    if trace is not None:
+        profiled = trainer.profile(x, y, steps=2, path=str(trace), cost_model=False, reference=False)
+        last = [r for r in profiled.rows() if r["source"] == "measured"]
+        out["profile"] = {"trace": str(trace), **{k: sum(r[k] for r in last) for k in
+                                                  ("wall_s", "busy_s", "kernels_s", "data_s", "waiting_s")}}
     return out
 
 
 # ---- PyTorch --------------------------------------------------------------------------------------
-def measure_peer(graph, params, x, y, precision, warmup: int, steps: int, lr, momentum) -> dict:
+def measure_peer(graph, params, x, y, precision, warmup: int, steps: int, lr, momentum, device="cuda") -> dict:
     """First loss, seconds per step waiting for each loss and queueing the steps, peak memory."""
     import torch
 
     from bench.torch_peer import TorchPeer, time_steps
     from ops.precision import set_precision
 
+    gpu = device == "cuda"
     set_precision("fp32" if precision == "bf16" else precision)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    peer = TorchPeer(graph, params, lr=lr, momentum=momentum, device="cuda",
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    peer = TorchPeer(graph, params, lr=lr, momentum=momentum, device=device,
                      autocast="bf16" if precision == "bf16" else None)
-    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+    xt, yt = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
     out = {"first_loss": peer.step(xt, yt)}
-    out["step_s"], _ = time_steps(lambda: peer.step(xt, yt), warmup, steps, device="cuda")
-    torch.cuda.synchronize()
+    out["step_s"], _ = time_steps(lambda: peer.step(xt, yt), warmup, steps, device=device if gpu else None)
     started = time.perf_counter()
     for _ in range(steps):
         loss = peer.step_queued(xt, yt)
     float(loss)
     out["queued_step_s"] = (time.perf_counter() - started) / steps
-    out["memory"] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    out["memory"] = ({"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+                     if gpu else {"allocated": 0, "reserved": 0})
     set_precision("fp32")
     return out
 
@@ -137,11 +157,16 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
     if eager is not None:
         row["eager_ms"] = eager["step_s"] * 1e3
         row["launches_ms"] = row["eager_ms"] - row["runtime_ms"]  # what replaying the graphs saves
+        if "profile" in eager:  # a profiled step, task by task: kernels (CUDA events), data, waiting
+            profile = eager["profile"]
+            row.update(trace=profile["trace"], **{f"profiled_{k[:-2]}_ms": profile[k] * 1e3 for k in
+                                                  ("wall_s", "kernels_s", "data_s", "waiting_s")})
     memory, torch_memory = runtime["memory"], peer["memory"]
     row.update(memory_gib=memory["reserved"] / 2**30, memory_allocated_gib=memory["allocated"] / 2**30,
                torch_memory_gib=torch_memory["allocated"] / 2**30,
                torch_reserved_gib=torch_memory["reserved"] / 2**30,
-               memory_of_torch=memory["reserved"] / max(torch_memory["allocated"], 1))
+               memory_of_torch=memory["reserved"] / max(torch_memory["allocated"], 1) if torch_memory["allocated"]
+               else None)
     return row
 
 
@@ -153,13 +178,16 @@ def step_summary(rows) -> list[str]:
         parts = (f"; its parts: graph replay {r['replay_ms']:.1f} ms, copies {r['copy_in_ms'] + r['copy_out_ms']:.1f}"
                  f" ms, the rest (Dask, data, waiting) {r['rest_ms']:.1f} ms" if "replay_ms" in r else "")
         eager = f"; kernel by kernel {r['eager_ms']:.0f} ms" if "eager_ms" in r else ""
-        memory = "met" if r["memory_of_torch"] <= MEMORY_GOAL else "missed"
+        if r["memory_of_torch"] is None:
+            memory_line = ""
+        else:
+            verdict = "met" if r["memory_of_torch"] <= MEMORY_GOAL else "missed"
+            memory_line = (f"; peak memory {r['memory_gib']:.1f} GiB against PyTorch's {r['torch_memory_gib']:.1f} "
+                           f"GiB = {r['memory_of_torch']:.2f}x (goal {MEMORY_GOAL}x: {verdict})")
         lines.append(
             f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
             f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "
-            f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}; peak memory "
-            f"{r['memory_gib']:.1f} GiB against PyTorch's {r['torch_memory_gib']:.1f} GiB = "
-            f"{r['memory_of_torch']:.2f}x (goal {MEMORY_GOAL}x: {memory})")
+            f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}{memory_line}")
     timed = [r for r in rows if "first_loss_rel_diff" in r]
     if timed:
         worst = max(timed, key=lambda r: r["first_loss_rel_diff"])
@@ -175,14 +203,20 @@ def step_summary(rows) -> list[str]:
 
 # ---- parts ----------------------------------------------------------------------------------------
 def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, steps: int, lr, momentum,
-               eager_for=("fp32",)) -> None:
-    """Each network at each precision: taskrt (`fit`, graphs; kernel by kernel at `eager_for`) and PyTorch."""
+               eager_for=("fp32",), traces=None, device="cuda") -> None:
+    """Each network at each precision: taskrt (`fit`, graphs; kernel by kernel at `eager_for`, with a
+    profiled step's trace written into the folder `traces`) and PyTorch.  `device` "cpu": CPU workers
+    and a PyTorch on the CPU (to try the part where there is no GPU)."""
+    from pathlib import Path
+
     import search
     from bench.gpu import random_batch, release_gpu_memory
     from taskrt.machine import Machine
     from taskrt.params import init_parameters
 
-    with Machine.local(1, gpu=True) as machine:
+    if traces is not None:
+        Path(traces).mkdir(parents=True, exist_ok=True)
+    with Machine.local(1, gpu=device == "cuda") as machine:
         for model, make in networks.items():
             graph = make()
             strategy = search.data_parallel(graph, machine)
@@ -196,11 +230,12 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
                 eager = None
                 if precision in eager_for:
                     log(f"{part}: {model} {precision}: taskrt kernel by kernel")
+                    trace = None if traces is None else Path(traces) / f"{model}_{precision}.json"
                     eager = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, max(steps // 2, 3), lr,
-                                           momentum, cuda_graphs=False)
+                                           momentum, cuda_graphs=False, trace=trace)
                     machine.client.run(release_gpu_memory)
                 log(f"{part}: {model} {precision}: PyTorch")
-                peer = measure_peer(graph, params, x, y, precision, warmup, steps, lr, momentum)
+                peer = measure_peer(graph, params, x, y, precision, warmup, steps, lr, momentum, device)
                 release_gpu_memory()
                 row = step_row(part, model, batch, precision, runtime, peer, eager)
                 rows.append(row)
