@@ -284,6 +284,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
     (taskrt.fusion); the keys the client and other devices read stay as they are."""
     dsk, device_of, given = {}, {}, set()  # given: tasks standing for the plan's data and state
+    reads = set()  # given tasks that read a dataset: never fused
 
     def add(key, value, device):
         dsk[key] = value
@@ -315,6 +316,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
                 key = step_key((f"{layer}-read", part), tag)
                 if key not in dsk:
                     given.add(add(key, (tile_on_device if home in gpu_devices else read_tile, *tile.args), home))
+                    reads.add(key)
                 return key
             if isinstance(tile, np.ndarray):  # carried by the graph: a task on its device gives it
                 key = step_key((f"{layer}-data", part), tag)
@@ -349,7 +351,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         wanted = set(output_keys(outputs))
         named = {step_key(key, tag) for key in state_read_as_keys(plan)}
         dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
-                                    held_outputs(outputs) - named, frozenset(given))
+                                    held_outputs(outputs) - named, frozenset(given), frozenset(reads))
 
         outputs = map_outputs(outputs, lambda key: RunValue(None, *kept[key]) if key in kept else key)
     outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])

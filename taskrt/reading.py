@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ops.rect import Rect
+from taskrt.datasets import DataReadError
 from taskrt.device import to_device
 
 
@@ -30,14 +31,15 @@ class TileRead:
     indices: np.ndarray  # the step's samples (the whole batch)
     rect: Rect  # the part of the input tensor this device reads
     dtype: str
+    layer: str  # the input layer, for errors
 
     @property
     def args(self) -> tuple:
-        return (self.source, self.field, self.indices, self.rect, self.dtype)
+        return (self.source, self.field, self.indices, self.rect, self.dtype, self.layer)
 
 
-def read_tile(source, field: str, indices, rect: Rect, dtype: str) -> np.ndarray:
-    """The part `rect` of an input tensor whose rows are samples `indices` of `field`: rows
+def read_tile(source, field: str, indices, rect: Rect, dtype: str, layer: str = "") -> np.ndarray:
+    """The part `rect` of input `layer` whose rows are samples `indices` of `field`: rows
     rect.lo[0]:rect.hi[0] of `indices`, each cut to the window of `rect`'s other dimensions, as
     `dtype`.  `source`: a dataset, or the placed array of the field (samples first)."""
     rows = np.asarray(indices)[rect.lo[0]:rect.hi[0]]
@@ -45,12 +47,15 @@ def read_tile(source, field: str, indices, rect: Rect, dtype: str) -> np.ndarray
     if isinstance(source, np.ndarray):
         tile = source[(rows,) + window]
     else:
-        tile = source.read(field, rows, window)
+        try:
+            tile = source.read(field, rows, window)
+        except DataReadError as error:
+            raise DataReadError(f"input {layer!r}, samples {rows.tolist()}: {error}") from None
     return np.ascontiguousarray(tile, dtype=dtype)
 
 
-def tile_on_device(source, field: str, indices, rect: Rect, dtype: str):
+def tile_on_device(source, field: str, indices, rect: Rect, dtype: str, layer: str = ""):
     """A GPU worker's read: the tile read in host memory, then copied to the device (`to_device`).
     The one place where a read tile becomes a device array, for a pinned-memory copy on a side
     stream, or a source that generates its window on the device (taskrt.synthetic takes `xp`)."""
-    return to_device(read_tile(source, field, indices, rect, dtype))
+    return to_device(read_tile(source, field, indices, rect, dtype, layer))

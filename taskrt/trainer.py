@@ -210,6 +210,7 @@ class Trainer:
         self._place_buffers(running)
         self.snapshot = Snapshot(0, params, velocity, running=running)
         self._good = (0, self._state, self._buffers)  # the last finished step's state (see _roll_back)
+        self._rollbacks = 0
         self._bindings: dict = {}  # (id(dataset), with labels) -> taskrt.datasets.Binding
         self._placed: dict = {}  # (id(dataset), field, device) -> (dataset, future of its copy there)
 
@@ -402,7 +403,9 @@ class Trainer:
     def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None, started=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
         checked the devices: a check here could recover, and the recovery replays the log.)"""
-        tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
+        # replays need new keys, and so do steps numbered again after a roll-back (_roll_back)
+        tag = f"{entry.step}-{self._token}" + (f"-b{self._rollbacks}" if self._rollbacks else "") + (
+            f"-r{replay}" if replay else "")
         data = entry.arrays if entry.batch is None else entry.batch
         run = self._run("train", data, entry.step, entry.hyper, tag, check=False, address=address, started=started)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
@@ -420,12 +423,15 @@ class Trainer:
         batch = Batch(self._bind(dataset), batch_indices(dataset, indices, self._batch))
         return self._submit(batch=batch)
 
-    def fit(self, dataset, epochs: int = 1, **options):
-        """Train on `dataset` for `epochs` epochs; returns a taskrt.fit.History.  Options: shuffle,
-        seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch (see taskrt.fit.fit)."""
+    def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
+            eval_dataset=None, prefetch: int = 2, progress: bool = True, lr_schedule=None, on_epoch=None):
+        """Train on `dataset` (taskrt.datasets) for `epochs` epochs of seeded shuffled batches read
+        by the workers, at most `prefetch` steps in flight; returns a taskrt.fit.History (loss per
+        step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
+        `last`: "drop" or "wrap" the last partial batch of an epoch.  See taskrt.fit.fit."""
         from taskrt.fit import fit
 
-        return fit(self, dataset, epochs, **options)
+        return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch)
 
     def evaluate(self, dataset, prefetch: int = 2):
         """Mean loss and accuracy over every sample of `dataset` (taskrt.fit.Evaluation), read by
@@ -449,7 +455,7 @@ class Trainer:
         for layer, name, dtype in batch.binding.fields:
             for part in plan.data.get(layer, ()):
                 source = self._placed_copy(dataset, name, dtype, part.device, address) if dataset.placed else dataset
-                reads[(layer, part.index)] = TileRead(source, name, batch.indices, part.rect, dtype)
+                reads[(layer, part.index)] = TileRead(source, name, batch.indices, part.rect, dtype, layer)
         return reads
 
     def _placed_copy(self, dataset, field: str, dtype: str, device: int, address: dict):
@@ -519,13 +525,16 @@ class Trainer:
 
     def _roll_back(self, error: Exception):
         """A step failed on its own (its data could not be read): it and the steps after it never
-        happened.  Their futures are cancelled and answer `error`, the state goes back to the last
-        finished step's, and training can go on from there; nothing finished is lost."""
+        happened.  Their StepFutures answer `error` (their tasks failed with it: each reads the
+        state of the one before), the state goes back to the last finished step's, and training
+        can go on from there; nothing finished is lost.  (Not `Client.cancel`: cancelling a key
+        whose dependents no client holds fails an assertion in the scheduler, which drops the
+        client's connection and with it every future, the finished state's too.)"""
         step, state, buffers = self._good
-        failed = [f for f in self._in_flight if not f.finished]
-        for future in failed:
-            future._error = error
-        self.machine.client.cancel([f for future in failed for f in future.run.futures()])
+        self._rollbacks += 1
+        for future in self._in_flight:
+            if not future.finished:
+                future._error = error
         self._in_flight = [f for f in self._in_flight if f.finished]
         self._state, self._buffers, self.steps_done = state, buffers, step
         self._log = [entry for entry in self._log if entry.step <= step]
