@@ -3,10 +3,12 @@ client per step and step time, LeNet-5 (batch 64), AlexNet at 64 px (batch 32) a
 px (batch 16) on Machine.local(2) under the searched strategy (search.optimize, costs from the
 default cost cache, measured where missing).
 
-Both paths train on the same batches of one Synthetic dataset, from the same initial parameters,
-so their losses must be equal: the numpy path gets each batch as arrays read on the client
-beforehand (`Trainer.submit`), the dataset path sends only the batch's indices
-(`Trainer.submit_from`: each device reads its own part).  Each path runs `STEPS` steps with two in
+Both paths train on the same batches of one ArrayDataset (SAMPLES samples of seeded synthetic
+values), from the same initial parameters, so their losses must be equal: the numpy path indexes
+the arrays on the client and sends the batch (`Trainer.submit`), the dataset path sends only the
+batch's indices (`Trainer.submit_from`: each device reads its own part of the copy placed on it
+once).  Beside them, the time to generate one batch of the Synthetic source on one core (what a
+device spends when it generates its tiles instead of reading them).  Each path runs `STEPS` steps with two in
 flight (the next submitted before waiting, as `fit` does with prefetch=2), rounds interleaved
 with the order alternating; a round's time per step is its wall time over its steps; medians.
 
@@ -30,7 +32,7 @@ from tqdm import tqdm
 import search
 from bench.report import markdown_table, write_result
 from taskrt import models
-from taskrt.datasets import Synthetic
+from taskrt.datasets import ArrayDataset, Synthetic
 from taskrt.machine import Machine
 from taskrt.trainer import Trainer
 
@@ -44,6 +46,7 @@ HYPER = {"lr": 1e-4, "momentum": 0.9}  # small: random data stays finite
 GOAL_BYTES = 1024  # sample data from the client per step on the dataset path
 STEPS, PREFETCH = 8, 2
 POOL = 8  # distinct batches, used in turn
+SAMPLES = 512
 
 
 def _stream_bytes(dask_scheduler=None) -> int:
@@ -71,6 +74,12 @@ class Counters:
         self.sent["scheduler_to_workers"] += self.client.run_on_scheduler(_stream_bytes) - self._start[1]
 
 
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def pipelined(submit, count: int, first: int) -> tuple[float, list]:
     """Seconds per step of `count` steps (`submit(k)` for k from `first`), PREFETCH in flight; their losses."""
     pending, losses = deque(), []
@@ -88,24 +97,27 @@ def measure(machine, name, graph, strategy, rounds: int) -> dict:
     image = graph.inputs[0]
     batch = image.shape[0]
     classes = graph[graph.losses[0].inputs[0]].shape[1]
-    dataset = Synthetic(4096, shape=image.shape[1:], classes=classes, seed=1)
+    source = Synthetic(SAMPLES, shape=image.shape[1:], classes=classes, seed=1)
+    everything = (slice(None),) * (len(image.shape) - 1)
+    every = np.arange(SAMPLES)
+    x, y = source.read("images", every, everything), source.read("labels", every, ())
+    dataset = ArrayDataset({"images": x, "labels": y}, name="synthetic-arrays")
     rng = np.random.default_rng(0)
-    pool = [rng.choice(len(dataset), batch, replace=False).astype(np.int64) for _ in range(POOL)]
-    everything = (slice(None),) * (image.ndim - 1)
-    arrays = [(dataset.read("images", i, everything), dataset.read("labels", i, ())) for i in pool]
+    pool = [rng.choice(SAMPLES, batch, replace=False).astype(np.int64) for _ in range(POOL)]
+    generate_s = min(_timed(lambda: source.read("images", pool[0], everything)) for _ in range(3))
     trainers = {"numpy": Trainer(graph, strategy, machine, seed=0, **HYPER),
                 "dataset": Trainer(graph, strategy, machine, seed=0, **HYPER)}
-    submit = {"numpy": lambda k: trainers["numpy"].submit(*arrays[k % POOL]),
+    submit = {"numpy": lambda k: trainers["numpy"].submit(x[pool[k % POOL]], y[pool[k % POOL]]),
               "dataset": lambda k: trainers["dataset"].submit_from(dataset, pool[k % POOL])}
     losses = {path: [] for path in trainers}
     for path in trainers:  # warm-up: kernels, placement, first-touch memory
         losses[path] += pipelined(submit[path], 2, 0)[1]
     # what the numpy path scatters straight to workers (no Dask counter sees it): the scheduler's sizes
-    future = trainers["numpy"].submit(*arrays[2 % POOL])
+    future = submit["numpy"](2)
     scattered_keys = [k for k in future.run.keys if isinstance(k, str) and k.startswith("ndarray-")]
     scattered = machine.client.run_on_scheduler(_scattered_nbytes, scattered_keys)
     losses["numpy"].append(future.result())
-    losses["dataset"].append(trainers["dataset"].submit_from(dataset, pool[2 % POOL]).result())
+    losses["dataset"].append(submit["dataset"](2).result())
     times = {path: [] for path in trainers}
     counters = {path: Counters(machine.client) for path in trainers}
     step = 3
@@ -123,11 +135,12 @@ def measure(machine, name, graph, strategy, rounds: int) -> dict:
     row = {"model": name, "batch": batch, "strategy": strategy.name or "searched",
            "input_split": str(strategy[image.name]), "plan_data_bytes": sum(plan.data_nbytes.values()),
            "index_bytes": len(pickle.dumps(pool[0])), "numpy_scattered_bytes": scattered,
-           "losses_equal": losses["numpy"] == losses["dataset"], "rounds": rounds, "steps_per_round": STEPS}
+           "losses_equal": losses["numpy"] == losses["dataset"], "rounds": rounds, "steps_per_round": STEPS,
+           "synthetic_batch_ms": generate_s * 1e3}
     for path in trainers:
         sent = counters[path].sent
-        row[f"{path}_client_to_scheduler_bytes"] = sent["client_to_scheduler"] / steps
-        row[f"{path}_scheduler_to_workers_bytes"] = sent["scheduler_to_workers"] / steps
+        row[f"{path}_client_to_scheduler_bytes"] = round(sent["client_to_scheduler"] / steps)
+        row[f"{path}_scheduler_to_workers_bytes"] = round(sent["scheduler_to_workers"] / steps)
         median = statistics.median(times[path])
         q1, q3 = np.percentile(times[path], [25, 75])
         row[f"{path}_ms"], row[f"{path}_iqr_ms"] = median * 1e3, (q3 - q1) * 1e3
@@ -218,8 +231,9 @@ def run(out_dir="results", quick=False):
         f"What it measures: per training step, the bytes the client sends (Dask's own counters) and the step "
         f"time, for {names} under the searched strategy on Machine.local(2) (two single-threaded worker "
         "processes on this host), once with each batch sent as numpy arrays (`Trainer.submit`) and once with "
-        "only its sample indices sent and each device reading its own part of a Synthetic dataset "
-        f"(`Trainer.submit_from`), {PREFETCH} steps in flight, {rounds} interleaved rounds of {STEPS} steps, medians. "
+        "only its sample indices sent and each device reading its own part of an ArrayDataset placed on it "
+        f"once (`Trainer.submit_from`), {PREFETCH} steps in flight, {rounds} interleaved rounds of {STEPS} steps, "
+        "medians. "
         "Client bytes: the client's batched stream to the scheduler (`Client.scheduler_comm.byte_count`: each "
         "step's graph with what it carries) plus tiles scattered straight to workers (the scheduler's "
         "`TaskState.nbytes`). Most of a step's client bytes are its task graph, the same on both paths.",
@@ -235,7 +249,8 @@ def run(out_dir="results", quick=False):
          ("numpy_scattered_bytes", "scattered, numpy"),
          ("dataset_client_to_scheduler_bytes", "client->scheduler, dataset"),
          ("counted_data_bytes", "batch bytes the counters saw"), ("numpy_iqr_ms", "IQR ms, numpy"),
-         ("dataset_iqr_ms", "IQR ms, dataset"), ("strategy", "strategy")], rows) + "\n")
+         ("dataset_iqr_ms", "IQR ms, dataset"), ("synthetic_batch_ms", "Synthetic batch ms (one core)"),
+         ("strategy", "strategy")], rows) + "\n")
     plot(rows, out_dir)
     print(md.read_text())
     return rows
