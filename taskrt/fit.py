@@ -131,11 +131,14 @@ def check_options(epochs, shuffle, seed, last, prefetch, progress):
 
 
 def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
-        eval_dataset=None, prefetch: int = 2, progress: bool = True, lr_schedule=None, on_epoch=None) -> History:
+        eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None) -> History:
     """Train `trainer` on `dataset` for `epochs` epochs; returns the History.
 
-    `prefetch`: steps in flight at most (submitted, result not yet taken): while one computes,
-    the next ones' reads run on the devices.  `progress`: a progress bar per epoch (on a
+    `prefetch`: steps in flight at most (submitted, result not yet taken).  A step's reads run
+    as soon as the device has nothing ready to compute: on a single-threaded worker, in the wait
+    between two of its runs (the scheduler learning that one ended and sending the next); with
+    3 in flight a step's reads are there during the runs of the step two before, and fill that
+    wait (2 often sends them only after it).  `progress`: a progress bar per epoch (on a
     terminal; none in a log).  `lr_schedule(step, total)`: the learning rate of each step (from
     0 of `total`), else the trainer's.  `on_epoch(EpochStats)`: called after each epoch.
     `eval_dataset`: evaluated after each epoch.  Everything is checked before the first step."""

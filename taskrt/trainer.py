@@ -424,7 +424,7 @@ class Trainer:
         return self._submit(batch=batch)
 
     def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
-            eval_dataset=None, prefetch: int = 2, progress: bool = True, lr_schedule=None, on_epoch=None):
+            eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None):
         """Train on `dataset` (taskrt.datasets) for `epochs` epochs of seeded shuffled batches read
         by the workers, at most `prefetch` steps in flight; returns a taskrt.fit.History (loss per
         step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
