@@ -17,6 +17,8 @@
   ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs;
                Table 1's time to accuracy (local(2) measured, 2/4/8 devices simulated), the batch-norm ablation
   peer         PyTorch on the CPU stepping the same networks, against in-process, local(1) and local(2)
+  data         datasets read by the workers against batches sent from the client: bytes from the client
+               per step (Dask's counters) and step time on 2 local devices
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
 spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds"]
+BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "data"]
 # not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist, elastic and peer take minutes
 # even with --quick (peer also needs the optional torch; ist takes hours without --quick)
 ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer"]

@@ -4,6 +4,8 @@ from ops.rect import Rect  # the region algebra lives beside the region rules in
 from taskrt import models
 from taskrt.checkpoint import CheckpointError, Checkpoints
 from taskrt.config import ParallelConfig
+from taskrt.datasets import ArrayDataset, DataReadError, Dataset, DatasetError, NpyDataset, Synthetic, digits
+from taskrt.fit import EpochStats, Evaluation, History
 from taskrt.graph import Graph, GraphError, Layer, Tensor
 from taskrt.ist import ISTTrainer, LocalSGDTrainer
 from taskrt.lowering import lower
@@ -15,5 +17,6 @@ from taskrt.trainer import Trainer
 __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
     "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "ISTTrainer",
-    "LocalSGDTrainer", "lower", "models",
+    "LocalSGDTrainer", "lower", "models", "Dataset", "ArrayDataset", "NpyDataset", "Synthetic", "digits",
+    "DatasetError", "DataReadError", "History", "EpochStats", "Evaluation",
 ]

@@ -16,39 +16,25 @@ def cosine_lr(base: float, step: int, total: int) -> float:
 
 
 def train_digits(trainer, epochs: int, batch: int, lr: float, seed: int, out=sys.stdout):
-    """Train on the digits, printing loss per epoch with a progress bar; returns (test accuracy, seconds)."""
-    from tqdm import tqdm
-
-    from taskrt.data import epoch_batches, load_digits
+    """Train on the digits through the dataset path (`Trainer.fit`: the workers hold the images
+    and read their own part of each batch), printing loss and test accuracy per epoch with a
+    progress bar; returns (test accuracy, seconds)."""
+    from taskrt.datasets import digits
 
     size = trainer.graph.inputs[0].shape[-1]
-    x_train, y_train, x_test, y_test = load_digits(image_size=size, seed=seed)
-    print(f"digits: {len(x_train)} training and {len(x_test)} test images, {size}x{size}, "
-          f"scikit-learn's bundled copy", file=out)
-    rng = np.random.default_rng(seed)
-    steps_per_epoch = len(x_train) // batch
-    total, step = epochs * steps_per_epoch, 0
+    train, test = digits(image_size=size, seed=seed)
+    print(f"digits: {len(train)} training and {len(test)} test images, {size}x{size}, scikit-learn's bundled "
+          f"copy, placed once on the devices that read them; each step sends only its {batch} sample indices",
+          file=out)
     start = time.perf_counter()
-    for epoch in range(1, epochs + 1):
-        losses = []
-        bar = tqdm(epoch_batches(x_train, y_train, batch, rng), total=steps_per_epoch, leave=False,
-                   desc=f"epoch {epoch}/{epochs}", file=out, dynamic_ncols=True,
-                   disable=None)  # a bar on a terminal, none in a log
-        pending = None
-        for x, y in bar:
-            trainer.lr = cosine_lr(lr, step, total)
-            # submit the next step before waiting for this one: its data is on its way meanwhile
-            future = trainer.submit(x, y)
-            if pending is not None:
-                losses.append(pending.result())
-                bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            pending = future
-            step += 1
-        losses.append(pending.result())
-        accuracy = float((trainer.predict(x_test).argmax(axis=1) == y_test).mean())
-        print(f"epoch {epoch:2d}  loss {np.mean(losses):.4f}  test accuracy {accuracy:.2%}  "
-              f"({time.perf_counter() - start:.1f} s)", file=out, flush=True)
-    return accuracy, time.perf_counter() - start
+
+    def report(epoch):
+        print(f"epoch {epoch.epoch:2d}  loss {epoch.loss:.4f}  test accuracy {epoch.eval_accuracy:.2%}  "
+              f"({epoch.seconds:.1f} s, {time.perf_counter() - start:.1f} s in all)", file=out, flush=True)
+
+    history = trainer.fit(train, epochs=epochs, seed=seed, eval_dataset=test,
+                          lr_schedule=lambda step, total: cosine_lr(lr, step, total), on_epoch=report)
+    return history.eval_accuracy[-1], time.perf_counter() - start
 
 
 def lenet_mixed_strategy(graph):

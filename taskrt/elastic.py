@@ -42,11 +42,21 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class LoggedStep:
-    """What replaying a step needs: its inputs and hyper-parameters."""
+    """What replaying a step needs: its inputs and hyper-parameters.  A step fed from numpy arrays
+    keeps them (`arrays`); a step read from a dataset keeps only which samples it read (`batch`:
+    a `taskrt.datasets.Batch`, the dataset by reference), and its replay reads them again."""
 
     step: int
-    arrays: dict
+    arrays: dict | None
     hyper: dict
+    batch: object = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of sample data (arrays or indices) the log keeps for this step."""
+        if self.batch is not None:
+            return int(self.batch.indices.nbytes)
+        return sum(int(a.nbytes) for a in self.arrays.values())
 
 
 def snapshot_interval(snapshot_s: float, step_s: float, share: float = SNAPSHOT_SHARE) -> int:

@@ -26,6 +26,7 @@ from taskrt.fusion import RunValue, export_source, fuse, held_outputs, run_of, s
 from taskrt.inprocess import data_tiles
 from taskrt.machine import MachineError, resource_tag
 from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan, keys_of, map_outputs, output_keys
+from taskrt.reading import TileRead, read_tile, tile_on_device
 from taskrt.tasks import Received
 from taskrt.worker_reads import TIMED_OUT, ask, reads_of
 from taskrt.worker_setup import INLINE
@@ -150,7 +151,7 @@ class Executor:
             return RunValue(None, by_key[key.run], key.index) if isinstance(key, RunValue) else by_key[key]
 
         out = map_outputs(outputs, held)
-        keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, np.ndarray)}
+        keys = set(dsk) | {f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))}
         device_by_tag = {self.machine.tag(d.id): d.id for d in self.machine.devices}
 
         def device_of(key):
@@ -285,8 +286,11 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     part's sum, logits, gradient sums) is brought back to host memory there ('<layer>-host'),
     so nothing but the step's data crosses between host and device inside a step.
 
-    `data`: {(input layer, part): the future of its scattered tile, or the tile itself, which a
-    task on its device then gives ('<layer>-data')}.
+    `data`: {(input layer, part): the future of its scattered tile, the tile itself, which a
+    task on its device then gives ('<layer>-data'), or a `TileRead`, which a task on its device
+    reads from a dataset ('<layer>-read'; on a GPU device `tile_on_device`)}.  Like the
+    '-data' tasks, reads are not fused into the device's runs: the next step's run as soon as
+    it is submitted.
     `state`, `buffers`: {name: the future of a value, or a `RunValue` of a value kept in the run
     that computed it}.  A task on the run's device reads a kept value out of the run, fused, or
     out of a getitem there ('<layer>-state', '<layer>-running'); a task elsewhere reads the getitem.
@@ -299,6 +303,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     `cuda_graphs`: each fused run of a GPU device is named the same at every step of `plan`, so that
     its worker replays it as a CUDA graph (`taskrt.cuda_graphs`)."""
     dsk, device_of, given = {}, {}, set()  # given: tasks standing for the plan's data and state
+    reads = set()  # given tasks that read a dataset: never fused
 
     def add(key, value, device):
         dsk[key] = value
@@ -326,6 +331,12 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         if dep.kind == DATA:
             home, tile = plan.device_of(dep), data[dep.key]
             layer, part = dep.key
+            if isinstance(tile, TileRead):  # read on its device from a dataset (taskrt.reading)
+                key = step_key((f"{layer}-read", part), tag)
+                if key not in dsk:
+                    given.add(add(key, (tile_on_device if home in gpu_devices else read_tile, *tile.args), home))
+                    reads.add(key)
+                return key
             if isinstance(tile, np.ndarray):  # carried by the graph: a task on its device gives it
                 key = step_key((f"{layer}-data", part), tag)
             elif home not in gpu_devices:
@@ -366,7 +377,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
                 return f"{plan.mode}-{uid}/dev{device}/{index}" if device in gpu_devices else None
 
         dsk, device_of, kept = fuse(dsk, device_of, wanted, lambda device, stage: (f"dev{device}-fused-it{tag}", stage),
-                                    held_outputs(outputs) - named, frozenset(given), program)
+                                    held_outputs(outputs) - named, frozenset(given), frozenset(reads), program)
 
         outputs = map_outputs(outputs, lambda key: RunValue(None, *kept[key]) if key in kept else key)
     outputs["done"] = step_done_keys(outputs, lambda key: export_source(dsk, key)[0])

@@ -115,11 +115,12 @@ def stages(dsk: dict, device: dict, given=frozenset()) -> dict:
     return stage
 
 
-def groups_of(dsk: dict, device: dict, given=frozenset()) -> dict:
+def groups_of(dsk: dict, device: dict, given=frozenset(), apart=frozenset()) -> dict:
     """key -> its group (device, 2 * stage + 0 for the half whose values another device reads,
-    with what it needs in the group, 1 for the rest; -1 for the tasks `given_elsewhere`, which stay
-    as they are); `dsk` in dependency order."""
-    stage, given = stages(dsk, device, given), given_elsewhere(dsk, device, given)
+    with what it needs in the group, 1 for the rest; -1 for the tasks `given_elsewhere` and those
+    of `apart` (tasks of `given` kept as tasks of their own wherever they are read), which stay as
+    they are); `dsk` in dependency order."""
+    stage, given = stages(dsk, device, given), given_elsewhere(dsk, device, given) | (set(apart) & set(given))
     remote = set()  # values a task on another device reads
     for key, (_, *args) in dsk.items():
         remote.update(a for a in args if _is_key(a, dsk) and device[a] != device[key])
@@ -133,7 +134,7 @@ def groups_of(dsk: dict, device: dict, given=frozenset()) -> dict:
 
 
 def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=frozenset(),
-         program=None) -> tuple[dict, dict, dict]:
+         apart=frozenset(), program=None) -> tuple[dict, dict, dict]:
     """(fused graph, device of each of its keys, {held key: (run, index)}).  `dsk` maps key ->
     (callable, *args) in dependency order, args being keys of `dsk`, `RunValue`s or values;
     `outputs`: keys the client reads; `name(device, index)` gives a group's key.  The fused graph
@@ -145,10 +146,12 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=fr
     none of whose values another group of the step reads keeps them in its result, with no task
     to name each: a Dask key costs the scheduler, the worker and the client's reports about 0.8 ms
     on Machine.local(1) (a LeNet-5 step with its state and loss kept: 19.3 against 24.5 ms with
-    each named).  They are returned as (run, index).  `given`: see `given_elsewhere`.
+    each named).  They are returned as (run, index).  `given`: see `given_elsewhere`; `apart`:
+    tasks of `given` never fused, even where only their own device reads them (a step's reads
+    from a dataset, which then run as soon as the step is submitted: `taskrt.reading`).
     `program(device, index)`: the run's `FusedRun.program` (None where not given)."""
     groups: dict[tuple, list] = {}
-    for key, group in groups_of(dsk, device, given).items():
+    for key, group in groups_of(dsk, device, given, apart).items():
         groups.setdefault(group, []).append(key)
     group_of = {key: g for g, keys in groups.items() for key in keys}
     read_by_tasks = set()

@@ -3,6 +3,8 @@
     trainer = Trainer(graph, strategy, machine, lr=0.05, momentum=0.9, seed=0)
     loss = trainer.step(images, labels)        # numpy in, float out
     run = trainer.submit(images, labels)       # same, without waiting: several steps may be in flight
+    history = trainer.fit(dataset, epochs=3)   # a taskrt.datasets dataset, read by the workers (taskrt.fit)
+    run = trainer.submit_from(dataset, indices)  # one step of the samples `indices`, read by the workers
     trainer.save("ckpt.npz"); Trainer.load("ckpt.npz", machine)
 
 Parameters live on their devices between steps: each shard's master copy and velocity on its
@@ -10,10 +12,15 @@ server device, as the futures the last step's update returned.
 
 Lost workers: the trainer keeps a snapshot of parameters and momentum on the client (every
 `snapshot_every` steps; by default as often as keeps its cost under 5% of the step time) and the
-inputs of the steps since.  When a device's worker dies or its values are lost, the next `step`,
-`submit` or `result()` re-plans on the devices left (re-searched when the strategy came from
-`search.optimize`, otherwise re-mapped, each layer keeping its split where it can), restores the
-snapshot, replays the steps since it and goes on, with one warning naming what was lost.
+inputs of the steps since (of a step read from a dataset, only its sample indices).  When a
+device's worker dies or its values are lost, the next `step`, `submit` or `result()` re-plans on
+the devices left (re-searched when the strategy came from `search.optimize`, otherwise re-mapped,
+each layer keeping its split where it can), restores the snapshot, replays the steps since it
+(reading a dataset's samples again) and goes on, with one warning naming what was lost.
+
+A step whose data cannot be read (a dataset file gone or cut short while training) raises
+taskrt.datasets.DataReadError; it and the steps submitted after it never happen, and the
+parameters stay those of the last finished step.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ops.rect import Rect
 from taskrt.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
 from taskrt.data import batches_for_predict, bind_inputs, logits_layer
+from taskrt.datasets import Batch, DataReadError, batch_indices, bind_dataset
 from taskrt.device import to_device
 from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
 from taskrt.executor import Executor, StepRun, futures_of
@@ -42,6 +50,7 @@ from taskrt.lowering import lower
 from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
+from taskrt.reading import TileRead
 from taskrt.strategy import Strategy
 from taskrt.worker_reads import TIMED_OUT
 
@@ -97,11 +106,14 @@ class StepFuture:
 
     def __init__(self, trainer, run: StepRun):
         self._trainer, self.run, self._loss = trainer, run, None
+        self._error = None  # why the step never finished (see Trainer._roll_back)
 
     def result(self) -> float:
         """Wait for the step (its loss, and the runs that computed its new parameters: see
         `taskrt.fusion.step_done_keys`) and return the loss.  Earlier steps finish first; a lost
         worker is recovered from (the step replayed) on the way."""
+        if self._error is not None:
+            raise self._error
         if self._loss is None:
             trainer = self._trainer
             for earlier in list(trainer._in_flight):
@@ -114,6 +126,9 @@ class StepFuture:
                     break
                 except DeviceLost as lost:
                     trainer._recover(lost)  # gives this future the run that replays its step
+                except DataReadError as error:  # the step's data could not be read: it never happened
+                    trainer._roll_back(error)
+                    raise
             else:
                 raise MachineError(f"step {self.run.step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
             # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
@@ -121,10 +136,11 @@ class StepFuture:
             self._loss = float(total / trainer._batch)
             trainer._finished(self.run)
             trainer._cut_lineage(self.run)
+            trainer._keep_good(self.run)
         return self._loss
 
     def done(self) -> bool:
-        return self.finished or all(f.done() for f in self.run.futures())
+        return self.finished or self._error is not None or all(f.done() for f in self.run.futures())
 
     @property
     def finished(self) -> bool:
@@ -195,6 +211,10 @@ class Trainer:
         self._place(params, velocity)
         self._place_buffers(running)
         self.snapshot = Snapshot(0, params, velocity, running=running)
+        self._good = (0, self._state, self._buffers)  # the last finished step's state (see _roll_back)
+        self._rollbacks = 0
+        self._bindings: dict = {}  # (id(dataset), with labels) -> taskrt.datasets.Binding
+        self._placed: dict = {}  # (id(dataset), field, device) -> (dataset, future of its copy there)
 
     # ---- plans and state --------------------------------------------------------------------
     def _plan(self, mode):
@@ -375,7 +395,8 @@ class Trainer:
         if address is None:
             address = self._check_state(step) if check else self.machine.addresses()
         plan = self._plan(mode)
-        futures = self.executor.scatter(plan, data, address)
+        futures = self._reads(plan, data, address) if isinstance(data, Batch) else self.executor.scatter(
+            plan, data, address)
         tag = tag or f"{step}-{self._token}"
         run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers)
         run.submitted, run.address = started, address
@@ -384,22 +405,78 @@ class Trainer:
     def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None, started=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
         checked the devices: a check here could recover, and the recovery replays the log.)"""
-        tag = f"{entry.step}-{self._token}" + (f"-r{replay}" if replay else "")  # replays need new keys
-        run = self._run("train", entry.arrays, entry.step, entry.hyper, tag, check=False, address=address,
-                        started=started)
+        # replays need new keys, and so do steps numbered again after a roll-back (_roll_back)
+        tag = f"{entry.step}-{self._token}" + (f"-b{self._rollbacks}" if self._rollbacks else "") + (
+            f"-r{replay}" if replay else "")
+        data = entry.arrays if entry.batch is None else entry.batch
+        run = self._run("train", data, entry.step, entry.hyper, tag, check=False, address=address, started=started)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
         self._buffers = run.outputs["buffers"]
         return run
 
     def submit(self, *data) -> StepFuture:
         """Start one training step without waiting for it; returns a StepFuture."""
-        arrays = bind_inputs(self.graph, data, self.dtype)
+        return self._submit(arrays=bind_inputs(self.graph, data, self.dtype))
+
+    def submit_from(self, dataset, indices) -> StepFuture:
+        """Start one training step on samples `indices` of `dataset` (a taskrt.datasets dataset),
+        without waiting for it: only the indices leave the client; each device reads its part of
+        the batch itself (taskrt.reading)."""
+        batch = Batch(self._bind(dataset), batch_indices(dataset, indices, self._batch))
+        return self._submit(batch=batch)
+
+    def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
+            eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None):
+        """Train on `dataset` (taskrt.datasets) for `epochs` epochs of seeded shuffled batches read
+        by the workers, at most `prefetch` steps in flight; returns a taskrt.fit.History (loss per
+        step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
+        `last`: "drop" or "wrap" the last partial batch of an epoch.  See taskrt.fit.fit."""
+        from taskrt.fit import fit
+
+        return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch)
+
+    def evaluate(self, dataset, prefetch: int = 2):
+        """Mean loss and accuracy over every sample of `dataset` (taskrt.fit.Evaluation), read by
+        the workers in batches of the graph's batch size."""
+        from taskrt.fit import evaluate
+
+        return evaluate(self, dataset, prefetch)
+
+    def _bind(self, dataset, with_labels: bool = True):
+        """`dataset` checked against the graph once (taskrt.datasets.bind_dataset)."""
+        binding = self._bindings.get((id(dataset), with_labels))
+        if binding is None or binding.dataset is not dataset:
+            binding = bind_dataset(self.graph, dataset, self.dtype, with_labels)
+            self._bindings[(id(dataset), with_labels)] = binding
+        return binding
+
+    def _reads(self, plan, batch: Batch, address: dict) -> dict:
+        """{(input layer, part): TileRead} of a step read from a dataset: each part reads its Rect."""
+        dataset = batch.binding.dataset
+        reads = {}
+        for layer, name, dtype in batch.binding.fields:
+            for part in plan.data.get(layer, ()):
+                source = self._placed_copy(dataset, name, dtype, part.device, address) if dataset.placed else dataset
+                reads[(layer, part.index)] = TileRead(source, name, batch.indices, part.rect, dtype, layer)
+        return reads
+
+    def _placed_copy(self, dataset, field: str, dtype: str, device: int, address: dict):
+        """The future of `field` of `dataset` on `device`: sent once (per trainer and machine view)."""
+        key = (id(dataset), field, device)
+        held = self._placed.get(key)
+        if held is None or held[0] is not dataset or held[1].status in LOST_STATUSES:
+            [future] = self.machine.client.scatter([dataset.array(field, dtype)], workers=[address[device]],
+                                                   hash=False, direct=True)
+            self._placed[key] = held = (dataset, future)
+        return held[1]
+
+    def _submit(self, arrays=None, batch=None) -> StepFuture:
         if self._in_flight and len(self._in_flight) >= MAX_IN_FLIGHT:
             self._in_flight.pop(0).result()  # bounds the history Dask keeps (see _cut_lineage)
         started = time.perf_counter()  # the step's time begins with checking its devices, as in _run
         address = self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
         self.steps_done += 1
-        entry = LoggedStep(self.steps_done, arrays, self._hyper())
+        entry = LoggedStep(self.steps_done, arrays, self._hyper(), batch)
         if self.elastic:
             self._log.append(entry)
         try:
@@ -448,6 +525,32 @@ class Trainer:
             self._state = self.executor.cut_lineage(self._state, run.tag)
         if self._buffers is run.outputs["buffers"] and self._buffers:
             self._buffers = self.executor.cut_lineage(self._buffers, f"{run.tag}.running")
+
+    def _keep_good(self, run: StepRun):
+        """Remember the state step `run.step` computed, the last finished step's (see _roll_back)."""
+        if run.step <= self._good[0]:
+            return
+        if self.steps_done == run.step:  # the current state, perhaps under fresh keys (_cut_lineage)
+            self._good = (run.step, self._state, self._buffers)
+        else:
+            self._good = (run.step, run.outputs["state"], run.outputs["buffers"])
+
+    def _roll_back(self, error: Exception):
+        """A step failed on its own (its data could not be read): it and the steps after it never
+        happened.  Their StepFutures answer `error` (their tasks failed with it: each reads the
+        state of the one before), the state goes back to the last finished step's, and training
+        can go on from there; nothing finished is lost.  (Not `Client.cancel`: cancelling a key
+        whose dependents no client holds fails an assertion in the scheduler, which drops the
+        client's connection and with it every future, the finished state's too.)"""
+        step, state, buffers = self._good
+        self._rollbacks += 1
+        for future in self._in_flight:
+            if not future.finished:
+                future._error = error
+        self._in_flight = [f for f in self._in_flight if f.finished]
+        self._state, self._buffers, self.steps_done = state, buffers, step
+        self._log = [entry for entry in self._log if entry.step <= step]
+        self._pending = [pending for pending in self._pending if pending[0] <= step]
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
@@ -513,19 +616,23 @@ class Trainer:
 
     def predict(self, x) -> np.ndarray:
         """Logits for any number of samples, in batches of the graph's batch size."""
-        target = logits_layer(self.graph)
-        shape = self.graph[target].shape
+        logits_layer(self.graph)  # one loss layer, or a clear error before any work
         x = np.asarray(x)
         out = []
         for chunk, used in batches_for_predict(self.graph, x):
             arrays = bind_inputs(self.graph, (chunk,), self.dtype, with_labels=False)
-            run = self._run("predict", arrays, self._aux_tag("predict"))
-            tiles = self._gather(run.outputs["logits"], run.step)
-            logits = np.empty(shape, dtype=self.dtype)
-            for part, tile in zip(self.strategy[target].parts(shape), tiles):
-                logits[part.rect.relative_to(Rect.full(shape))] = tile
-            out.append(logits[:used])
+            out.append(self._logits(self._run("predict", arrays, self._aux_tag("predict")))[:used])
         return np.concatenate(out)
+
+    def _logits(self, run: StepRun) -> np.ndarray:
+        """The logits a predict run computed, as one numpy array of the batch."""
+        target = logits_layer(self.graph)
+        shape = self.graph[target].shape
+        tiles = self._gather(run.outputs["logits"], run.step)
+        logits = np.empty(shape, dtype=self.dtype)
+        for part, tile in zip(self.strategy[target].parts(shape), tiles):
+            logits[part.rect.relative_to(Rect.full(shape))] = tile
+        return logits
 
     # ---- snapshots and recovery -------------------------------------------------------------
     def _plan_snapshot(self, run: StepRun):
@@ -566,6 +673,7 @@ class Trainer:
                 self._use(live)
                 self._place(self.snapshot.params, self.snapshot.velocity)
                 self._place_buffers({**init_buffers(self.graph, self.dtype), **(self.snapshot.running or {})})
+                restored = (self.snapshot.step, self._state, self._buffers)
                 runs = {entry.step: self._run_logged(entry, replay=len(self.recoveries) * MAX_RECOVERIES + attempt)
                         for entry in self._log}
                 break
@@ -574,9 +682,14 @@ class Trainer:
                     raise  # not a lost device: a real error
         else:
             raise MachineError(f"workers kept being lost ({MAX_RECOVERIES} times in a row) while recovering")
+        unfinished = {future.run.step for future in self._in_flight if not future.finished}
         for future in self._in_flight:
             if not future.finished and future.run.step in runs:
                 future.run = runs[future.run.step]
+        # the last step already finished before the loss is the one a failed read rolls back to
+        finished = [step for step in runs if step not in unfinished]
+        self._good = restored if not finished else (
+            max(finished), runs[max(finished)].outputs["state"], runs[max(finished)].outputs["buffers"])
         gone = sorted(set(before) - set(live))
         record = {
             "at_step": self.steps_done, "reason": lost.reason, "lost_devices": gone,
@@ -617,6 +730,7 @@ class Trainer:
             strategy = remap(self._given_strategy.validated(self.graph, whole), live)
         view.client.run(set_precision, self.precision)  # restarted workers start with the default
         self.machine, self._live = view, live
+        self._placed = {}  # the devices are numbered anew: datasets are placed again as they are read
         self.executor = Executor(view, self.executor.fused, self.executor.cuda_graphs)
         self.strategy = strategy.validated(self.graph, view)
         self._plans, self._memory = {}, None

@@ -1,0 +1,237 @@
+"""Training on a dataset: epochs of seeded shuffled batches, read by the workers (`Trainer.fit`).
+
+    history = trainer.fit(train, epochs=10, eval_dataset=test)
+    history.losses, history.epoch_seconds, history.eval_accuracy
+    trainer.evaluate(test)                      # Evaluation(loss, accuracy, samples)
+
+The graph's batch size is fixed, so an epoch whose length it does not divide either drops its
+last samples ("drop") or fills the last batch from the start of the next epoch's order ("wrap":
+epochs then run into one another, every sample of every epoch is used).  Epoch `e`'s order is
+the permutation the seed gives for `e` alone, so the same seed gives the same batches, and any
+epoch's batches can be found without the ones before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
+
+from taskrt.datasets import DatasetError
+
+LAST = ("drop", "wrap")  # what becomes of an epoch's last partial batch
+MAX_PREFETCH = 4  # steps in flight at most: Trainer.submit waits beyond its MAX_IN_FLIGHT
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """One epoch of `fit`: its steps' mean loss and wall time, and the evaluation after it."""
+
+    epoch: int  # from 1
+    steps: int
+    loss: float  # mean of the steps' losses
+    seconds: float  # from the first step's submission to the last step's result
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    eval_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class History:
+    """What `fit` did: the loss of every step, in order, and each epoch's summary."""
+
+    losses: tuple
+    epochs: tuple  # EpochStats
+
+    @property
+    def epoch_seconds(self) -> tuple:
+        return tuple(e.seconds for e in self.epochs)
+
+    @property
+    def epoch_losses(self) -> tuple:
+        return tuple(e.loss for e in self.epochs)
+
+    @property
+    def eval_loss(self) -> tuple:
+        return tuple(e.eval_loss for e in self.epochs if e.eval_loss is not None)
+
+    @property
+    def eval_accuracy(self) -> tuple:
+        return tuple(e.eval_accuracy for e in self.epochs if e.eval_accuracy is not None)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Mean cross-entropy loss and accuracy over `samples` samples."""
+
+    loss: float
+    accuracy: float
+    samples: int
+
+
+def epoch_order(length: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """The samples of epoch `epoch` (from 0) in the order they are used."""
+    if not shuffle:
+        return np.arange(length, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(length).astype(np.int64)
+
+
+def steps_per_epoch(length: int, batch: int, epochs: int, last: str) -> list[int]:
+    """How many steps each epoch takes.  With "wrap", a step belongs to the epoch of its first sample."""
+    if last == "drop":
+        return [length // batch] * epochs
+    starts = range(0, epochs * length, batch)  # each step's first position in the epochs run end to end
+    return [sum(1 for s in starts if s // length == e) for e in range(epochs)]
+
+
+def batches(length: int, batch: int, epochs: int, seed: int, shuffle: bool, last: str):
+    """Yields (epoch, indices) of every step, in order (see `steps_per_epoch`)."""
+    if last == "drop":
+        for epoch in range(epochs):
+            order = epoch_order(length, epoch, seed, shuffle)
+            for start in range(0, length - batch + 1, batch):
+                yield epoch, order[start:start + batch]
+        return
+    orders = {}
+
+    def order_of(epoch):  # two at most at a time: the current epoch's and the next one's
+        if epoch not in orders:
+            if len(orders) > 1:
+                del orders[min(orders)]
+            orders[epoch] = epoch_order(length, epoch, seed, shuffle)
+        return orders[epoch]
+
+    for start in range(0, epochs * length, batch):
+        positions = np.arange(start, start + batch)
+        epoch_of = positions // length
+        indices = np.empty(batch, dtype=np.int64)
+        for e in np.unique(epoch_of):
+            where = epoch_of == e
+            indices[where] = order_of(int(e))[positions[where] - e * length]
+        yield start // length, indices
+
+
+def check_options(epochs, shuffle, seed, last, prefetch, progress):
+    for what, value in (("epochs", epochs), ("prefetch", prefetch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a positive int, got {value!r}")
+    if prefetch > MAX_PREFETCH:
+        raise ValueError(f"prefetch must be at most {MAX_PREFETCH} (steps in flight), got {prefetch}")
+    if last not in LAST:
+        raise ValueError(f"last must be one of {', '.join(map(repr, LAST))} (the graph's batch size is fixed: "
+                         f"drop the last partial batch, or fill it from the next epoch's order), got {last!r}")
+    for what, value in (("shuffle", shuffle), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{what} must be True or False, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
+        eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None) -> History:
+    """Train `trainer` on `dataset` for `epochs` epochs; returns the History.
+
+    `prefetch`: steps in flight at most (submitted, result not yet taken).  A step's reads run
+    as soon as the device has nothing ready to compute: on a single-threaded worker, in the wait
+    between two of its runs (the scheduler learning that one ended and sending the next); with
+    3 in flight a step's reads are there during the runs of the step two before, and fill that
+    wait (2 often sends them only after it).  `progress`: a progress bar per epoch (on a
+    terminal; none in a log).  `lr_schedule(step, total)`: the learning rate of each step (from
+    0 of `total`), else the trainer's.  `on_epoch(EpochStats)`: called after each epoch.
+    `eval_dataset`: evaluated after each epoch.  Everything is checked before the first step."""
+    from tqdm import tqdm
+
+    check_options(epochs, shuffle, seed, last, prefetch, progress)
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
+    batch = trainer._batch
+    trainer._bind(dataset)
+    if len(dataset) < batch:
+        raise DatasetError(f"dataset {dataset.name!r} has {len(dataset)} samples, fewer than the batch of {batch} "
+                           f"that graph {trainer.graph.name!r} takes; use a larger dataset or a graph with a "
+                           "smaller batch")
+    if eval_dataset is not None:
+        trainer._bind(eval_dataset)
+    counts = steps_per_epoch(len(dataset), batch, epochs, last)
+    total = sum(counts)
+    losses, summaries = [], []
+    stream = (indices for _, indices in batches(len(dataset), batch, epochs, seed, shuffle, last))
+    for epoch, count in enumerate(counts):
+        start = time.perf_counter()
+        bar = tqdm(total=count, desc=f"epoch {epoch + 1}/{epochs}", leave=False, dynamic_ncols=True,
+                   disable=None if progress else True)  # None: a bar on a terminal, none in a log
+        try:
+            epoch_losses = _steps(trainer, dataset, stream, count, prefetch, lr_schedule, len(losses), total, bar)
+        finally:
+            bar.close()
+        summary = EpochStats(epoch + 1, count, float(np.mean(epoch_losses)) if epoch_losses else float("nan"),
+                             time.perf_counter() - start)
+        losses += epoch_losses
+        if eval_dataset is not None:
+            started = time.perf_counter()
+            result = evaluate(trainer, eval_dataset, prefetch)
+            summary = EpochStats(summary.epoch, summary.steps, summary.loss, summary.seconds, result.loss,
+                                 result.accuracy, time.perf_counter() - started)
+        summaries.append(summary)
+        if on_epoch is not None:
+            on_epoch(summary)
+    return History(tuple(losses), tuple(summaries))
+
+
+def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, bar) -> list[float]:
+    """`count` steps of `stream` (index arrays), at most `prefetch` in flight; their losses."""
+    pending, losses = deque(), []
+
+    def take():
+        losses.append(pending.popleft().result())
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+
+    for indices in islice(stream, count):
+        if len(pending) >= prefetch:
+            take()
+        if lr_schedule is not None:
+            trainer.lr = float(lr_schedule(step, total))
+        pending.append(trainer.submit_from(dataset, indices))
+        step += 1
+    while pending:
+        take()
+    return losses
+
+
+def evaluate(trainer, dataset, prefetch: int = 2) -> Evaluation:
+    """Mean cross-entropy and accuracy of `trainer`'s network over every sample of `dataset`: the
+    workers read the images in batches (the last one filled with sample 0, its rows unused), the
+    client reads the labels."""
+    from taskrt.data import data_inputs
+    from taskrt.datasets import Batch
+
+    binding = trainer._bind(dataset)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= MAX_PREFETCH:
+        raise ValueError(f"prefetch must be an int in [1, {MAX_PREFETCH}], got {prefetch!r}")
+    (label_layer,) = [l.name for l in data_inputs(trainer.graph) if l.op.dtype == "int64"]
+    labels = np.asarray(dataset.read(binding.field_of(label_layer), np.arange(len(dataset)), ()), dtype=np.int64)
+    batch, length = trainer._batch, len(dataset)
+    losses, correct, runs = [], 0, deque()
+
+    def take():
+        run, used, rows = runs.popleft()
+        logits = trainer._logits(run)[:used].astype(np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+        losses.append(log_z - logits[np.arange(used), labels[rows]])
+        return int((logits.argmax(axis=1) == labels[rows]).sum())
+
+    for start in range(0, length, batch):
+        rows = np.arange(start, min(start + batch, length))
+        indices = np.zeros(batch, dtype=np.int64)
+        indices[:len(rows)] = rows
+        if len(runs) >= prefetch:
+            correct += take()
+        runs.append((trainer._run("predict", Batch(binding, indices), trainer._aux_tag("eval")), len(rows), rows))
+    while runs:
+        correct += take()
+    return Evaluation(float(np.concatenate(losses).mean()), correct / length, length)
