@@ -281,7 +281,10 @@ def mapped(npy: NpyFile, where: str) -> np.memmap:
 class Synthetic(Dataset):
     """`length` samples of `shape` with labels in [0, classes), never stored: each value is a pure
     function of (seed, sample, position) (`taskrt.synthetic`), so a device generates only the
-    window it reads.  Fields "images" (values in [-1, 1)) and "labels"."""
+    window it reads (on a GPU worker, on the device itself: `generated`).  Fields "images" (values
+    in [-1, 1)) and "labels"."""
+
+    generated = True  # read(..., xp=cupy) computes the values where they are needed
 
     length: int
     shape: tuple = (3, 224, 224)

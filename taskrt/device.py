@@ -166,9 +166,48 @@ async def to_host_async(x, poll_s: float = 0.0005):
 _streams: dict = {}
 
 
-def _copy_stream():
+def _copy_stream(name: str = "copy"):
+    """A stream of this worker's own for copies ("copy": to the host, "in": to the device), one that
+    does not wait for the legacy stream the kernels run on."""
     import cupy
 
-    if "copy" not in _streams:
-        _streams["copy"] = cupy.cuda.Stream(non_blocking=True)
-    return _streams["copy"]
+    if name not in _streams:
+        _streams[name] = cupy.cuda.Stream(non_blocking=True)
+    return _streams[name]
+
+
+MAX_STAGING = 16  # pinned buffers kept for copies to the device (a few steps of reads ahead)
+_staging: list = []  # (pinned memory, event of the copy that last read it)
+
+
+def to_device_async(tile: np.ndarray):
+    """A host array on this worker's GPU without waiting for the GPU: copied into pinned memory, then
+    to the device on a stream of its own, which the kernels' (legacy) stream waits for.  A read of
+    step k+1 then overlaps step k's kernels; a copy from pageable memory (`to_device`) waits for
+    them.  Each pinned buffer is used again once its copy has ended."""
+    import cupy
+
+    tile = np.ascontiguousarray(tile)
+    stream = _copy_stream("in")
+    memory = _pinned(max(tile.nbytes, 1))
+    host = np.frombuffer(memory, tile.dtype, tile.size).reshape(tile.shape)
+    np.copyto(host, tile)
+    out = cupy.empty(tile.shape, tile.dtype)
+    out.set(host, stream=stream)
+    event = stream.record()
+    cupy.cuda.Stream.null.wait_event(event)
+    _staging.append((memory, event))
+    return out
+
+
+def _pinned(nbytes: int):
+    import cupy
+
+    for i, (memory, event) in enumerate(_staging):
+        if memory.size() >= nbytes and event.done:
+            del _staging[i]
+            return memory
+    while len(_staging) >= MAX_STAGING:  # the oldest copy has surely ended by now; wait if not
+        memory, event = _staging.pop(0)
+        event.synchronize()
+    return cupy.cuda.alloc_pinned_memory(nbytes)

@@ -55,7 +55,18 @@ def read_tile(source, field: str, indices, rect: Rect, dtype: str, layer: str = 
 
 
 def tile_on_device(source, field: str, indices, rect: Rect, dtype: str, layer: str = ""):
-    """A GPU worker's read: the tile read in host memory, then copied to the device (`to_device`).
-    The one place where a read tile becomes a device array, for a pinned-memory copy on a side
-    stream, or a source that generates its window on the device (taskrt.synthetic takes `xp`)."""
-    return to_device(read_tile(source, field, indices, rect, dtype, layer))
+    """A GPU worker's read, without waiting for the GPU: a source that generates its values
+    (`Synthetic`, `taskrt.synthetic`) computes the window on the device from the step's indices;
+    any other is read in host memory and copied through pinned memory on a stream of its own
+    (`taskrt.device.to_device_async`), so the copy overlaps the kernels of the step before."""
+    from taskrt.device import is_gpu, to_device_async
+
+    if not is_gpu():  # a CPU worker standing in for a GPU device (tests): the host read
+        return to_device(read_tile(source, field, indices, rect, dtype, layer))
+    if getattr(source, "generated", False):
+        import cupy
+
+        rows = to_device_async(np.asarray(indices, dtype=np.int64)[rect.lo[0]:rect.hi[0]])
+        window = tuple(slice(lo, hi) for lo, hi in zip(rect.lo[1:], rect.hi[1:]))
+        return cupy.ascontiguousarray(source.read(field, rows, window, xp=cupy, dtype=dtype).astype(dtype, copy=False))
+    return to_device_async(read_tile(source, field, indices, rect, dtype, layer))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from math import prod
 
+import numpy as np
+
 MAX_SAMPLES = 2**32  # sample indices and flat positions are hashed as 32-bit integers
 MAX_VALUES = 2**32
 _SEED_SALT, _LABEL_SALT, _POSITION_MUL = 0x3C6EF372, 0x5BD1E995, 0x9E3779B9
@@ -27,8 +29,10 @@ def _mix(xp, x):
 
 
 def sample_keys(xp, seed: int, indices):
-    """One uint32 per sample: the hash of (seed, index)."""
-    seed_key = _mix(xp, xp.asarray([seed % 2**32], dtype=xp.uint32) ^ xp.uint32(_SEED_SALT))
+    """One uint32 per sample: the hash of (seed, index).  The seed's hash is computed on the host and
+    enters the device's kernels as an argument: a device array made from host values would be a
+    copy that can wait for the device's queued work."""
+    seed_key = _mix(np, np.asarray([seed % 2**32], dtype=np.uint32) ^ np.uint32(_SEED_SALT))[0]
     return _mix(xp, xp.asarray(indices).astype(xp.uint32) ^ seed_key)
 
 
@@ -44,7 +48,8 @@ def values(xp, seed: int, indices, shape: tuple, window: tuple, dtype="float32")
         position = position + axis.reshape((1,) * d + (-1,) + (1,) * (len(shape) - d - 1))
     keys = sample_keys(xp, seed, indices).reshape((-1,) + (1,) * len(shape))
     bits = _mix(xp, (position[None] * xp.uint32(_POSITION_MUL)) ^ keys) >> xp.uint32(8)
-    return bits.astype(dtype) * xp.asarray(2.0**-23, dtype=dtype) - xp.asarray(1.0, dtype=dtype)
+    scalar = np.dtype(dtype).type
+    return bits.astype(dtype) * scalar(2.0**-23) - scalar(1.0)
 
 
 def labels(xp, seed: int, indices, classes: int):

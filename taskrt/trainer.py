@@ -151,8 +151,10 @@ class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
                  fused=True, cuda_graphs=True):
-        """`precision`: float32 on GPU workers, strict "fp32" (the default) or "tf32" (tensor cores,
-        about 1e-3 relative error); it is set on every worker of the machine.  CPU kernels ignore it.
+        """`precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
+        1e-3 relative error) or "bf16" (convolutions and products in bfloat16, everything else and
+        the parameters float32: `ops.precision`); it is set on every worker of the machine.  CPU
+        kernels ignore it.
 
         `snapshot_every`: steps between the snapshots a lost worker is recovered from ("auto": as
         often as keeps a snapshot's cost under 5% of the step time; None: no recovery, a lost

@@ -87,8 +87,8 @@ def test_adapted_steps_compute_what_one_device_computes(machine4, pretend_gpus, 
 
 def test_trainer_precision_is_checked_and_set_on_the_workers(machine4):
     g = graph()
-    with pytest.raises(ValueError, match="precision must be one of 'fp32', 'tf32', got 'bf16'"):
-        Trainer(g, mixed(g), machine4, precision="bf16")
+    with pytest.raises(ValueError, match="precision must be one of 'fp32', 'tf32', 'bf16', got 'fp16'"):
+        Trainer(g, mixed(g), machine4, precision="fp16")
     Trainer(g, mixed(g), machine4, precision="tf32")
     try:
         from ops.precision import get_precision
