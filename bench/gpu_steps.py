@@ -242,9 +242,10 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
                 log("  " + step_summary([row])[0])
 
 
-def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9) -> dict:
+def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9, device="cuda") -> dict:
     """LeNet-5 on the bundled digits (a fixed task that learns), `steps` steps at fp32 and at bf16 on
-    one GPU worker: the mean loss of the last `last` steps."""
+    one GPU worker (`device` "cpu": a CPU worker, where bf16 changes nothing): the mean loss of the
+    last `last` steps."""
     import search
     from taskrt import models
     from taskrt.data import epoch_batches, load_digits
@@ -254,7 +255,7 @@ def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9
     graph = models.lenet5(batch=64)
     x_train, y_train, _, _ = load_digits(image_size=32, seed=0)
     losses = {}
-    with Machine.local(1, gpu=True) as machine:
+    with Machine.local(1, gpu=device == "cuda") as machine:
         for precision in ("fp32", "bf16"):
             trainer = Trainer(graph, search.data_parallel(graph, machine), machine, lr=lr, momentum=momentum,
                               precision=precision)

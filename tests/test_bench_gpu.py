@@ -193,3 +193,29 @@ def test_random_batch_fits_the_graph():
     x, y = gpu.random_batch(graph)
     assert x.shape == graph.inputs[0].shape and x.dtype == np.float32
     assert y.shape == (4,) and y.min() >= 0 and y.max() < 10
+
+
+@pytest.mark.slow
+def test_the_step_part_runs_end_to_end_on_cpu_workers(tmp_path):
+    """The training part's orchestration (fit on a synthetic dataset, the profiled trace, the PyTorch
+    peer, the row) on CPU workers and PyTorch's CPU kernels: what the GPU run does, less the GPU."""
+    pytest.importorskip("torch")
+    rows = []
+    networks = {"lenet5": lambda: models.lenet5(batch=8, image_size=16, width=0.5)}
+    gpu_steps.steps_part(rows, "training", networks, ("fp32",), 2, 3, 1e-3, 0.9, ("fp32",), tmp_path / "traces",
+                         device="cpu")
+    [row] = rows
+    assert row["runtime_ms"] > 0 and row["torch_ms"] > 0 and row["eager_ms"] > 0
+    assert row["first_loss_rel_diff"] < 1e-5  # the same network, parameters and batch
+    assert row["memory_of_torch"] is None  # no GPU memory to compare
+    trace = json.loads((tmp_path / "traces" / "lenet5_fp32.json").read_text())
+    assert trace["traceEvents"] and row["profiled_kernels_ms"] > 0
+    assert "goal" in gpu_steps.step_summary(rows)[0]
+
+
+@pytest.mark.slow
+def test_the_bf16_loss_check_runs_on_a_cpu_worker():
+    row = gpu_steps.bf16_loss_row(steps=12, last=4, device="cpu")
+    assert len(row["losses_fp32"]) == len(row["losses_bf16"]) == 12
+    assert row["loss_rel_diff"] == 0.0  # CPU kernels ignore the precision
+    assert "goal 2%: met" in gpu_steps.step_summary([row])[0]
