@@ -12,6 +12,7 @@ queueing its steps (reading the last loss only); the comparison takes the faster
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -59,7 +60,7 @@ def peak_memory() -> dict:
 def graph_timings() -> dict:
     from taskrt import cuda_graphs
 
-    return cuda_graphs.timings()
+    return {"timings": cuda_graphs.timings(), "failed": cuda_graphs.stats()["failed"]}
 
 
 # ---- taskrt ---------------------------------------------------------------------------------------
@@ -97,8 +98,8 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     [memory] = machine.client.run(peak_memory).values()
     out["memory"] = memory
     if cuda_graphs:
-        [timings] = machine.client.run(graph_timings).values()
-        out["graphs"] = timings
+        [graphs] = machine.client.run(graph_timings).values()
+        out["graphs"], out["graphs_failed"] = graphs["timings"], graphs["failed"]
     if trace is not None:
         profiled = trainer.profile(x, y, steps=2, path=str(trace), cost_model=False, reference=False)
         last = [r for r in profiled.rows() if r["source"] == "measured"]
@@ -150,6 +151,8 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
            "first_loss_runtime": runtime["first_loss"], "first_loss_torch": peer["first_loss"],
            "first_loss_rel_diff": abs(runtime["first_loss"] - peer["first_loss"]) / max(abs(peer["first_loss"]), 1e-30)}
     graphs = runtime.get("graphs") or {}
+    if runtime.get("graphs_failed"):  # runs that fell back to launching kernel by kernel, and why
+        row["graphs_failed"] = runtime["graphs_failed"]
     if graphs:
         for key in ("replay_ms", "copy_in_ms", "copy_out_ms"):
             row[key] = sum(g[key] for g in graphs.values())
@@ -175,6 +178,7 @@ def step_summary(rows) -> list[str]:
     for r in rows:
         if "runtime_ms" not in r:
             continue
+        failed = f"; runs NOT replayed as graphs: {r['graphs_failed']}" if r.get("graphs_failed") else ""
         parts = (f"; its parts: graph replay {r['replay_ms']:.1f} ms, copies {r['copy_in_ms'] + r['copy_out_ms']:.1f}"
                  f" ms, the rest (Dask, data, waiting) {r['rest_ms']:.1f} ms" if "replay_ms" in r else "")
         eager = f"; kernel by kernel {r['eager_ms']:.0f} ms" if "eager_ms" in r else ""
@@ -187,7 +191,7 @@ def step_summary(rows) -> list[str]:
         lines.append(
             f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
             f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "
-            f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}{memory_line}")
+            f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}{memory_line}{failed}")
     timed = [r for r in rows if "first_loss_rel_diff" in r]
     if timed:
         worst = max(timed, key=lambda r: r["first_loss_rel_diff"])
@@ -226,6 +230,7 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
             for precision in precisions:
                 log(f"{part}: {model} batch {batch}, {precision}: taskrt")
                 runtime = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, steps, lr, momentum)
+                gc.collect()  # the trainer (in reference cycles) lets go of its state on the worker
                 machine.client.run(release_gpu_memory)
                 eager = None
                 if precision in eager_for:
@@ -233,6 +238,7 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
                     trace = None if traces is None else Path(traces) / f"{model}_{precision}.json"
                     eager = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, max(steps // 2, 3), lr,
                                            momentum, cuda_graphs=False, trace=trace)
+                    gc.collect()
                     machine.client.run(release_gpu_memory)
                 log(f"{part}: {model} {precision}: PyTorch")
                 peer = measure_peer(graph, params, x, y, precision, warmup, steps, lr, momentum, device)
