@@ -5,8 +5,10 @@
 #
 #   OUT=/some/dir PARTS=training,bf16 bench/gpu_session.sh
 #
-# OUT (default results/gpu_logs/<date>): where logs and results go.  PARTS: the parts of `bench gpu`
-# (default: training,bf16,strategies).  TEST_S, BENCH_S: seconds for the tests and the benchmark.
+# OUT (default results/gpu_logs/<date>): where logs and results go; the parts not run keep their rows
+# from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies).  TESTS,
+# TESTS_K: test files and pytest's -k (default: the gpu-marked tests of two files, but the search's).  TEST_S, BENCH_S: seconds for the
+# tests and the benchmark (TEST_S=0: no tests).  The traces come back as one archive (gpu_traces.tar.gz).
 # Wheels the machine lacks (dask, distributed, ...: see the GPU machine's README) are installed from
 # .whl/ when that folder is there.
 set -uo pipefail
@@ -19,12 +21,20 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-echo "== tests ($(date -u +%T))"
-timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::DeprecationWarning \
-  tests/test_gpu.py tests/test_torch_kernels.py 2>&1 | tee "$OUT/pytest.txt" | tail -n 25
+[ -f "$OUT/gpu.json" ] || [ ! -f results/gpu.json ] || cp results/gpu.json "$OUT/"
+if [ "${TEST_S:-180}" != 0 ]; then
+  echo "== tests ($(date -u +%T))"
+  # shellcheck disable=SC2086
+  timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::DeprecationWarning \
+    -k "${TESTS_K:-not search}" ${TESTS:-tests/test_gpu.py tests/test_torch_kernels.py} 2>&1 \
+    | tee "$OUT/pytest.txt" | tail -n 25
+fi
 echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies} ($(date -u +%T))"
 timeout "${BENCH_S:-420}" python3 -m bench.gpu --parts "${PARTS:-training,bf16,strategies}" --out "$OUT" \
   > "$OUT/bench.txt" 2>&1
 echo "bench exit $?"
 grep -E "^\[bench gpu\]|Error|error" "$OUT/bench.txt" | tail -n 60
+if [ -d "$OUT/gpu_traces" ]; then
+  tar -czf "$OUT/gpu_traces.tar.gz" -C "$OUT" gpu_traces && rm -r "$OUT/gpu_traces"
+fi
 echo "== done ($(date -u +%T))"
