@@ -17,6 +17,7 @@ others still run; `--parts` runs some and keeps the others' rows from the last g
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import json
 import subprocess
@@ -407,12 +408,16 @@ def run(out_dir="results", quick=False, parts=PARTS):
     meta["measured"] = {part: measured[part] for part in kept if part not in parts}
     networks = QUICK_NETWORK if quick else {name: NETWORKS[name] for name in config["networks"]}
     step_args = (config["step_warmup"], config["steps"], LR, MOMENTUM)
+
+    def report():
+        return write_report(out_dir, rows, meta, errors)
+
     steps = {
         "kernels": (kernel_part, {name: NETWORKS[name] for name in KERNEL_NETWORKS if name in networks}
                     or networks, config["kernel_warmup"], config["kernel_repeats"]),
-        "training": (gpu_steps.steps_part, "training", networks, PRECISIONS, *step_args, ("fp32",),
-                     Path(out_dir) / "gpu_traces"),
-        "bf16": (bf16_part, networks, *step_args),
+        "training": (functools.partial(gpu_steps.steps_part, on_row=report), "training", networks, PRECISIONS,
+                     *step_args, ("fp32",), Path(out_dir) / "gpu_traces"),
+        "bf16": (functools.partial(bf16_part, on_row=report), networks, *step_args),
         "strategies": (strategy_part, config["strategy_network"], config["workers"], config["strategy_repeats"]),
     }
     meta["seconds"] = {}
@@ -424,13 +429,13 @@ def run(out_dir="results", quick=False, parts=PARTS):
         meta["measured"][name] = (datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
                                   + f" ({meta['gpu'].get('gpu')})")
         # after every part, so that a run stopped later (a machine's time limit) keeps what it measured
-        md = write_report(out_dir, rows, meta, errors)
+        md = report()
     print(md.read_text())
     return {**rows, "errors": errors}
 
 
-def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum) -> None:
-    gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=())
+def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum, on_row=None) -> None:
+    gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=(), on_row=on_row)
     log("bf16: LeNet-5 on the digits, fp32 and bf16")
     row = gpu_steps.bf16_loss_row()
     rows.append(row)

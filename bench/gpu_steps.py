@@ -207,10 +207,11 @@ def step_summary(rows) -> list[str]:
 
 # ---- parts ----------------------------------------------------------------------------------------
 def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, steps: int, lr, momentum,
-               eager_for=("fp32",), traces=None, device="cuda") -> None:
+               eager_for=("fp32",), traces=None, device="cuda", on_row=None) -> None:
     """Each network at each precision: taskrt (`fit`, graphs; kernel by kernel at `eager_for`, with a
     profiled step's trace written into the folder `traces`) and PyTorch.  `device` "cpu": CPU workers
-    and a PyTorch on the CPU (to try the part where there is no GPU)."""
+    and a PyTorch on the CPU (to try the part where there is no GPU).  `on_row()`: called after each
+    row (to write the report as the part goes: a machine lent for minutes may stop it)."""
     from pathlib import Path
 
     import search
@@ -246,6 +247,8 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
                 row = step_row(part, model, batch, precision, runtime, peer, eager)
                 rows.append(row)
                 log("  " + step_summary([row])[0])
+                if on_row is not None:
+                    on_row()
 
 
 def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9, device="cuda") -> dict:
