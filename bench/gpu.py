@@ -43,11 +43,11 @@ PRECISIONS = ("fp32", "tf32")
 # The networks of parts a-c at the batch sizes of the PyTorch peer measurements.
 NETWORKS = {
     "alexnet": lambda: models.alexnet(batch=128, image_size=224),
-    "vgg16": lambda: models.vgg16(batch=64, image_size=224),
     "inception_v3": lambda: models.inception_v3(batch=64, image_size=299),
     "resnet50": lambda: models.resnet50(batch=64, image_size=224),
+    "vgg16": lambda: models.vgg16(batch=64, image_size=224),
 }
-KERNEL_NETWORKS = ("alexnet", "vgg16", "inception_v3")
+KERNEL_NETWORKS = ("alexnet", "vgg16", "inception_v3")  # part a's, in this order
 # Part d: small enough that search, four strategies and two machine sizes fit in a minute or two.
 STRATEGY_NETWORK = {"vgg16_32": lambda: models.vgg16(batch=64, image_size=32, num_classes=10, width=0.5)}
 QUICK_STRATEGY_NETWORK = {"lenet5": lambda: models.lenet5(batch=64)}
@@ -389,9 +389,11 @@ def earlier_rows(out_dir) -> tuple[dict, dict]:
     return {part: r for part, r in rows.items() if r}, measured
 
 
-def run(out_dir="results", quick=False, parts=PARTS):
+def run(out_dir="results", quick=False, parts=PARTS, steps=None, eager=True):
     """`parts`: which parts to run; the others keep their rows from an earlier gpu.json in `out_dir`
-    (a machine lent for minutes at a time can complete the report over several runs)."""
+    (a machine lent for minutes at a time can complete the report over several runs).  `steps`:
+    timed steps per measurement (default the configuration's); `eager`: also time the steps kernel
+    by kernel and profile one (part training)."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         raise SystemExit(f"bench gpu: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
@@ -407,7 +409,7 @@ def run(out_dir="results", quick=False, parts=PARTS):
     errors = {}
     meta["measured"] = {part: measured[part] for part in kept if part not in parts}
     networks = QUICK_NETWORK if quick else {name: NETWORKS[name] for name in config["networks"]}
-    step_args = (config["step_warmup"], config["steps"], LR, MOMENTUM)
+    step_args = (config["step_warmup"], steps or config["steps"], LR, MOMENTUM)
 
     def report():
         return write_report(out_dir, rows, meta, errors)
@@ -416,7 +418,7 @@ def run(out_dir="results", quick=False, parts=PARTS):
         "kernels": (kernel_part, {name: NETWORKS[name] for name in KERNEL_NETWORKS if name in networks}
                     or networks, config["kernel_warmup"], config["kernel_repeats"]),
         "training": (functools.partial(gpu_steps.steps_part, on_row=report), "training", networks, PRECISIONS,
-                     *step_args, ("fp32",), Path(out_dir) / "gpu_traces"),
+                     *step_args, ("fp32",) if eager else (), Path(out_dir) / "gpu_traces"),
         "bf16": (functools.partial(bf16_part, on_row=report), networks, *step_args),
         "strategies": (strategy_part, config["strategy_network"], config["workers"], config["strategy_repeats"]),
     }
@@ -435,11 +437,13 @@ def run(out_dir="results", quick=False, parts=PARTS):
 
 
 def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum, on_row=None) -> None:
-    gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=(), on_row=on_row)
     log("bf16: LeNet-5 on the digits, fp32 and bf16")
     row = gpu_steps.bf16_loss_row()
     rows.append(row)
     log("  " + gpu_steps.step_summary([row])[-1])
+    if on_row is not None:
+        on_row()
+    gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=(), on_row=on_row)
 
 
 if __name__ == "__main__":
@@ -451,5 +455,9 @@ if __name__ == "__main__":
                         help="comma-separated parts to run; the others keep their rows from --out's gpu.json")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="part training: skip timing the steps kernel by kernel and profiling one")
     args = parser.parse_args()
-    run(args.out, args.quick, tuple(p.strip() for p in args.parts.split(",") if p.strip()))
+    run(args.out, args.quick, tuple(p.strip() for p in args.parts.split(",") if p.strip()), args.steps,
+        not args.no_eager)

@@ -8,7 +8,8 @@
 # OUT (default results/gpu_logs/<date>): where logs and results go; the parts not run keep their rows
 # from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies).  TESTS,
 # TESTS_K: test files and pytest's -k (default: the gpu-marked tests of two files, but the search's).  TEST_S, BENCH_S: seconds for the
-# tests and the benchmark (TEST_S=0: no tests).  The traces come back as one archive (gpu_traces.tar.gz).
+# tests and the benchmark (TEST_S=0: no tests).  BENCH_ARGS: more arguments of `python -m bench.gpu`.
+# The traces come back as one archive (gpu_traces.tar.gz).
 # Wheels the machine lacks (dask, distributed, ...: see the GPU machine's README) are installed from
 # .whl/ when that folder is there.
 set -uo pipefail
@@ -30,8 +31,9 @@ if [ "${TEST_S:-180}" != 0 ]; then
     | tee "$OUT/pytest.txt" | tail -n 25
 fi
 echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies} ($(date -u +%T))"
+# shellcheck disable=SC2086
 timeout "${BENCH_S:-420}" python3 -m bench.gpu --parts "${PARTS:-training,bf16,strategies}" --out "$OUT" \
-  > "$OUT/bench.txt" 2>&1
+  ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 echo "bench exit $?"
 grep -E "^\[bench gpu\]|Error|error" "$OUT/bench.txt" | tail -n 60
 if [ -d "$OUT/gpu_traces" ]; then

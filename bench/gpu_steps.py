@@ -73,13 +73,13 @@ def synthetic_for(graph, steps: int, seed: int):
     return Synthetic(image.shape[0] * steps, shape=image.shape[1:], classes=classes, seed=seed)
 
 
-def fit_seconds(trainer, graph, steps: int, seed: int) -> float:
+def fit_seconds(trainer, graph, steps: int, seed: int) -> tuple[float, list]:
     """Seconds per step of `trainer.fit` over `steps` batches, as the user waits for them (from the
-    call to its return: the first step's start and the last one's end included)."""
+    call to its return: the first step's start and the last one's end included), and the losses."""
     data = synthetic_for(graph, steps, seed)
     started = time.perf_counter()
-    trainer.fit(data, epochs=1, shuffle=False, progress=False)
-    return (time.perf_counter() - started) / steps
+    history = trainer.fit(data, epochs=1, shuffle=False, progress=False)
+    return (time.perf_counter() - started) / steps, list(history.losses)
 
 
 def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps: int, lr, momentum,
@@ -94,7 +94,7 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     out = {"first_loss": trainer.step(x, y)}
     fit_seconds(trainer, graph, warmup, seed=1)  # warm-up: cuDNN's autotuner, then the graphs' capture
     machine.client.run(reset_peak_memory)
-    out["step_s"] = fit_seconds(trainer, graph, steps, seed=2)
+    out["step_s"], out["losses"] = fit_seconds(trainer, graph, steps, seed=2)
     [memory] = machine.client.run(peak_memory).values()
     out["memory"] = memory
     if cuda_graphs:
@@ -160,6 +160,10 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
     if eager is not None:
         row["eager_ms"] = eager["step_s"] * 1e3
         row["launches_ms"] = row["eager_ms"] - row["runtime_ms"]  # what replaying the graphs saves
+        shared = min(len(runtime.get("losses", ())), len(eager.get("losses", ())))
+        if shared:  # the same steps from the same start: graphs replayed against kernels launched one by one
+            row["graph_loss_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in
+                                             zip(runtime["losses"][:shared], eager["losses"][:shared]))
         if "profile" in eager:  # a profiled step, task by task: kernels (CUDA events), data, waiting
             profile = eager["profile"]
             row.update(trace=profile["trace"], **{f"profiled_{k[:-2]}_ms": profile[k] * 1e3 for k in
@@ -192,6 +196,11 @@ def step_summary(rows) -> list[str]:
             f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
             f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "
             f"= {r['of_torch']:.2f}x (goal {GOAL}x: {r['goal']}){parts}{eager}{memory_line}{failed}")
+    checked = [r for r in rows if "graph_loss_rel_diff" in r]
+    if checked:
+        worst = max(checked, key=lambda r: r["graph_loss_rel_diff"])
+        lines.append(f"losses of the timed steps, CUDA graphs replayed against kernels launched one by one: within "
+                     f"{worst['graph_loss_rel_diff']:.1e} (relative; {worst['model']} {worst['precision']})")
     timed = [r for r in rows if "first_loss_rel_diff" in r]
     if timed:
         worst = max(timed, key=lambda r: r["first_loss_rel_diff"])

@@ -13,9 +13,10 @@ A run is captured per input signature (the shapes and dtypes of the values it re
 its steps first read them, and the literal values it was given, such as the learning rate), so a
 changed learning rate captures again.  Where the values come from does not matter: a step whose
 state arrives as futures (the first step, or after `Executor.cut_lineage`) replays the graph that
-steps reading the state out of the previous run captured.  A run that cannot be captured (it
-reads a value to the host, computes on numpy arrays) warns once and runs as before.  Captures are
-kept per run name (`FusedRun.program`), the `MAX_PROGRAMS` most recently used per worker.
+steps reading the state out of the previous run captured.  A call given values that are not
+device arrays (a batch of numpy arrays, which the run copies to the device) runs as before; a run
+that cannot be captured (it reads a value to the host) warns once and runs as before from then on.
+Captures are kept per run name (`FusedRun.program`), the `MAX_PROGRAMS` most recently used per worker.
 TASKRT_CUDA_GRAPHS=0 turns replay off in a process.
 """
 
@@ -116,8 +117,8 @@ def call(run, inputs, backend=None):
     paths = read_order(run.steps)
     values = [_at(inputs, path) for path in paths]
     leaves, structure = flatten(values, backend.is_array)
-    if any(not backend.is_array(leaf) for leaf in leaves):
-        return _fall_back(program, run, inputs, "it reads values that are not arrays on this device")
+    if any(not backend.is_array(leaf) for leaf in leaves):  # e.g. a batch given as numpy, copied in the run
+        return run.run(inputs)
     signature = (structure, tuple((leaf.shape, leaf.dtype.str) for leaf in leaves), _literals(run.steps))
     captured = program.graphs.get(signature)
     if captured is None:

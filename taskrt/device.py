@@ -181,10 +181,10 @@ _staging: list = []  # (pinned memory, event of the copy that last read it)
 
 
 def to_device_async(tile: np.ndarray):
-    """A host array on this worker's GPU without waiting for the GPU: copied into pinned memory, then
-    to the device on a stream of its own, which the kernels' (legacy) stream waits for.  A read of
-    step k+1 then overlaps step k's kernels; a copy from pageable memory (`to_device`) waits for
-    them.  Each pinned buffer is used again once its copy has ended."""
+    """A host array on this worker's GPU without the host waiting for the GPU: copied into pinned
+    memory, then to the device on a stream of its own, ordered after the kernels queued so far and
+    before those queued next (a copy from pageable memory, `to_device`, makes the host wait for
+    them).  Each pinned buffer is used again once its copy has ended."""
     import cupy
 
     tile = np.ascontiguousarray(tile)
@@ -193,6 +193,10 @@ def to_device_async(tile: np.ndarray):
     host = np.frombuffer(memory, tile.dtype, tile.size).reshape(tile.shape)
     np.copyto(host, tile)
     out = cupy.empty(tile.shape, tile.dtype)
+    # The allocator hands out memory in the kernels' stream order: `out` may be a block that kernels
+    # queued there still read (a value freed in Python once its kernels were launched).  The copy
+    # waits for them, so it never writes under them (a step's labels were overwritten so, once).
+    stream.wait_event(cupy.cuda.Stream.null.record())
     out.set(host, stream=stream)
     event = stream.record()
     cupy.cuda.Stream.null.wait_event(event)

@@ -208,6 +208,7 @@ def test_the_step_part_runs_end_to_end_on_cpu_workers(tmp_path):
     assert row["runtime_ms"] > 0 and row["torch_ms"] > 0 and row["eager_ms"] > 0
     assert row["first_loss_rel_diff"] < 1e-5  # the same network, parameters and batch
     assert row["memory_of_torch"] is None  # no GPU memory to compare
+    assert row["graph_loss_rel_diff"] == 0.0  # the same steps from the same start (no graphs on a CPU worker)
     trace = json.loads((tmp_path / "traces" / "lenet5_fp32.json").read_text())
     assert trace["traceEvents"] and row["profiled_kernels_ms"] > 0
     assert "goal" in gpu_steps.step_summary(rows)[0]

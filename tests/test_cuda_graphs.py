@@ -140,12 +140,16 @@ def test_a_run_that_cannot_be_captured_warns_once_and_runs_as_before():
     np.testing.assert_array_equal(cuda_graphs.call(run, inputs, device)[1], run.run(inputs)[1])  # no warning again
 
 
-def test_inputs_that_are_not_device_arrays_are_not_captured():
-    device = StandInDevice()
-    run = FusedRun((("a", np.negative, (("in", 0),)),), ("a",), program="host")
-    with pytest.warns(RuntimeWarning, match="reads values that are not arrays on this device"):
-        assert cuda_graphs.call(run, [3.0], device) == (-3.0,)
-    assert device.captures == 0
+def test_a_call_given_host_values_runs_as_before_and_does_not_stop_later_captures():
+    device, rng = StandInDevice(), np.random.default_rng(6)
+    run = a_run("host")
+    _, (a, _, b) = inputs_of(rng)
+    got = cuda_graphs.call(run, [1.5, (a, None, b)], device)  # a number: not an array of this device
+    np.testing.assert_array_equal(got[1], run.run([1.5, (a, None, b)])[1])
+    assert device.captures == 0 and not cuda_graphs.stats()["failed"]
+    for _ in range(cuda_graphs.WARMUP_CALLS + 1):
+        cuda_graphs.call(run, inputs_of(rng), device)
+    assert device.captures == 1
 
 
 def test_only_the_most_recent_programs_are_kept():
