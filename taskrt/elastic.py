@@ -17,6 +17,7 @@ from taskrt.strategy import Strategy
 # Snapshots by default cost at most this share of the step time (see snapshot_interval).
 SNAPSHOT_SHARE = 0.05
 MAX_SNAPSHOT_INTERVAL = 100  # steps: bounds the inputs kept for replay and the replay itself
+MAX_REPLAY_S = 60.0  # where the log keeps only sample indices: the steps a replay may have to run, in seconds
 
 
 class DeviceLost(Exception):
@@ -59,11 +60,14 @@ class LoggedStep:
         return sum(int(a.nbytes) for a in self.arrays.values())
 
 
-def snapshot_interval(snapshot_s: float, step_s: float, share: float = SNAPSHOT_SHARE) -> int:
-    """Steps between snapshots so that one snapshot costs at most `share` of the steps' time."""
+def snapshot_interval(snapshot_s: float, step_s: float, share: float = SNAPSHOT_SHARE, logs_arrays: bool = True) -> int:
+    """Steps between snapshots so that one snapshot costs at most `share` of the steps' time, at most
+    MAX_SNAPSHOT_INTERVAL steps where the log keeps each step's arrays (its memory), else at most
+    MAX_REPLAY_S of steps (a log of sample indices costs little; a replay costs its steps' time)."""
     if step_s <= 0:
         return 1
-    return max(1, min(MAX_SNAPSHOT_INTERVAL, math.ceil(snapshot_s / (share * step_s))))
+    cap = MAX_SNAPSHOT_INTERVAL if logs_arrays else max(MAX_SNAPSHOT_INTERVAL, int(MAX_REPLAY_S / step_s))
+    return max(1, min(cap, math.ceil(snapshot_s / (share * step_s))))
 
 
 def remap(strategy: Strategy, live: list[int]) -> Strategy:

@@ -204,6 +204,7 @@ class Trainer:
         self._pending: list[tuple] = []  # (step, state futures, plan, write a checkpoint)
         self._walls: deque = deque(maxlen=20)
         self.recoveries: list[dict] = []
+        self.snapshots_taken = 0
         from taskrt.dashboard import Publisher
 
         self._publisher = Publisher(self)  # the dashboard's taskrt page
@@ -567,6 +568,7 @@ class Trainer:
             _measure=lambda keys=run.keys, executor=self.executor: executor.measured_bytes(keys),
         )
         self._walls.append(self.stats.wall_s)
+        self._snapshot_interval()  # the steps' time settles after the first, slow ones: the interval follows
         if not self._heaps_frozen:  # once, after the first step (outside its time): taskrt.worker_setup
             self._heaps_frozen = True
             self.machine.freeze_worker_heaps()
@@ -646,6 +648,14 @@ class Trainer:
             self._pending.append((run.step, dict(run.outputs["state"]), run.plan, checkpoint,
                                   dict(run.outputs["buffers"])))
 
+    def _snapshot_interval(self):
+        """With automatic snapshots, the interval that keeps their cost at the target share of the
+        steps' recent time (`taskrt.elastic.snapshot_interval`)."""
+        if self._auto_snapshots and self._walls and self.snapshot.seconds:
+            logs_arrays = not self._log or self._log[-1].batch is None
+            self.snapshot_every = snapshot_interval(self.snapshot.seconds, statistics.median(self._walls),
+                                                    logs_arrays=logs_arrays)
+
     def _take_snapshot(self, step, state, plan, checkpoint, buffers):
         started = time.perf_counter()
         params, velocity = self._host_state(state, plan)
@@ -653,8 +663,8 @@ class Trainer:
         seconds = time.perf_counter() - started
         self.snapshot = Snapshot(step, params, velocity, seconds, running)
         self._log = [entry for entry in self._log if entry.step > step]
-        if self._auto_snapshots and self._walls:
-            self.snapshot_every = snapshot_interval(seconds, statistics.median(self._walls))
+        self.snapshots_taken += 1
+        self._snapshot_interval()
         if checkpoint:
             self.checkpoints.write(step, self._meta(step), params, velocity, running)
 

@@ -104,8 +104,10 @@ def test_step_rows_and_summary():
         in lines[0] and "= 2.00x (goal 1.3x: missed)" in lines[0]
     assert "1.4e-05" in lines[1]
     loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
-                "loss_bf16": 0.505, "loss_rel_diff": 0.01}
-    assert "1.00%; goal 2%: met" in gpu_steps.step_summary([loss_row])[0]
+                "loss_bf16": 0.505, "loss_rel_diff": 0.01, "loss_noise": 0.004, "last_fp32": 0.03, "last_bf16": 0.033,
+                "last_rel_diff": 0.1, "last_noise": 0.05}
+    line = gpu_steps.step_summary([loss_row])[0]
+    assert "1.00%; goal 2%: met" in line and "fp32 against fp32 run again: 0.40%, last steps 5.00%" in line
 
 
 def test_strategy_rows_and_summary():
@@ -217,6 +219,6 @@ def test_the_step_part_runs_end_to_end_on_cpu_workers(tmp_path):
 @pytest.mark.slow
 def test_the_bf16_loss_check_runs_on_a_cpu_worker():
     row = gpu_steps.bf16_loss_row(steps=12, last=4, device="cpu")
-    assert len(row["losses_fp32"]) == len(row["losses_bf16"]) == 12
-    assert row["loss_rel_diff"] == 0.0  # CPU kernels ignore the precision
+    assert len(row["losses_fp32"]) == len(row["losses_bf16"]) == len(row["losses_fp32_again"]) == 12
+    assert row["loss_rel_diff"] == row["loss_noise"] == 0.0  # CPU kernels ignore the precision, and repeat
     assert "goal 2%: met" in gpu_steps.step_summary([row])[0]
