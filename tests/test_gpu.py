@@ -125,6 +125,42 @@ def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
                                            err_msg=f"{label}: {layer}.{k}")
 
 
+@pytest.mark.parametrize("source", ["synthetic", "arrays"])
+def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2, source):
+    """Synthetic generates each device's window on the GPU; an ArrayDataset's tiles go through pinned
+    memory on a stream of their own (taskrt.device.to_device_async), several steps in flight: the
+    same losses and parameters as the same batches sent as numpy arrays (with and without graphs)."""
+    from taskrt.datasets import ArrayDataset, Synthetic
+
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    synthetic = Synthetic(40, shape=graph.inputs[0].shape[1:], classes=10, seed=3)
+    every = np.arange(40)
+    dataset = synthetic if source == "synthetic" else ArrayDataset(
+        {"images": synthetic.read("images", every, (slice(None),) * 3), "labels": synthetic.read("labels", every, ())})
+    steps = [np.random.default_rng(k).choice(40, 8) for k in range(6)]
+    strategy = mixed_strategy(graph)
+    for graphs in (True, False):
+        trainer = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+        reference = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+        losses = [f.result() for f in [trainer.submit_from(dataset, i) for i in steps]]
+        expected = [reference.step(synthetic.read("images", i, (slice(None),) * 3), synthetic.read("labels", i, ()))
+                    for i in steps]
+        np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=f"graphs={graphs}")
+        for layer, params in reference.parameters().items():
+            for k, value in params.items():
+                np.testing.assert_allclose(trainer.parameters()[layer][k], value, rtol=1e-4, atol=1e-6)
+
+
+def test_a_profiled_step_on_gpu_workers_times_kernels_with_cuda_events(gpu2, tmp_path):
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    trainer = Trainer(graph, mixed_strategy(graph), gpu2, lr=0.05, momentum=0.9)
+    x, y = batch_for(graph, seed=1)
+    profile = trainer.profile(x, y, steps=2, path=tmp_path / "trace.json", cost_model=False, reference=False)
+    assert profile.check() == []
+    rows = [r for r in profile.rows() if r["source"] == "measured"]
+    assert all(r["kernels_s"] > 0 for r in rows) and (tmp_path / "trace.json").stat().st_size > 0
+
+
 def mixed_strategy(graph) -> Strategy:
     """Layers in turn split over samples, over height (or channels) and kept whole on device 1."""
     configs = {}
