@@ -675,7 +675,7 @@ def test_second_search_measures_nothing(machine4, cost_cache4):
 
 
 def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_device_at_once(machine4, cost_cache4):
-    from search.cost import corun_kind
+    from search.cost_cache import corun_kind
 
     g = models.lenet5(batch=8, image_size=16, width=0.5)
     model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)
