@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.ist_time import METHODS
+from bench.ist_training import METHODS
 
 COLORS = {"dp": "tab:orange", "local_sgd": "tab:green", "ist": "tab:blue"}
 
@@ -58,7 +58,8 @@ def _table1(t) -> list[str]:
     top = targets[-1]
     widths = "-".join(map(str, s["widths"]))
     lines = ["", "## Time to fixed test accuracies (the seed's Table 1)", "",
-             f"Generated speech-shaped task (`bench/ist_task.py`: {task.get('features', 4096)} features, 35 classes, "
+             f"Generated speech-shaped task (`bench/ist_training.py`: {task.get('features', 4096)} features, "
+             f"35 classes, "
              f"every class a mixture of Gaussian clusters seen through a random projection, a tanh and noise; "
              f"{task['train']:,} training and {task['test']:,} test samples), network {widths} with a batch norm "
              f"after each hidden layer (the seed's 2-layer speech network, Table 4), plain SGD from the same "
