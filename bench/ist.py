@@ -12,12 +12,14 @@ sites (the seed's FLOP formulas count it so: DP's FLOPs do not change with n).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 
 from bench import ist_training
 from bench.ist_training import dp_strategy, network, speech_like
+from bench.report import machine_description
 from taskrt import Graph, Machine, lower
 from taskrt.ist import ISTTrainer, partition, plan_round, units_of
 
@@ -95,7 +97,8 @@ def run(out="results", quick=False):
     for n in range(2, 9):
         f, p = formulas(WIDTHS, n, BATCH, J), from_plans(WIDTHS, n, BATCH, J)
         rows.append({"n": n, **f, **p})
-    result = {"network": list(WIDTHS), "batch": BATCH, "local_steps": J, "rows": rows, "measured": [],
+    result = {"name": "ist", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
+              "network": list(WIDTHS), "batch": BATCH, "local_steps": J, "rows": rows, "measured": [],
               "table1": None, "ablation": None, "quick": quick}
     _write(out, result)
     for d in (2,) if quick else (2, 4):

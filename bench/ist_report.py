@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from bench.ist_training import METHODS
+from bench.pages import header
 
 COLORS = {"dp": "tab:orange", "local_sgd": "tab:green", "ist": "tab:blue"}
 
 
 def markdown(result) -> str:
-    lines = _traffic(result)
+    lines = header("ist", result) + _traffic(result)
     if result["table1"]:
         lines += _table1(result["table1"])
     if result["ablation"]:
@@ -18,7 +19,7 @@ def markdown(result) -> str:
 
 def _traffic(result) -> list[str]:
     widths = "-".join(map(str, result["network"]))
-    lines = ["# IST (seed 004)", "", "## Traffic and FLOPs per gradient step (Sec. 3.4, Fig. 2)", "",
+    lines = ["## Traffic and FLOPs per gradient step (Sec. 3.4, Fig. 2)", "",
              f"Network {widths}, batch {result['batch']}, J = {result['local_steps']}; floats received by all sites "
              "per gradient step. IST from the round's plan: the floats of every site's slices / J. DP from the plan: "
              "ring all-reduce (reduce-scatter + all-gather) bytes / 4, which is 2 (n-1) P, where the seed's "
