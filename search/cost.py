@@ -576,10 +576,13 @@ class CostModel:
 
 
 def _need_dx(task) -> tuple:
-    """Which input gradients a forward, backward or loss task's part timing includes."""
+    """Which input gradients a forward, backward or loss task's part timing includes (a batch
+    norm's backward, taskrt.tasks.NormBackward, exists only where its input needs one)."""
     if task.phase == "fwd":
         return tuple(False for _ in task.spec.op.in_shapes)
-    return (True, False) if task.phase == "loss" else tuple(task.spec.need_dx)
+    if task.phase == "loss":
+        return (True, False)
+    return tuple(getattr(task.spec, "need_dx", (True,) * len(task.spec.op.in_shapes)))
 
 
 def _plus_transpose(table: np.ndarray) -> np.ndarray:
