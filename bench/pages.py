@@ -314,7 +314,7 @@ PAGES = {
         "SIMULATED: throughput and bytes moved per step of data, model, OWT and layer-wise parallelism for "
         "AlexNet, VGG-16 and Inception-v3 on 1 to 16 P100s (NVLink within a node, 100 Gb/s between nodes), "
         "roofline kernel times, the runtime assumed free as in the paper.",
-        f"`python -m bench scaling` (a few minutes; {QUICK} AlexNet on 1, 4 and 16 devices).",
+        f"`python -m bench scaling` (about a minute; {QUICK} AlexNet on 1, 4 and 16 devices).",
         "the layer-wise strategy at least as fast as the best of the others (within 0.5%) at every device count, "
         "as in the paper's Figure 7.",
         scaling_verdict),
