@@ -54,11 +54,16 @@ def met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+def truth(value) -> bool | None:
+    """A record's yes or no: numpy's booleans reach the JSON as the text "True" or "False"."""
+    return {"True": True, "False": False, "None": None}.get(value, value) if isinstance(value, str) else value
+
+
 # ---- one verdict per benchmark, read off its record ------------------------------------------------
 def kernels_verdict(record) -> str:
     from bench.kernels import GOAL, MOONSHOT
 
-    large = [r["of_gemm"] for r in record["rows"] if r["large"]]
+    large = [r["of_gemm"] for r in record["rows"] if truth(r["large"])]
     below = sum(v < GOAL for v in large)
     return (f"{met(below == 0)}: {min(large):.0%} to {max(large):.0%} of GEMM (median {statistics.median(large):.0%}) "
             f"on {len(large)} large layers" + (f", {below} below {GOAL:.0%}" if below else "")
@@ -70,7 +75,7 @@ def overhead_verdict(record) -> str:
     two = record["rows"]
     from bench.overhead import HOP_GOAL
 
-    ok = all(r["meets_goal"] for r in one) and all(r["vs_replica"] <= HOP_GOAL for r in two)
+    ok = all(truth(r["meets_goal"]) for r in one) and all(r["vs_replica"] <= HOP_GOAL for r in two)
     return (f"{met(ok)}: one device, local(1) / in-process "
             + ", ".join(f"{r['model']} {r['ratio']:.2f}x (goal {r['goal']}x)" for r in one)
             + "; two devices, overhead / Dask's own on the same graph "
@@ -78,9 +83,9 @@ def overhead_verdict(record) -> str:
 
 
 def search_verdict(record) -> str:
-    judged = [r for r in record["rows"] if r.get("meets_goal") is not None]
+    judged = [r for r in record["rows"] if truth(r.get("meets_goal")) is not None]
     missed = [f"{r['model']} on {r['devices']} ({r['end_to_end_s'] * 1e3:.1f} against {r['goal_s'] * 1e3:g} ms)"
-              for r in judged if not r["meets_goal"]]
+              for r in judged if not truth(r["meets_goal"])]
     return (f"{met(not missed)}: {len(judged) - len(missed)} of {len(judged)} searches with a figure in the paper "
             "within a quarter of its time" + (f"; missed by {', '.join(missed)}" if missed else ""))
 
@@ -90,7 +95,7 @@ def strategies_verdict(record) -> str:
 
     lines = verdicts([dict(r) for r in record["rows"]])
     loses = [line.split(":")[0] for line in lines if line.endswith("LOSES")]
-    equal = all(r["bytes_match_logs"] for r in record["rows"])
+    equal = all(truth(r["bytes_match_logs"]) for r in record["rows"])
     lost = f", loses on {', '.join(loses)}" if loses else ""
     return (f"{met(not loses and equal)}: the searched strategy wins or ties (within noise) on "
             f"{len(lines) - len(loses)} of {len(lines)} comparisons{lost}; bytes equal the transfer logs: {equal}")
@@ -99,7 +104,7 @@ def strategies_verdict(record) -> str:
 def accuracy_verdict(record) -> str:
     rows = record["rows"]
     misses = [f"{r['model']} {r['strategy']} on {r['devices']} ({r['simulated_error']:+.1%})"
-              for r in rows if not r["within_goal"]]
+              for r in rows if not truth(r["within_goal"])]
     return (f"{met(not misses)}: {len(rows) - len(misses)} of {len(rows)} cases within {record['goal']:.0%}"
             + (f"; missed: {', '.join(misses)}" if misses else ""))
 
@@ -152,7 +157,7 @@ def peer_verdict(record) -> str:
     judged = [r for r in record["rows"] if r.get("goal")]
     if not judged:
         return "not judged: this run measured no network the goal names (AlexNet-32, VGG-16-32)"
-    return (f"{met(all(r['meets_goal'] for r in judged))}: local(1) at "
+    return (f"{met(all(truth(r['meets_goal']) for r in judged))}: local(1) at "
             + ", ".join(f"{r['taskrt_vs_pytorch']:.2f}x PyTorch's throughput on {r['model']}" for r in judged)
             + f" (goal {judged[0]['goal']}x)")
 
@@ -163,8 +168,8 @@ def data_verdict(record) -> str:
     goals = record["goals"]
     words = {True: "met", False: "NOT met", None: "not judged (one model)"}
 
-    def said(value):  # kept as text in older records
-        return words[{"True": True, "False": False, "None": None}.get(value, value)]
+    def said(value):
+        return words[truth(value)]
 
     return (f"at most {GOAL_BYTES} B of sample data per step: {said(goals['bytes'])}; no slower anywhere (beyond "
             f"the noise): {said(goals['no slower'])}; faster where the batch is largest (beyond the noise): "
@@ -218,7 +223,7 @@ def ist_verdict(record) -> str:
                   for r in record["rows"] if hidden % r["n"] == 0)
     ok &= formula
     parts.append(f"IST's floats per step equal the formula where n divides the layers: {formula}")
-    logged = all(m["ist_equal"] and m["dp_equal"] for m in record["measured"])
+    logged = all(truth(m["ist_equal"]) and truth(m["dp_equal"]) for m in record["measured"])
     ok &= logged
     parts.append(f"planned bytes equal the transfer logs: {logged}")
     measured = (record.get("table1") or {}).get("measured")
@@ -239,8 +244,8 @@ def ist_verdict(record) -> str:
 
 
 def seeds_verdict(record) -> str:
-    explained = all(r["explained"] for r in record["model_vs_plan"])
-    table1 = all(r["equal"] for r in record["table_1"])
+    explained = all(truth(r["explained"]) for r in record["model_vs_plan"])
+    table1 = all(truth(r["equal"]) for r in record["table_1"])
     ratios = [r["search vs best family"] for r in record["search"]]
     ok = explained and table1 and min(ratios) >= 0.995
     return (f"{met(ok)}: the plan's volumes equal seed 001's model or differ as explained: {explained}; seed 000's "

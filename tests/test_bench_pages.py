@@ -60,3 +60,18 @@ def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
     assert all(f"{v:g}x" in PAGES["peer"].goal for v in peer.GOALS.values())
     assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
     assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
+
+
+def test_yes_and_no_written_as_text_read_as_such():
+    """numpy's booleans reach the JSON as "True" and "False": "False" is a no."""
+    rows = [{"model": "lenet5", "strategy": "data", "devices": 2, "simulated_error": 0.2, "within_goal": "False"},
+            {"model": "lenet5", "strategy": "owt", "devices": 2, "simulated_error": 0.01, "within_goal": "True"}]
+    lines = header("accuracy", {"rows": rows, "goal": 0.1})
+    assert any("NOT met: 1 of 2 cases within 10%; missed: lenet5 data on 2 (+20.0%)" in line for line in lines)
+
+
+def test_the_committed_accuracy_verdict_counts_as_its_summary_does():
+    record = json.loads((RESULTS / "accuracy.json").read_text())
+    counted = next(line for line in record["summary"] if line.startswith("simulated prediction within"))
+    within, cases = counted.split(" in ")[1].split(" cases")[0].split(" of ")
+    assert any(f"{within} of {cases} cases within" in line for line in header("accuracy", record))
