@@ -178,13 +178,6 @@ def verdicts(rows) -> tuple[list[str], dict]:
     return lines, goals
 
 
-def _said(goals: dict) -> str:
-    words = {True: "met", False: "NOT met", None: "not judged (one model)"}
-    return (f"at most {GOAL_BYTES} B of sample data per step: {words[goals['bytes']]}; no slower anywhere "
-            f"(beyond the noise): {words[goals['no slower']]}; faster where the batch is largest (beyond the "
-            f"noise): {words[goals['faster']]}")
-
-
 def plot(rows, out_dir):
     import matplotlib
 
@@ -226,8 +219,8 @@ def run(out_dir="results", quick=False):
 
 
 def report(out_dir, rows, rounds):
-    """results/data.json, .md (what it measures, how to rerun it, the goals and this run's
-    verdicts first) and .png."""
+    """results/data.json, .md (bench.pages says first what it measures, how to rerun it, the goals
+    and this run's verdicts) and .png."""
     lines, goals = verdicts(rows)
     columns = [("model", "model"), ("batch", "batch"), ("input_split", "input split"),
                ("plan_data_bytes", "batch bytes (plan)"), ("index_bytes", "index bytes"),
@@ -239,25 +232,7 @@ def report(out_dir, rows, rounds):
     meta = {"devices": 2, "steps_per_round": STEPS, "prefetch": PREFETCH, "rounds": rounds, "goal_bytes": GOAL_BYTES,
             "goals": goals}
     md = write_result(out_dir, "data", rows, columns, meta, lines)
-    names = ", ".join(f"{r['model']} (batch {r['batch']})" for r in rows)
-    intro = [
-        "# data: datasets read on the workers against batches sent from the client", "",
-        f"What it measures: per training step, the bytes the client sends (Dask's own counters) and the step "
-        f"time, for {names} under the searched strategy on Machine.local(2) (two single-threaded worker "
-        "processes on this host), once with each batch sent as numpy arrays (`Trainer.submit`) and once with "
-        "only its sample indices sent and each device reading its own part of an ArrayDataset placed on it "
-        f"once (`Trainer.submit_from`), {PREFETCH} steps in flight, {rounds} interleaved rounds of {STEPS} steps, "
-        "medians. "
-        "Client bytes: the client's batched stream to the scheduler (`Client.scheduler_comm.byte_count`: each "
-        "step's graph with what it carries) plus tiles scattered straight to workers (the scheduler's "
-        "`TaskState.nbytes`). Most of a step's client bytes are its task graph, the same on both paths.",
-        "",
-        f"Rerun: `python -m bench data` (`--quick`: LeNet-5 alone, 3 rounds). Goal (issue 38): at most "
-        f"{GOAL_BYTES} B of sample data per step from the client on the dataset path; no slower anywhere, "
-        f"faster where the batch is large. This run: {_said(goals)}.", "",
-    ]
-    text = md.read_text().split("\n", 1)[1]
-    md.write_text("\n".join(intro) + text + "\n## Bytes and times per model\n\n" + markdown_table(
+    md.write_text(md.read_text() + "\n## Bytes and times per model\n\n" + markdown_table(
         [("model", "model"), ("numpy_client_to_scheduler_bytes", "client->scheduler, numpy"),
          ("numpy_scattered_bytes", "scattered, numpy"),
          ("dataset_client_to_scheduler_bytes", "client->scheduler, dataset"),

@@ -31,6 +31,7 @@ import numpy as np
 
 from bench import gpu_steps
 from bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
+from bench.pages import header
 from bench.report import markdown_table, write_result
 from bench.torch_peer import time_steps
 from taskrt import models
@@ -296,21 +297,9 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
     meta = {**meta, "errors": errors, "kernels": kernel_rows, "bf16": bf16_rows, "strategies": strategy_rows}
     md = write_result(out_dir, "gpu", training_rows, STEP_COLUMNS, meta, summary)
     record = json.loads((Path(out_dir) / "gpu.json").read_text())
-    gpu = meta.get("gpu", {})
     steps = [r for r in bf16_rows if "runtime_ms" in r]
     text = [
-        "# gpu", "",
-        "What it measures: taskrt on one NVIDIA GPU against PyTorch eager on the same GPU: training steps of "
-        "AlexNet, VGG-16, Inception-v3 and ResNet-50 as `trainer.fit` runs them (data generated on the worker, "
-        "each device's run replayed as a CUDA graph), where their time goes, peak GPU memory, bf16 against "
-        "PyTorch's autocast, conv kernels against cuDNN, and strategies on workers sharing the GPU. "
-        f"Goals: steps at least {gpu_steps.GOAL}x PyTorch's speed (none below {gpu_steps.FLOOR}x), peak memory at most "
-        f"{gpu_steps.MEMORY_GOAL}x PyTorch's, bf16's loss within {gpu_steps.BF16_LOSS_GOAL:.0%} of fp32's. "
-        "Rerun: `python -m bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` "
-        "for some parts; the others keep their rows).", "",
-        f"{record['date']}, {gpu.get('gpu', 'GPU')}, driver {gpu.get('driver')}, torch {gpu.get('torch')} "
-        f"(cuDNN {gpu.get('cudnn')}), cupy {gpu.get('cupy')}; host {record['machine']['cpu']}, "
-        f"{record['machine']['cores']} cores", "",
+        *header("gpu", record),
         *[f"- {line}" for line in summary], "",
         *([f"Measured: {', '.join(f'{part} {when}' for part, when in sorted(meta['measured'].items()))}.", ""]
           if meta.get("measured") else []),

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 import search
+from bench.pages import header
 from bench.report import machine_description, markdown_table
 from search import hypergraph as hg
 from search.cost import CostModel
@@ -248,7 +249,7 @@ def write(out_dir, record):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hypergraph.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    md = ["# hypergraph: seed 003 (VGG-16, batch 32) on the runtime", ""]
+    md = header("hypergraph", record)
     md += [f"- {line}" for line in lines] + [""]
     md += ["## Tables 5.1-5.12: work (GFLOP, forward + backward) and forward communication", "",
            "Volumes in MiB (bytes) and MV (2^20 values, the thesis's \"MB\"); thesis_mv is the thesis's figure, "

@@ -1,7 +1,8 @@
 """Seed 004 (IST): traffic and FLOPs per gradient step of data parallelism and IST (Sec. 3.4, Fig. 2)
 from the seed's formulas and from the runtime's plans, planned bytes against the workers'
-transfer logs, Table 1's time to fixed test accuracies (bench/ist_time.py) and the normalization
-ablation of Sec. 3.3 (bench/ist_norm.py), on a generated speech-shaped task (bench/ist_task.py).
+transfer logs, Table 1's time to fixed test accuracies and the normalization ablation of
+Sec. 3.3 on a generated speech-shaped task (bench/ist_training.py); the page and figure are
+bench/ist_report.py's.
 
 Fig. 2's network: 1000 - 4000 - 4000 - 4000 - 200 (bias-free linear layers), batch 512, J = 10.
 IST: every site trains on its own batch of 512; data parallelism splits one batch of 512 over the
@@ -11,12 +12,14 @@ sites (the seed's FLOP formulas count it so: DP's FLOPs do not change with n).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 
-from bench import ist_norm, ist_time
-from bench.ist_task import dp_strategy, network, speech_like
+from bench import ist_training
+from bench.ist_training import dp_strategy, network, speech_like
+from bench.report import machine_description
 from taskrt import Graph, Machine, lower
 from taskrt.ist import ISTTrainer, partition, plan_round, units_of
 
@@ -94,26 +97,27 @@ def run(out="results", quick=False):
     for n in range(2, 9):
         f, p = formulas(WIDTHS, n, BATCH, J), from_plans(WIDTHS, n, BATCH, J)
         rows.append({"n": n, **f, **p})
-    result = {"network": list(WIDTHS), "batch": BATCH, "local_steps": J, "rows": rows, "measured": [],
+    result = {"name": "ist", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
+              "network": list(WIDTHS), "batch": BATCH, "local_steps": J, "rows": rows, "measured": [],
               "table1": None, "ablation": None, "quick": quick}
     _write(out, result)
     for d in (2,) if quick else (2, 4):
         result["measured"].append(measured(d))
         _write(out, result)
-    setting = ist_time.QUICK if quick else ist_time.FULL
+    setting = ist_training.QUICK if quick else ist_training.FULL
 
     def progress(table):
         result["table1"] = table
         _write(out, result)
 
-    ist_time.table1(setting, write=progress)
+    ist_training.table1(setting, write=progress)
     result["ablation"] = ablation(setting)
     _write(out, result)
 
 
 def ablation(setting, known=()) -> list[dict]:
-    quick = setting is ist_time.QUICK
-    return ist_norm.ablation(setting, speech_like(**setting.task), (2,) if quick else (2, 8), 60 if quick else 400,
+    quick = setting is ist_training.QUICK
+    return ist_training.ablation(setting, speech_like(**setting.task), (2,) if quick else (2, 8), 60 if quick else 400,
                              setting.first if quick else (0.03, 0.1, 0.3), known=known)
 
 
@@ -131,11 +135,11 @@ def _saved(out) -> tuple:
     """out/ist.json's result, its Table 1 and the setting it was made with (this file's)."""
     result = json.loads(Path(out, "ist.json").read_text())
     table = result["table1"]
-    setting = ist_time.QUICK if result["quick"] else ist_time.FULL
+    setting = ist_training.QUICK if result["quick"] else ist_training.FULL
     if table is None:
         raise SystemExit(f"{out}/ist.json has no Table 1: run bench ist")
-    if table["setting"] != ist_time.setting_dict(setting):
-        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_time.py's: run bench ist")
+    if table["setting"] != ist_training.setting_dict(setting):
+        raise SystemExit(f"{out}/ist.json was made with another setting than bench/ist_training.py's: run bench ist")
     return result, table, setting
 
 
@@ -144,9 +148,9 @@ def complete(out="results"):
     times measured now), and the ablation's learning rates that it lacks (its curves reused):
     `python -m bench.ist [DIR]`, minutes instead of hours."""
     result, table, setting = _saved(out)
-    if len(table["search"]) < len(setting.devices) * len(ist_time.METHODS):
+    if len(table["search"]) < len(setting.devices) * len(ist_training.METHODS):
         raise SystemExit(f"{out}/ist.json has no complete learning-rate search to simulate from")
-    ist_time.simulate_all(table, setting, speech_like(**setting.task))
+    ist_training.simulate_all(table, setting, speech_like(**setting.task))
     table["resimulated"] = True
     _write(out, result)
     result["ablation"] = ablation(setting, known=result["ablation"] or ())
@@ -157,9 +161,9 @@ def remeasure(out="results"):
     """From out/ist.json: Table 1's runs on local(2) again, with the learning rates and step limits
     its searches found (`python -m bench.ist --measure [DIR]`: after a change to the runtime)."""
     result, table, setting = _saved(out)
-    if any(f"{m}@2" not in table["search"] for m in ist_time.METHODS):
+    if any(f"{m}@2" not in table["search"] for m in ist_training.METHODS):
         raise SystemExit(f"{out}/ist.json has no learning-rate search for 2 sites to measure with")
-    table["measured"] = ist_time.measure_local(setting, speech_like(**setting.task), table["search"])
+    table["measured"] = ist_training.measure_local(setting, speech_like(**setting.task), table["search"])
     _write(out, result)
 
 

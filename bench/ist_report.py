@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from bench.ist_time import METHODS
+from bench.ist_training import METHODS
+from bench.pages import header
 
 COLORS = {"dp": "tab:orange", "local_sgd": "tab:green", "ist": "tab:blue"}
 
 
 def markdown(result) -> str:
-    lines = _traffic(result)
+    lines = header("ist", result) + _traffic(result)
     if result["table1"]:
         lines += _table1(result["table1"])
     if result["ablation"]:
@@ -18,7 +19,7 @@ def markdown(result) -> str:
 
 def _traffic(result) -> list[str]:
     widths = "-".join(map(str, result["network"]))
-    lines = ["# IST (seed 004)", "", "## Traffic and FLOPs per gradient step (Sec. 3.4, Fig. 2)", "",
+    lines = ["## Traffic and FLOPs per gradient step (Sec. 3.4, Fig. 2)", "",
              f"Network {widths}, batch {result['batch']}, J = {result['local_steps']}; floats received by all sites "
              "per gradient step. IST from the round's plan: the floats of every site's slices / J. DP from the plan: "
              "ring all-reduce (reduce-scatter + all-gather) bytes / 4, which is 2 (n-1) P, where the seed's "
@@ -58,7 +59,8 @@ def _table1(t) -> list[str]:
     top = targets[-1]
     widths = "-".join(map(str, s["widths"]))
     lines = ["", "## Time to fixed test accuracies (the seed's Table 1)", "",
-             f"Generated speech-shaped task (`bench/ist_task.py`: {task.get('features', 4096)} features, 35 classes, "
+             f"Generated speech-shaped task (`bench/ist_training.py`: {task.get('features', 4096)} features, "
+             f"35 classes, "
              f"every class a mixture of Gaussian clusters seen through a random projection, a tanh and noise; "
              f"{task['train']:,} training and {task['test']:,} test samples), network {widths} with a batch norm "
              f"after each hidden layer (the seed's 2-layer speech network, Table 4), plain SGD from the same "

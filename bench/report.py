@@ -1,4 +1,6 @@
-"""Benchmark results: one JSON (raw numbers, machine, versions, date) and one Markdown table per run."""
+"""Benchmark results: one JSON (raw numbers, machine, versions, date) and one Markdown page per run,
+which starts with what the benchmark measures, on what, how to rerun it, its goal and whether the
+run met it (bench.pages)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+from bench.pages import header
 
 
 def machine_description() -> dict:
@@ -38,6 +42,14 @@ def machine_description() -> dict:
     }
 
 
+def quick_run() -> bool:
+    """Whether this is a `--quick` run (`python -m bench` says so to the benchmarks it runs)."""
+    return os.environ.get(QUICK_VARIABLE) == "1"
+
+
+QUICK_VARIABLE = "TASKRT_BENCH_QUICK"
+
+
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
     """Median wall time of `fn()` over `repeats` runs after `warmup` untimed runs."""
     for _ in range(warmup):
@@ -63,19 +75,21 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
 
 
 def write_result(out_dir, name: str, rows: list[dict], columns, meta: dict, summary: list[str]) -> Path:
-    """Write results/<name>.json and results/<name>.md; returns the Markdown path."""
+    """Write results/<name>.json and results/<name>.md (its header from bench.pages, then the table
+    and the summary); returns the Markdown path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "name": name,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
+        "quick": quick_run(),
         **meta,
         "summary": summary,
         "rows": rows,
     }
     (out / f"{name}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    text = [f"# {name}", "", f"{record['date']}, {record['machine']['cpu']}", ""]
+    text = header(name, json.loads(json.dumps(record, default=str)))  # the record as the JSON has it
     text += [markdown_table(columns, rows), ""] + [f"- {line}" for line in summary]
     md = out / f"{name}.md"
     md.write_text("\n".join(text) + "\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 import bench.gholami as gholami
 import search
 from bench.measure import measure
+from bench.pages import header
 from bench.report import machine_description, markdown_table
 from search.compare import plan_vs_model
 from search.cost import CostModel
@@ -227,11 +228,12 @@ def run(out_dir="results", quick=False):
     lines = summary_lines(fig, compare, table1, memory, table2, searched, local)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"name": "seeds", "machine": machine_description(), "quick": quick, "summary": lines,
+    record = {"name": "seeds", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_description(),
+              "quick": quick, "summary": lines,
               "model_vs_plan": compare, "table_1": table1, "memory": memory, "table_2": table2,
               "search": searched, "local": local, "seconds": time.perf_counter() - started}
     (out / "seeds.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    md = ["# seeds: SplitBrain (000) and the integrated grid (001) on the runtime", ""]
+    md = header("seeds", record)
     md += [f"- {line}" for line in lines] + [""]
     md += ["## 001: the runtime's plan beside the analytic model (words, summed over the P processes)", "",
            markdown_table([(k, k) for k in ("network", "grid", "conv", "layer", "what", "model_words", "runtime_words",

@@ -5,11 +5,11 @@ from search.cost import Breakdown, CostModel
 from search.dfs import depth_first
 from search.eliminate import minimize
 from search.families import FamilyError, integrated, integrated_family, splitbrain, splitbrain_family
-from search.optimize import optimize
+from search.optimize import SearchAgain, optimize
 from search.space import layer_configs, search_space
 
 __all__ = [
     "BASELINES", "Breakdown", "CostModel", "FamilyError", "data_parallel", "depth_first", "integrated",
-    "integrated_family", "layer_configs", "minimize", "model_parallel", "optimize", "owt", "search_space",
-    "splitbrain", "splitbrain_family",
+    "integrated_family", "layer_configs", "minimize", "model_parallel", "optimize", "owt", "SearchAgain",
+    "search_space", "splitbrain", "splitbrain_family",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from search.cost import channel_params
+from search.layer_space import channel_params
 from search.regions import Needs, part_table
 from taskrt.memory import KINDS, DeviceMemory
 
@@ -31,7 +31,7 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
     `regions(layer, config)`, if given, returns the parts of `layer` under `config` as
     (lo, hi, device) rows and each input's needs as (lo, hi) rows (zero rows: reads nothing),
     as `CostModel.regions` does from the search's tables; by default they are computed here.
-    `per_channel(op)`: `search.cost.channel_params` by default, or a CostModel's, which has them
+    `per_channel(op)`: `search.layer_space.channel_params` by default, or a CostModel's, which has them
     already."""
     if any(not config.is_even for config in strategy.configs.values()):
         return _lowered(graph, strategy, itemsize)

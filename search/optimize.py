@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from search.cost import Breakdown, CostModel
 from search.eliminate import minimize
@@ -34,6 +34,9 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     With `check_by_measurement` (a running cluster only), the result and data, model and OWT
     parallelism are each trained a few steps on the machine (`search.measured`) and the fastest
     is returned; meta["chosen_by_measurement"] names it, with every candidate's median step.
+
+    The strategy's `replan` searches again (`SearchAgain`): after a lost worker, the Trainer
+    asks it for a strategy on the devices left.
     """
     cost_model = cost_model or CostModel(machine)
     started = time.perf_counter()
@@ -73,7 +76,19 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions,
                                                            cost_model.channel_params))
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
+    strategy.replan = SearchAgain(check_by_simulation)
     return strategy
+
+
+@dataclass(frozen=True)
+class SearchAgain:
+    """A searched strategy's `replan` (taskrt.strategy.Strategy): the search run again for the
+    machine left after a lost worker, under a fresh cost model (cached part timings are reused)."""
+
+    check_by_simulation: bool = False
+
+    def __call__(self, graph, machine) -> Strategy:
+        return optimize(graph, machine, check_by_simulation=self.check_by_simulation)
 
 
 def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:

@@ -295,7 +295,7 @@ def processor_time(client) -> tuple[float, float]:
     """Processor seconds of all the workers and this process (where a local scheduler runs), and
     of the workers' task threads alone: kernels slowed by the runtime's work take no more
     processor time, only more wall time, so the task stream's durations would not do."""
-    from taskrt.machine import _process_cpu
+    from taskrt.calibration import _process_cpu
 
     workers = client.run(_worker_cpu).values()
     return sum(w[0] for w in workers) + _process_cpu(), sum(w[1] for w in workers)
@@ -307,7 +307,7 @@ def _worker_cpu() -> tuple[float, float]:
 
     import psutil
 
-    from taskrt.machine import _process_cpu
+    from taskrt.calibration import _process_cpu
 
     runs_tasks = {t.native_id for t in threading.enumerate() if "Dask-Default-Threads" in t.name}
     return _process_cpu(), sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in runs_tasks)

@@ -271,7 +271,7 @@ def separable(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsi
 def separable_job(u: Grid, v: Grid, consumer: PartTable, needs, links: Links, itemsize: int, backward: bool):
     """`separable`'s kernel as a function to call, giving the activations' table plus
     (`backward`) the gradients'; None when the shortcut does not apply.
-    The kernel releases the GIL: a search runs it on a helper thread (search.cost.Kernels)."""
+    The kernel releases the GIL: a search runs it on a helper thread (search.helper_thread.Kernels)."""
     classes = links.node_classes()
     if classes is None or not (u.ok and v.ok):
         return None

@@ -1,13 +1,14 @@
 """Profiling training steps into per-device timelines, measured beside simulated.
 
-    profile = trainer.profile(images, labels, steps=3, path="trace.json")   # and trace.png
+    profile = trainer.profile(images, labels, steps=3, path="trace.json",   # and trace.png
+                              cost_model=search.CostModel(machine))        # the simulated timeline
     print(profile.summary())
 
 The steps are ordinary training steps (they update the parameters as any step does), sent one at a
 time so that each one's timeline is its own, with every task timed on its worker
 (`taskrt.task_timing`); the transfers come from the workers' transfer logs, the Dask tasks from the
-scheduler's task stream.  The same plan's step as the cost model simulates it is laid beside each
-measured step.  Later steps are not profiled.  The trace opens in Perfetto (ui.perfetto.dev) or
+scheduler's task stream.  The same plan's step as a cost model given by the caller simulates it
+is laid beside each measured step.  Later steps are not profiled.  The trace opens in Perfetto (ui.perfetto.dev) or
 chrome://tracing (`taskrt.trace`); the PNG (`taskrt.gantt`) shows the last step.
 """
 
@@ -118,8 +119,8 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
     """`steps` training steps of `trainer` on the batch `data`, profiled (see the module's
     docstring); writes the trace to `path` (None: none) and the Gantt chart to `png` (None: beside
     the trace, as .png; False: none).  `cost_model`: what simulates the plan (anything with
-    `simulate(plan, fused)`, e.g. search.CostModel; default: a search.CostModel of the trainer's
-    machine, measured once and cached; False: no simulated timeline).  `reference`: time the
+    `simulate(plan, fused)`, e.g. `search.CostModel(machine)`, which the caller, above the
+    runtime, builds; None or False: no simulated timeline).  `reference`: time the
     step's kernels one after another on a worker too (CPU devices only)."""
     from taskrt.data import bind_inputs
 
@@ -275,13 +276,8 @@ def _transfer_logs(begin: float, end: float, dask_worker=None) -> tuple[list, li
 
 def _simulated(trainer, cost_model) -> StepTimeline | None:
     """The plan's step as `cost_model` simulates it (see `profile`)."""
-    if cost_model is False:
+    if cost_model is None or cost_model is False:
         return None
-    if cost_model is None:
-        # search sits above taskrt: imported only when asked for, as Trainer._use does to search again
-        from search import CostModel
-
-        cost_model = CostModel(trainer.machine, progress=False)
     from taskrt.fusion import fused_plan
 
     plan, fused = trainer.plan, trainer.executor.fused

@@ -25,10 +25,14 @@ class StrategyError(ValueError):
 
 
 class Strategy:
-    def __init__(self, configs: dict[str, ParallelConfig], name: str = "", meta: dict | None = None):
+    def __init__(self, configs: dict[str, ParallelConfig], name: str = "", meta: dict | None = None, replan=None):
         self.configs = dict(configs)
         self.name = name
         self.meta = dict(meta or {})  # JSON-ready notes, e.g. the search's predicted costs
+        # How to make a strategy for the devices left after a lost worker, `replan(graph, machine)
+        # -> Strategy`, given by whoever built this one (search.optimize: search again); None: the
+        # trainer re-maps this one (taskrt.elastic.remap).  Not saved with the strategy.
+        self.replan = replan
 
     def __getitem__(self, layer: str) -> ParallelConfig:
         return self.configs[layer]
@@ -77,7 +81,7 @@ class Strategy:
                 except StrategyError as e:
                     raise StrategyError(f"{e} (the default config of input {layer.name!r}, derived from its "
                                         f"first consumer; give {layer.name!r} a config of its own)") from None
-        return Strategy({layer.name: configs[layer.name] for layer in graph}, self.name, self.meta)
+        return Strategy({layer.name: configs[layer.name] for layer in graph}, self.name, self.meta, self.replan)
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -14,9 +14,10 @@ Lost workers: the trainer keeps a snapshot of parameters and momentum on the cli
 `snapshot_every` steps; by default as often as keeps its cost under 5% of the step time) and the
 inputs of the steps since (of a step read from a dataset, only its sample indices).  When a
 device's worker dies or its values are lost, the next `step`, `submit` or `result()` re-plans on
-the devices left (re-searched when the strategy came from `search.optimize`, otherwise re-mapped,
-each layer keeping its split where it can), restores the snapshot, replays the steps since it
-(reading a dataset's samples again) and goes on, with one warning naming what was lost.
+the devices left (with the strategy's own `replan`, which `search.optimize` gives its strategies:
+search again; otherwise re-mapped, each layer keeping its split where it can), restores the
+snapshot, replays the steps since it (reading a dataset's samples again) and goes on, with one
+warning naming what was lost.
 
 A step whose data cannot be read (a dataset file gone or cut short while training) raises
 taskrt.datasets.DataReadError; it and the steps submitted after it never happen, and the
@@ -150,7 +151,7 @@ class StepFuture:
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True, cuda_graphs=True):
+                 fused=True, cuda_graphs=True, replan=None):
         """`precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
         1e-3 relative error) or "bf16" (convolutions and products in bfloat16, everything else and
         the parameters float32: `ops.precision`); it is set on every worker of the machine.  CPU
@@ -163,7 +164,10 @@ class Trainer:
         `fused`: run each device's tasks between two waits for another device as one Dask task
         (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream.
         `cuda_graphs`: GPU workers replay each fused run as a CUDA graph once it has run twice
-        (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel."""
+        (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
+        `replan(graph, machine) -> Strategy`: the strategy for the devices left after a lost worker;
+        by default the strategy's own (`Strategy.replan`: a searched one searches again), else the
+        strategy re-mapped onto them (`taskrt.elastic.remap`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         if snapshot_every not in ("auto", None) and (isinstance(snapshot_every, bool) or not isinstance(
@@ -176,6 +180,7 @@ class Trainer:
         self.machine = machine
         self.precision = precision
         self._given_strategy = strategy
+        self._replan = replan if replan is not None else strategy.replan
         self.strategy = strategy.validated(graph, machine)
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
@@ -507,7 +512,8 @@ class Trainer:
 
     def profile(self, *data, steps: int = 3, path="trace.json", png=None, cost_model=None, reference=True):
         """`steps` training steps on a batch, profiled into per-device timelines, measured beside
-        the cost model's simulation of the same plan; writes them as a Chrome trace (`path`) and a
+        `cost_model`'s simulation of the same plan (e.g. `search.CostModel(machine)`; None: no
+        simulated timeline); writes them as a Chrome trace (`path`) and a
         Gantt chart of the last step (`png`, default beside the trace) and shows that step on the
         dashboard.  Returns a taskrt.profile.Profile (`summary()`: per device busy and waiting).
         The steps train as any step does; later steps are not profiled.  See taskrt.profile."""
@@ -733,11 +739,8 @@ class Trainer:
         view = whole if len(live) == whole.num_devices else whole.subset(live)
         if view is whole:
             strategy = self._given_strategy
-        elif "search" in self._given_strategy.meta:
-            import search  # the strategy came from the search: search again for the smaller machine
-
-            strategy = search.optimize(self.graph, view,
-                                       check_by_simulation="chosen_by_simulation" in self._given_strategy.meta)
+        elif self._replan is not None:  # e.g. a searched strategy: search again for the smaller machine
+            strategy = self._replan(self.graph, view)
         else:
             strategy = remap(self._given_strategy.validated(self.graph, whole), live)
         view.client.run(set_precision, self.precision)  # restarted workers start with the default
@@ -785,7 +788,8 @@ class Trainer:
     def load(cls, path, machine, strategy: Strategy | None = None, graph: Graph | None = None, **options) -> Trainer:
         """Resume from a checkpoint on `machine`, with its saved strategy or another one.  With
         `graph`, the checkpoint must be for that graph (CheckpointError names the difference).
-        `options`: the Trainer's snapshot_every and checkpoints."""
+        `options`: the Trainer's snapshot_every, checkpoints and replan (a saved strategy has no
+        `replan`: without one, it is re-mapped after a lost worker)."""
         meta, params, velocity = read_checkpoint(path, graph)
         graph = Graph.from_dict(meta["graph"])
         strategy = strategy or Strategy.from_dict(meta["strategy"], source=str(path))

@@ -8,9 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from bench import ist_time
-from bench.ist_task import site_batches, speech_like
-from bench.ist_time import QUICK, Curve, kernel_seconds, next_evaluation, search_lr, simulated_step
+from bench import ist_training
+from bench.ist_training import (
+    QUICK,
+    Curve,
+    kernel_seconds,
+    next_evaluation,
+    search_lr,
+    simulated_step,
+    site_batches,
+    speech_like,
+)
 
 
 def test_the_task_is_seeded_standardized_and_has_every_class():
@@ -75,8 +83,8 @@ def test_search_stops_runs_that_cannot_win_and_extends_at_an_edge(monkeypatch):
         limits[lr] = limit[lr]
         return {lr: _curve(steps[lr] if steps[lr] and steps[lr] <= limit[lr] else None, 0.65)}
 
-    monkeypatch.setattr(ist_time, "train", fake_train)
-    monkeypatch.setattr(ist_time, "Run", lambda method, setting, task, sites, lr: {lr: None})
+    monkeypatch.setattr(ist_training, "train", fake_train)
+    monkeypatch.setattr(ist_training, "Run", lambda method, setting, task, sites, lr: {lr: None})
     found = search_lr("ist", 2, QUICK, None, log=lambda _: None)
     assert found["lr"] == 0.3
     assert limits == {0.3: QUICK.max_steps, 1.0: 40, 0.1: 40}
@@ -102,8 +110,6 @@ def test_simulated_step_moves_the_plans_bytes(method):
 def test_ablation_reuses_known_curves_and_extends_at_an_edge(monkeypatch):
     """Final accuracy per learning rate rises up to 1.0: the grid's best (0.3) is at its edge, so
     1.0 is tried, then 3.0 (1.0 is still at the edge), which loses.  Known curves are not rerun."""
-    from bench import ist_norm
-
     accuracy = {0.1: 0.5, 0.3: 0.7, 1.0: 0.8, 3.0: math.nan}
     trained = []
 
@@ -111,9 +117,9 @@ def test_ablation_reuses_known_curves_and_extends_at_an_edge(monkeypatch):
         trained.append((shape["norm"], lr))
         return [{"steps": steps, "accuracy": accuracy[lr]}]
 
-    monkeypatch.setattr(ist_norm, "_train", fake_train)
+    monkeypatch.setattr(ist_training, "_ablation_curve", fake_train)
     known = [{"sites": 2, "variant": "batch_norm", "curves": {"0.1": [{"steps": 60, "accuracy": 0.5}]}}]
-    rows = ist_norm.ablation(QUICK, None, (2,), 60, (0.1, 0.3), known=known, log=lambda _: None)
+    rows = ist_training.ablation(QUICK, None, (2,), 60, (0.1, 0.3), known=known, log=lambda _: None)
     assert [(r["variant"], r["lr"]) for r in rows] == [("batch_norm", 1.0), ("no_norm", 1.0)]
     assert trained == [(True, 0.3), (True, 1.0), (True, 3.0), (False, 0.1), (False, 0.3), (False, 1.0), (False, 3.0)]
     assert list(rows[0]["curves"]) == ["0.1", "0.3", "1.0", "3.0"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from taskrt import models
+from taskrt.calibration import cpu_costs
 from taskrt.config import ParallelConfig as P
 from taskrt.machine import Machine
 from taskrt.reference import SingleDeviceTrainer
@@ -144,7 +145,7 @@ def test_local_machines_shorten_message_batching_and_given_clusters_keep_theirs(
 
 
 def test_the_runtimes_processor_time_per_byte_counts_moving_bytes_and_leaves_nothing(machine4):
-    costs = machine4._cpu_costs(tasks=50, nbytes=4 * 2**20, messages=2, small=20)
+    costs = cpu_costs(machine4, tasks=50, nbytes=4 * 2**20, messages=2, small=20)
     assert costs["cpu_per_task_s"] > 0 and 0 <= costs["cpu_per_message_s"] < 0.1
     # moving a byte costs at least nothing and at most what a slow copy would (0.1 GB/s of processor)
     assert 0 <= costs["cpu_per_byte_s"] < 1e-8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.ist_task import dp_strategy, network
+from bench.ist_training import dp_strategy, network
 from taskrt import Machine, lower
 from taskrt.data import bind_inputs
 from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states

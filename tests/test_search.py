@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections import Counter, defaultdict
 from itertools import product
 from math import prod
@@ -642,6 +643,19 @@ def test_vgg16_strategy_is_sensible_and_beats_the_baselines(vgg_search):
         assert predicted <= cm.breakdown(g, baseline(g, machine)).total, baseline.__name__
 
 
+def test_a_searched_strategy_replans_by_searching_again_and_survives_validation():
+    """The trainer re-plans after a lost worker with the strategy's `replan`: the search's is the
+    search again, for the machine it is given (the runtime itself never imports the search)."""
+    g = models.lenet5(batch=8, image_size=16, width=0.5)
+    strategy = search.optimize(g, Machine.simulated(1, 4))
+    assert strategy.replan == search.SearchAgain(check_by_simulation=False)
+    assert strategy.validated(g).replan is strategy.replan
+    smaller = strategy.replan(g, Machine.simulated(1, 2))
+    assert max(d for config in smaller.configs.values() for d in config.devices) <= 1
+    assert isinstance(smaller.replan, search.SearchAgain)
+    assert "replan" not in json.dumps(strategy.to_dict())
+
+
 # ---- 6. measurement cache ------------------------------------------------------------------------
 
 
@@ -661,7 +675,7 @@ def test_second_search_measures_nothing(machine4, cost_cache4):
 
 
 def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_device_at_once(machine4, cost_cache4):
-    from search.cost import corun_kind
+    from search.cost_cache import corun_kind
 
     g = models.lenet5(batch=8, image_size=16, width=0.5)
     model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)

@@ -643,6 +643,21 @@ def test_timer_gives_every_task_a_time(real_plans):
     assert seen == PHASES
 
 
+def test_a_plan_with_batch_norm_is_priced_and_simulated():
+    """A batch norm's backward (its input gradient from the group's sums) is timed as the part's
+    backward, which includes the input gradient wherever the plan has one."""
+    graph = models.get("resnet50", batch=8, image_size=32, num_classes=10, width=0.25)
+    machine = Machine.simulated(1, 2)
+    cost_model = CostModel(machine, cache=False)
+    for strategy in (BASELINES["data"](graph, machine), BASELINES["model"](graph, machine)):
+        plan = lower(graph, strategy.validated(graph, machine), "train", 4)
+        backward = [t for t in plan.tasks if t.phase == "bwd" and graph[t.layer].kind == "batch_norm"]
+        assert backward and all(not hasattr(t.spec, "need_dx") for t in backward)
+        timer = cost_model.timer(plan)
+        assert all(timer(t) > 0 for t in backward)
+        assert cost_model.simulate(plan).step_s > 0
+
+
 # ---- 9. the choice by simulation in optimize ----------------------------------------------------
 
 

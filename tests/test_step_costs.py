@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import search
+import search.runtime_costs
 from search.step_costs import calibration_network, step_costs, step_timings, strategies, trimmed_mean
 from taskrt.fusion import fused_plan
 from taskrt.lowering import lower
@@ -65,7 +66,7 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
 
     fitted = {"cpu_per_task_s": 0.003, "cpu_per_message_s": 123.0, "step_cpu_rows": [],
               "step_gaps": {"same": [], "cross": []}, "step_answers": [], "step_starts": []}
-    monkeypatch.setattr(search.cost, "step_costs", lambda machine, per_byte, per_message, fit_cpu: fitted)
+    monkeypatch.setattr(search.runtime_costs, "step_costs", lambda machine, per_byte, per_message, fit_cpu: fitted)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
     # the processor time per task from the steps; per message, Machine.calibrate's own measurement
     assert model.calibration["cpu_per_task_s"] == 0.003 and 0 <= model.calibration["cpu_per_message_s"] < 0.1
@@ -85,7 +86,8 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
 
 
 def test_a_simulated_machine_runs_no_steps(monkeypatch):
-    monkeypatch.setattr(search.cost, "step_costs", lambda *a, **k: pytest.fail("steps run on a simulated machine"))
+    monkeypatch.setattr(search.runtime_costs, "step_costs",
+                        lambda *a, **k: pytest.fail("steps run on a simulated machine"))
     search.CostModel(Machine.simulated(1, 2), cache=False)
 
 
@@ -115,7 +117,7 @@ def test_a_cost_model_on_local_workers_takes_the_latencies_of_steps(machine4, tm
                 "step_answers": [0.002] * 8 + [0.5, 0.4],
                 "step_starts": [(p, [first[n]] * 3) for n, p in plans.items()]}
 
-    monkeypatch.setattr(search.cost, "step_costs", measured)
+    monkeypatch.setattr(search.runtime_costs, "step_costs", measured)
     times = taskrt.executor.GraphTimes(1e-4, 1e-4, 1e-4, 1)
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
@@ -198,7 +200,7 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
                 "step_gaps": {"same": [], "cross": []}, "step_answers": [0.02] * 5,
                 "step_starts": [(plan, [0.001] * 3)]}  # its first task long before the modeled start
 
-    monkeypatch.setattr(search.cost, "step_costs", measured)
+    monkeypatch.setattr(search.runtime_costs, "step_costs", measured)
     times = taskrt.executor.GraphTimes(0.01, 0.01, 0.01, 1)
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
@@ -208,7 +210,8 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0.001, 0.001,
                                                                                                      0.001, 1))
     runtime = model.runtime(other)
-    unfitted = model._runtime({k: v for k, v in model.calibration.items() if k != "step_start_extra_s"}, other)
+    unfitted = search.runtime_costs.runtime(model.machine, {k: v for k, v in model.calibration.items()
+                                                            if k != "step_start_extra_s"}, other, corun=model.corun)
     assert unfitted.start_s + extra < 0
     assert runtime.start_s == 0.0
     assert runtime.answer_s == pytest.approx(max(0.02 + unfitted.start_s + extra, 0.0), abs=1e-12)

@@ -15,7 +15,8 @@ import pytest
 
 from ops.rect import Rect
 from search import CostModel, regions, transfer
-from search.cost import Kernels, channel_params
+from search.helper_thread import Kernels
+from search.layer_space import channel_params
 from search.regions import Needs, input_ranges, part_table
 from search.space import layer_configs, part_memory
 from taskrt import models
@@ -232,7 +233,7 @@ def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
     """A backward task packs its parameter gradient into one flat array (taskrt.tasks.Backward), a
     copy as large as a fully-connected layer's weights; the part timings the simulator adds up
     include it, for ops with parameters only."""
-    from search.cost import measure_parts
+    from search.part_timing import measure_parts
     from taskrt import params as taskrt_params
 
     g = models.lenet5(batch=8)
@@ -254,12 +255,12 @@ def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
 def test_part_timing_starts_each_cpu_kernel_with_the_core_cache_evicted():
     """In a step other kernels run between two of one layer's: each timed forward and backward
     on a CPU starts after reading a buffer larger than a core's cache, not after its own run."""
-    import search.cost as cost
+    import search.part_timing as part_timing
 
     g = models.lenet5(batch=8)
     calls = []
-    real = cost.evict_core_cache
-    with mock.patch.object(cost, "evict_core_cache", lambda: (calls.append(1), real())):
-        cost.measure_parts([(g["conv1"].op, Rect.full(g["conv1"].shape), (False,))], 3, "float32")
+    real = part_timing.evict_core_cache
+    with mock.patch.object(part_timing, "evict_core_cache", lambda: (calls.append(1), real())):
+        part_timing.measure_parts([(g["conv1"].op, Rect.full(g["conv1"].shape), (False,))], 3, "float32")
     assert len(calls) == 6  # before each of three forwards and three backwards
-    assert cost._EVICTION[0].nbytes >= max(2 * cost._l2_bytes(), 4 << 20)
+    assert part_timing._EVICTION[0].nbytes >= max(2 * part_timing._l2_bytes(), 4 << 20)

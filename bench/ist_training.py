@@ -1,4 +1,14 @@
-"""Seed 004's Table 1: the time data parallelism (DP), local SGD and IST take to reach fixed test
+"""The training runs of bench ist (seed 004): a generated task shaped like the seed's speech data,
+Table 1's time to fixed test accuracies, and Sec. 3.3's ablation of batch norm.
+
+The task (`speech_like`), shaped like the seed's 2-layer Google Speech network (4096 features, 35
+classes, hidden layers of 4096), with what training on it needs: the network, each step's batches
+for n sites, and test accuracy of the whole network.  No download: every class is a mixture of
+`modes` Gaussian clusters in a `latent`-dimensional space, seen through a fixed random projection
+to `features` dimensions, a tanh, and noise in every feature.  A class is not one blob, so no
+linear read-out separates the classes; a hidden layer learns it in a few hundred steps.
+
+Table 1 (`table1`): the time data parallelism (DP), local SGD and IST take to reach fixed test
 accuracies, measured on Machine.local(2) and by simulation on 2, 4 and 8 devices.
 
 - Every method, at n sites, trains the same network from the same initial parameters on the same
@@ -23,6 +33,14 @@ accuracies, measured on Machine.local(2) and by simulation on 2, 4 and 8 devices
   n devices linked by `link_bandwidth` (the seed's EC2 instances: "up to 10 Gbps"), each task
   taking its kernel time measured in this process with one thread (a device is one core, as a
   Machine.local worker), no runtime overhead.
+
+The ablation (`ablation`): the seed argues that a subnet sees a neuron's input summed over 1/n of
+the previous layer, the deployed network over all of it, and that IST "will simply not work"
+without normalization.  Here IST trains the speech-shaped network for `steps` steps at each site
+count, with batch norm (hidden layers bias-free) and without (hidden layers with a bias, as
+PyTorch's default linear layer), each at the best learning rate of the same search (best final
+test accuracy), and the whole network is evaluated: with batch norm, with the running statistics
+the subnets collected and with statistics recomputed with the whole network.
 """
 
 from __future__ import annotations
@@ -30,22 +48,108 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from bench.ist_task import dp_strategy, network, site_batches, speech_like, test_accuracy
-from taskrt import Machine, lower
+from search.baselines import data_parallel
+from taskrt import Graph, Machine, Strategy, lower
 from taskrt.data import bind_inputs
 from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
-from taskrt.ist import ISTTrainer, LocalSGDTrainer, plan_round, units_of
+from taskrt.ist import ISTTrainer, LocalSGDTrainer, full_network_logits, plan_round, units_of
 from taskrt.machine import Device
 from taskrt.params import init_buffers, init_parameters
 from taskrt.reference import SingleDeviceTrainer
 from taskrt.simulate import Runtime, simulate
 from taskrt.trainer import Trainer
 
+
+# ---- the generated task ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    calibrate: np.ndarray  # training samples the batch norms' statistics are recomputed on
+
+    @property
+    def features(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def classes(self) -> int:
+        return int(self.y_train.max()) + 1
+
+
+def speech_like(features=4096, classes=35, train=16384, test=1024, calibrate=256, latent=32, modes=4, noise=1.0,
+                seed=0) -> Task:
+    """Seeded: the same arguments give the same task.  Features standardized with the training
+    set's mean and deviation."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((classes, modes, latent))
+    projection = rng.standard_normal((latent, features)) / np.sqrt(latent)
+    n = train + test
+    y = rng.integers(0, classes, n)
+    z = centers[y, rng.integers(0, modes, n)] + rng.standard_normal((n, latent))
+    x = (np.tanh(z @ projection) + noise * rng.standard_normal((n, features))).astype(np.float32)
+    mean, std = x[:train].mean(axis=0), x[:train].std(axis=0)
+    x = (x - mean) / std
+    return Task(x[:train], y[:train], x[train:], y[train:], x[:calibrate])
+
+
+def network(widths, batch: int, norm=True, bias=False, name="speech") -> Graph:
+    """widths[0] features -> hidden linear layers (each [batch norm] ReLU) -> widths[-1] classes
+    (the output layer bias-free, as IST needs).  `bias`: on the hidden layers (with batch norm
+    its shift does that job)."""
+    g = Graph(name)
+    x = g.input("x", (batch, widths[0]))
+    for i, width in enumerate(widths[1:-1], start=1):
+        x = g.linear(x, width, bias=bias, name=f"fc{i}")
+        if norm:
+            x = g.batch_norm(x, name=f"bn{i}")
+        x = g.relu(x, name=f"relu{i}")
+    g.softmax_cross_entropy(g.linear(x, widths[-1], bias=False, name="out"), name="loss")
+    return g
+
+
+def dp_strategy(graph, machine) -> Strategy:
+    """The data-parallel baseline: every layer on every device, gradients summed by ring all-reduce."""
+    dp = data_parallel(graph, machine)
+    return Strategy({name: replace(config, sync="allreduce") for name, config in dp.configs.items()},
+                    name="data parallel, ring all-reduce")
+
+
+def site_batches(task: Task, sites: int, batch: int, seed: int):
+    """Endless steps: each a list of `sites` (x, labels) batches of `batch` samples, cut in turn
+    from shuffled epochs of the training set.  Every method sees the same samples at a step."""
+    rng = np.random.default_rng(seed)
+    order, at = rng.permutation(len(task.x_train)), 0
+    while True:
+        step = []
+        for _ in range(sites):
+            if at + batch > len(order):
+                order, at = rng.permutation(len(task.x_train)), 0
+            idx = order[at : at + batch]
+            at += batch
+            step.append((task.x_train[idx], task.y_train[idx]))
+        yield step
+
+
+def test_accuracy(graph, task: Task, params: dict, buffers: dict, calibrated=True) -> float:
+    """Test accuracy of the whole network; its batch norms normalize with statistics recomputed on
+    `task.calibrate` (the seed's Sec. 3.3), or with their running statistics.  NaN where the
+    parameters are not finite (a diverged run)."""
+    running = {k: np.stack([v["running_mean"], v["running_var"]]) for k, v in buffers.items()}
+    calibrate = task.calibrate if calibrated and running else None
+    logits = full_network_logits(graph, units_of(graph), params, running, task.x_test, calibrate)
+    if not np.isfinite(logits).all():
+        return float("nan")
+    return float((logits.argmax(axis=1) == task.y_test).mean())
+
+
+# ---- Table 1: time to accuracy ---------------------------------------------------------------
 METHODS = {"dp": "data parallel", "local_sgd": "local SGD", "ist": "IST"}
 SEED, DATA_SEED = 0, 1
 
@@ -356,3 +460,56 @@ def setting_dict(setting: Setting) -> dict:
 
 def _seed_dict() -> dict:
     return {m: {str(t): list(v) for t, v in rows.items()} for m, rows in SEED_TABLE_1.items()}
+
+
+# ---- Sec. 3.3: the batch-norm ablation -------------------------------------------------------
+VARIANTS = {"batch_norm": {"norm": True, "bias": False}, "no_norm": {"norm": False, "bias": True}}
+
+
+def ablation(setting, task, sites_list, steps: int, grid, evaluations=8, log=print, known=()) -> list[dict]:
+    """A row per site count and variant.  Learning rates: `grid`, then one rung of
+    `setting.ladder` further out while the best is at an edge (as Table 1's search).  `known`:
+    rows of an earlier run with the same arguments, whose curves are taken instead of run again."""
+    every = max(setting.local_steps, steps // evaluations // setting.local_steps * setting.local_steps)
+    earlier = {(r["sites"], r["variant"], float(lr)): c for r in known for lr, c in r["curves"].items()}
+    rows = []
+    for sites in sites_list:
+        for variant, shape in VARIANTS.items():
+            curves, order = {}, list(grid)
+            while order:
+                lr = order.pop(0)
+                curves[lr] = earlier.get((sites, variant, lr)) or _ablation_curve(setting, task, sites, lr, shape,
+                                                                                  steps, every)
+                log(f"  IST {variant} on {sites} sites, lr {lr:g}: accuracy {curves[lr][-1]['accuracy']:.3f} "
+                    f"after {curves[lr][-1]['steps']} steps")
+                if not order:  # the best at an edge of what was tried: one rung further out
+                    best, tried = max(curves, key=lambda v: _final_accuracy(curves[v])), sorted(curves)
+                    rung = setting.ladder.index(best)
+                    if best == tried[-1] and rung + 1 < len(setting.ladder):
+                        order.append(setting.ladder[rung + 1])
+                    elif best == tried[0] and rung > 0 and len(tried) > 1:
+                        order.append(setting.ladder[rung - 1])
+            best = max(curves, key=lambda v: _final_accuracy(curves[v]))
+            rows.append({"sites": sites, "variant": variant, "lr": best, "steps": steps, "first": list(grid),
+                         "final": curves[best][-1], "curves": {str(lr): c for lr, c in sorted(curves.items())}})
+    return rows
+
+
+def _ablation_curve(setting, task, sites, lr, shape, steps, every) -> list[dict]:
+    run = Run("ist", setting, task, sites, lr, graph=graph_for("ist", setting, sites, **shape))
+    points = []
+    while run.steps < steps:
+        run.advance()
+        if run.steps % every == 0 or run.steps >= steps:
+            point = {"steps": run.steps, "accuracy": run.accuracy(calibrated=True)}
+            if shape["norm"]:
+                point["running_statistics"] = run.accuracy(calibrated=False)
+            points.append(point)
+            if math.isnan(point["accuracy"]):
+                break
+    return points
+
+
+def _final_accuracy(points) -> float:
+    accuracy = points[-1]["accuracy"]
+    return -1.0 if math.isnan(accuracy) else accuracy  # a diverged run loses

@@ -1,0 +1,94 @@
+"""Starting a local cluster (Machine.local): one single-threaded worker process per device on
+127.0.0.1, with the Dask settings and worker environment a training step wants; GPU workers
+through dask-cuda when it is installed."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from taskrt.machine import MachineError, resource_tag
+
+DASK_SETTINGS = {
+    "distributed.scheduler.active-memory-manager.start": False,
+    # Dask's debugging logs (transitions, events, each message stream's recent messages with their
+    # task specs) 100 entries long, not 1000: fewer objects for Python's full garbage collections
+    # to walk in the scheduler (taskrt.worker_setup); the workers' transfer logs stay long
+    "distributed.admin.low-level-log-length": 100,
+    "distributed.worker.daemon": False,
+    # A step's temporaries must land on memory the worker already has.  Dask's nanny gives its workers
+    # MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's dynamic mmap threshold: every large
+    # temporary became a fresh mmap that page-faulted again (kernels 1.6x slower than in-process).
+    # glibc's defaults are not enough either: tasks run on a worker thread, whose malloc arena gives
+    # whole 64 MiB heaps back to the system as soon as they are empty, so the next step faults them in
+    # again (VGG-16-32: 14,000 page faults and 80 ms of system time per step, against 80 faults
+    # in-process).  One arena, allocations up to 32 MiB (glibc's largest threshold) from it, and up to
+    # 1 GiB of free memory kept: 150 faults and 2 ms.  Larger arrays come from ops.reuse.
+    "distributed.nanny.pre-spawn-environ.MALLOC_ARENA_MAX": 1,
+    "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 32 << 20,
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": 1 << 30,
+}
+
+
+def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
+    """(client, cluster, GPUs used) of a new local cluster of `n` workers, each tagged with its
+    device's resource (taskrt.machine.resource_tag); see Machine.local."""
+    import dask
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    import taskrt.dashboard  # noqa: F401  (registers the dashboard's taskrt page before the scheduler starts)
+    from taskrt.batching import shorten_batching
+
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
+    gpus = local_gpu_count() if gpu else 0
+    if not gpu and n > (os.cpu_count() or 1):
+        logging.getLogger("taskrt").warning(
+            "Machine.local(%d) on %d cores: timings are not meaningful, bytes and results are",
+            n, os.cpu_count())
+    dask.config.set(DASK_SETTINGS)
+    level = logging.WARNING if quiet else logging.INFO
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+    if gpu and n == gpus and has_dask_cuda():
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(n_workers=n, threads_per_worker=1, host="127.0.0.1",
+                                   dashboard_address="127.0.0.1:0", silence_logs=level, memory_limit=memory_limit)
+    else:
+        def env(i):
+            if gpu:
+                return {"TASKRT_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": str(i % gpus)}
+            return {"TASKRT_DEVICE": "cpu"}
+
+        workers = {
+            i: {"cls": Nanny, "options": {"nthreads": 1, "resources": {resource_tag(i): 1}, "host": "127.0.0.1",
+                                          "memory_limit": memory_limit, "silence_logs": level, "env": env(i)}}
+            for i in range(n)
+        }
+        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
+    client = Client(cluster, set_as_default=False)
+    client.wait_for_workers(n)
+    shorten_batching(client)  # this cluster is ours: steps wait on its messages (taskrt.batching)
+    return client, cluster, gpus
+
+
+def local_gpu_count() -> int:
+    """GPUs this host's processes can use; a clear error when there are none."""
+    try:
+        import cupy
+    except ImportError:
+        raise MachineError("Machine.local(gpu=True) needs cupy, which is not installed: pip install "
+                           "'taskrt[gpu]' (cupy-cuda12x) or cupy-cuda13x, to match the CUDA driver") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001  (a CUDA runtime error: no driver, no device)
+        raise MachineError(f"Machine.local(gpu=True): cupy finds no CUDA device ({e})") from None
+    if count < 1:
+        raise MachineError("Machine.local(gpu=True): no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+    return count
+
+
+def has_dask_cuda() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dask_cuda") is not None

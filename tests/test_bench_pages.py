@@ -1,0 +1,77 @@
+"""Every benchmark's page explains itself: what it measures, on what, how to rerun it, its goal and
+whether the run met it, read off the run's record (bench.pages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import BENCHMARKS, ON_REQUEST
+from bench.pages import PAGES, header
+from bench.report import write_result
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+LABELS = ("What it measures:", "On:", "Rerun:", "Goal:", "This run:")
+
+
+def test_every_benchmark_has_a_page():
+    assert set(PAGES) == set(BENCHMARKS) | set(ON_REQUEST)
+    for name, page in PAGES.items():
+        assert f"python -m bench {name}" in page.rerun, name
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("*.json") if p.stem in PAGES))
+def test_the_committed_records_give_a_verdict(name):
+    """The verdict is read off the record the benchmark wrote, not left to the summary."""
+    lines = header(name, json.loads((RESULTS / f"{name}.json").read_text()))
+    assert lines[0].startswith(f"# {name}: ")
+    for label in LABELS:
+        assert sum(label in line for line in lines) == 1, (name, label)
+    verdict = next(line for line in lines if "This run:" in line)
+    assert "not read from" not in verdict and ("met" in verdict or "not judged" in verdict), verdict
+
+
+def test_a_written_page_starts_with_its_header_then_the_table_and_summary(tmp_path):
+    rows = [{"trainer": "single device", "steps": 2, "final_loss": 0.5, "test_accuracy": 0.9,
+             "max_relative_loss_difference": 0.0},
+            {"trainer": "layer-wise", "steps": 2, "final_loss": 0.5, "test_accuracy": 0.9,
+             "max_relative_loss_difference": 2e-4}]
+    md = write_result(tmp_path, "convergence", rows, [("trainer", "trainer")], {}, ["a summary line"])
+    text = md.read_text()
+    assert text.startswith("# convergence: ")
+    assert text.index("This run:") < text.index("| trainer |") < text.index("- a summary line")
+    assert "NOT met: largest relative difference from the single device's loss 2.0e-04" in text
+    assert json.loads((tmp_path / "convergence.json").read_text())["quick"] is False
+
+
+def test_a_record_of_another_shape_says_so_instead_of_failing():
+    lines = header("kernels", {"rows": [{"model": "x"}]})
+    assert any("not read from this run's record (KeyError" in line for line in lines)
+    assert any("On:** not recorded" in line for line in lines)
+
+
+def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
+    from bench import gpu_steps, kernels, overhead, peer
+
+    assert f"{kernels.GOAL:.0%}" in PAGES["kernels"].goal and f"{kernels.MOONSHOT:.0%}" in PAGES["kernels"].goal
+    assert all(f"{v:g}x" in PAGES["overhead"].goal for v in {*overhead.GOALS.values(), overhead.HOP_GOAL})
+    assert all(f"{v:g}x" in PAGES["peer"].goal for v in peer.GOALS.values())
+    assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
+    assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
+
+
+def test_yes_and_no_written_as_text_read_as_such():
+    """numpy's booleans reach the JSON as "True" and "False": "False" is a no."""
+    rows = [{"model": "lenet5", "strategy": "data", "devices": 2, "simulated_error": 0.2, "within_goal": "False"},
+            {"model": "lenet5", "strategy": "owt", "devices": 2, "simulated_error": 0.01, "within_goal": "True"}]
+    lines = header("accuracy", {"rows": rows, "goal": 0.1})
+    assert any("NOT met: 1 of 2 cases within 10%; missed: lenet5 data on 2 (+20.0%)" in line for line in lines)
+
+
+def test_the_committed_accuracy_verdict_counts_as_its_summary_does():
+    record = json.loads((RESULTS / "accuracy.json").read_text())
+    counted = next(line for line in record["summary"] if line.startswith("simulated prediction within"))
+    within, cases = counted.split(" in ")[1].split(" cases")[0].split(" of ")
+    assert any(f"{within} of {cases} cases within" in line for line in header("accuracy", record))
