@@ -10,13 +10,16 @@ client sends what changes: the data tiles (or the samples' indices), the hyper-p
 where each device's worker is.  A device's program is sent to its worker once per plan, as data
 there (a future), so that a worker lost with it fails the step like its lost state does.
 Each program on a device waits for that device's program of the step before, so the steps of
-several devices are never taken in different orders.
+several devices are never taken in different orders.  A program about to wait for a value leaves
+its worker's thread pool (`distributed.secede`): programs of another trainer on the same cluster,
+which Dask may have started in another order on another device, can then run meanwhile.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from operator import getitem
 
 import dask
@@ -51,7 +54,7 @@ class StepArgs:
 
 def run_program(program: DeviceProgram, args: StepArgs, *inputs):
     """On a worker: run `program` for the step `args.tag`; returns the values of its outputs."""
-    from distributed import get_worker
+    from distributed import get_worker, secede
 
     box = mailbox_of(get_worker())
     tag, address = args.tag, args.address
@@ -59,7 +62,7 @@ def run_program(program: DeviceProgram, args: StepArgs, *inputs):
     for name, (kind, ref) in zip(program.inputs, args.refs):
         value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
         env[name] = to_device(value) if program.gpu and name.kind == DATA else value
-    sent = []
+    sent, seceded = [], False
     try:
         for instruction, drops in zip(program.code, program.drops):
             if isinstance(instruction, Compute):
@@ -70,8 +73,13 @@ def run_program(program: DeviceProgram, args: StepArgs, *inputs):
                     run = ProfiledRun(run.steps, run.exports, (), None, args.key)
                 env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
             elif isinstance(instruction, Recv):
-                env[instruction.name] = box.take(value_key(instruction.name, tag), tag,
-                                                 address[instruction.src])
+                key = value_key(instruction.name, tag)
+                if not seceded and key not in box.values:
+                    # About to wait: leave the worker's thread pool, so that its tasks go on meanwhile
+                    # (the next step's reads; another trainer's program this one's sender may wait for)
+                    secede()
+                    seceded = True
+                env[instruction.name] = box.take(key, tag, address[instruction.src])
             else:
                 sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
                                      env[instruction.name]))
@@ -98,10 +106,12 @@ def _for_client(output: str, value, gpu: bool):
     return value
 
 
-def read_tiles(reads: tuple, gpu: bool) -> tuple:
-    """A device's data tiles of a step read from a dataset (`taskrt.reading`), in order."""
+def read_tiles(reads: tuple, gpu: bool, *sources) -> tuple:
+    """A device's data tiles of a step read from a dataset (`taskrt.reading`), in order; each read's
+    source is given apart (a dataset's copy on the device is a future, which Dask resolves only
+    as an argument of its own)."""
     read = tile_on_device if gpu else read_tile
-    return tuple(read(*r.args) for r in reads)
+    return tuple(read(source, *r.args[1:]) for r, source in zip(reads, sources))
 
 
 class ProgramExecutor(Executor):
@@ -161,7 +171,8 @@ class ProgramExecutor(Executor):
                     refs.append(("in", slot(value)))
             if reads:  # one task reads all the device's tiles, ahead of the program
                 read_key = f"dev{device}-read-it{tag}"
-                dsk[read_key] = (read_tiles, tuple(r for _, r in reads), device in self.gpu_devices)
+                dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for _, r in reads),
+                                 device in self.gpu_devices, *[r.source for _, r in reads])
                 device_of[read_key] = device
                 at = slot(read_key)
                 it = iter(range(len(reads)))

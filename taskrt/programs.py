@@ -130,7 +130,9 @@ def _build(plan: Plan, gpu_devices: frozenset, program_names: bool) -> dict[int,
             outputs.setdefault(plan.by_key[key].device, []).append(Output(output, key, Dep(TASK, key)))
     uid = plan.derived.setdefault("uid", uuid.uuid4().hex[:12])
     programs = {}
-    for device, tasks in device_order(plan).items():
+    order = device_order(plan)
+    for device in sorted(set(order) | set(sends)):  # a device may only hold data another device reads
+        tasks = order.get(device, [])
         name = (lambda i, d=device: f"{plan.mode}-{uid}/dev{d}/program{i}") if (
             program_names and device in gpu_devices) else None
         programs[device] = _program(plan, device, tasks, sends.get(device, {}), outputs.get(device, []),
