@@ -121,6 +121,14 @@ def test_programs_compute_the_plan_with_its_messages_and_never_deadlock(name, da
     check_programs(graph, strategy)
 
 
+def test_a_device_that_only_holds_data_has_a_program_that_sends_it():
+    graph = small_lenet()
+    strategy = Strategy({**dict(mixed_lenet_strategy(graph).items()), "image": P(n=2, w=2, devices=(3, 1, 0, 2))})
+    check_programs(graph, strategy)
+    program = device_programs(lower(graph, strategy.validated(graph), "train", 8))[3]
+    assert all(isinstance(c, Send) for c in program.code) and program.peers
+
+
 def test_sends_go_out_as_soon_as_their_value_is_computed():
     """A value another device reads is sent right after the task computing it, before the device's
     next task; a received value is waited for just before its first reader."""
@@ -212,6 +220,8 @@ def test_a_failed_program_fails_its_peers_and_training_goes_on(machine4):
     from taskrt.datasets import ArrayDataset, DataReadError
 
     class Broken(ArrayDataset):
+        placed = False  # read through `read`, on the workers
+
         def read(self, field, rows, window):
             if 13 in list(rows):
                 raise DataReadError("sample 13 is unreadable")
