@@ -17,6 +17,8 @@
   ist          seed 004 (IST): traffic and FLOPs per step of DP and IST, formulas vs plans vs transfer logs;
                Table 1's time to accuracy (local(2) measured, 2/4/8 devices simulated), the batch-norm ablation
   peer         PyTorch on the CPU stepping the same networks, against in-process, local(1) and local(2)
+  programs     one program per device and step against a Dask task per fused run: Dask tasks per step,
+               a value's hop between two devices' programs, a 64 MB tile's rate, step times on local(2)
   data         datasets read by the workers against batches sent from the client: bytes from the client
                per step (Dask's counters) and step time on 2 local devices
 
@@ -40,7 +42,7 @@ from bench.report import QUICK_VARIABLE
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "data"]
 # not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist, elastic and peer take minutes
 # even with --quick (peer also needs the optional torch; ist takes hours without --quick)
-ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer"]
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs"]
 
 
 def main(argv=None):

@@ -128,9 +128,10 @@ class Executor:
         return futures
 
     def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None,
-               buffers: dict | None = None) -> StepRun:
+               buffers: dict | None = None, address: dict | None = None) -> StepRun:
         """Submit `plan` as step `step`; `tag` (unique on the cluster) goes into every key.
-        `buffers`: the batch norms' running statistics, {(layer, group): future}."""
+        `buffers`: the batch norms' running statistics, {(layer, group): future}.  `address`: the
+        devices' worker addresses, if the caller just asked for them (unused here)."""
         dsk, restriction, outputs = step_graph(plan, tag, state, data, hyper, self.gpu_devices, buffers,
                                                self.machine.tag, self.fused, self.cuda_graphs)
         if self.profiling:  # checked once per step: normal steps' graphs are left as they are
@@ -206,6 +207,9 @@ class Executor:
     @property
     def gpu_devices(self) -> frozenset:
         return gpu_devices(self.machine)
+
+    def abort(self, runs, reason: str) -> None:
+        """Give up the steps `runs` (their tasks are cancelled by the caller: nothing else to do here)."""
 
     def cut_lineage(self, values: dict, tag: str) -> dict:
         """The same values under fresh keys that have no dependencies: {name: future}.

@@ -115,11 +115,13 @@ class Machine:
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
+        from taskrt.mailbox import Mailbox
         from taskrt.worker_reads import StepWatch
         from taskrt.worker_setup import WorkerSetup, freeze_heap
 
         client.register_plugin(WorkerSetup())
         client.register_plugin(StepWatch())
+        client.register_plugin(Mailbox())  # values sent between devices' programs (taskrt.program_executor)
         # The scheduler's process once, now (with Machine.local it is this process): its modules and
         # Dask's state, not the trainers to come, which must stay collectable when dropped
         client.run_on_scheduler(freeze_heap)

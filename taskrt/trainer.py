@@ -43,7 +43,7 @@ from taskrt.data import batches_for_predict, bind_inputs, logits_layer
 from taskrt.datasets import Batch, DataReadError, batch_indices, bind_dataset
 from taskrt.device import to_device
 from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
-from taskrt.executor import Executor, StepRun, futures_of
+from taskrt.executor import StepRun, futures_of
 from taskrt.fusion import run_of
 from taskrt.graph import Graph
 from taskrt.inprocess import buffer_tiles, shard_states
@@ -51,6 +51,7 @@ from taskrt.lowering import lower
 from taskrt.machine import MachineError
 from taskrt.memory import plan_memory
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
+from taskrt.program_executor import make_executor
 from taskrt.reading import TileRead
 from taskrt.strategy import Strategy
 from taskrt.worker_reads import TIMED_OUT
@@ -151,7 +152,7 @@ class StepFuture:
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True, cuda_graphs=True, replan=None):
+                 fused=True, cuda_graphs=True, executor="programs", replan=None):
         """`precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
         1e-3 relative error) or "bf16" (convolutions and products in bfloat16, everything else and
         the parameters float32: `ops.precision`); it is set on every worker of the machine.  CPU
@@ -161,8 +162,12 @@ class Trainer:
         often as keeps a snapshot's cost under 5% of the step time; None: no recovery, a lost
         worker ends the run with an error).  `checkpoints`: periodic checkpoints on disk,
         e.g. Checkpoints("ckpts", every=100, keep=3).
-        `fused`: run each device's tasks between two waits for another device as one Dask task
-        (taskrt.fusion; the default); False shows every layer's task in the dashboard's task stream.
+        `executor`: "programs" runs each step as one Dask task per device, the devices sending
+        each other their values directly (`taskrt.program_executor`; the default); "tasks" as a Dask
+        task per plan task, or per fused run (`taskrt.executor`), to watch a small run layer by
+        layer in the dashboard's task stream.
+        `fused` (executor "tasks"): run each device's tasks between two waits for another device as
+        one Dask task (taskrt.fusion; the default); False shows every layer's task in the task stream.
         `cuda_graphs`: GPU workers replay each fused run as a CUDA graph once it has run twice
         (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
         `replan(graph, machine) -> Strategy`: the strategy for the devices left after a lost worker;
@@ -185,7 +190,8 @@ class Trainer:
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
-        self.executor = Executor(machine, fused, cuda_graphs)
+        self.executor = make_executor(machine, executor, fused, cuda_graphs)
+        self.executor_kind = executor
         machine.client.run(set_precision, precision)
         self._plans = {}
         self.plan = self._plan("train")
@@ -406,7 +412,8 @@ class Trainer:
         futures = self._reads(plan, data, address) if isinstance(data, Batch) else self.executor.scatter(
             plan, data, address)
         tag = tag or f"{step}-{self._token}"
-        run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers)
+        run = self.executor.submit(plan, step, tag, self._state, futures, hyper or self._hyper(), self._buffers,
+                                   address=address)
         run.submitted, run.address = started, address
         return run
 
@@ -553,6 +560,7 @@ class Trainer:
         client's connection and with it every future, the finished state's too.)"""
         step, state, buffers = self._good
         self._rollbacks += 1
+        self.executor.abort([f.run for f in self._in_flight if not f.finished], f"a step failed: {error!r}")
         for future in self._in_flight:
             if not future.finished:
                 future._error = error
@@ -680,6 +688,7 @@ class Trainer:
         started = time.perf_counter()
         client = self.cluster_machine.client
         stale = [f for future in self._in_flight for f in future.run.futures()] + futures_of(self._state.values())
+        self.executor.abort([f.run for f in self._in_flight if not f.finished], lost.reason)
         client.cancel(stale)
         self._pending = []
         before = list(self._live)
@@ -746,7 +755,7 @@ class Trainer:
         view.client.run(set_precision, self.precision)  # restarted workers start with the default
         self.machine, self._live = view, live
         self._placed = {}  # the devices are numbered anew: datasets are placed again as they are read
-        self.executor = Executor(view, self.executor.fused, self.executor.cuda_graphs)
+        self.executor = make_executor(view, self.executor_kind, self.executor.fused, self.executor.cuda_graphs)
         self.strategy = strategy.validated(self.graph, view)
         self._plans, self._memory = {}, None
         self.plan = self._plan("train")

@@ -14,6 +14,7 @@ from taskrt.batching import INTERVAL_S, intervals
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.config import ParallelConfig as P
 from taskrt.elastic import remap, snapshot_interval
+from taskrt.fusion import run_of
 from taskrt.machine import Machine, MachineError, worker_info
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer, WorkerLostWarning
@@ -43,7 +44,7 @@ def kill(machine, device):
 def wait_until_noticed(trainer, timeout=60):
     """Until the scheduler has noticed a kill: some of the trainer's parameters are gone."""
     deadline = time.monotonic() + timeout
-    while all(f.status == "finished" for f in trainer._state.values()):
+    while all(run_of(f).status == "finished" for f in trainer._state.values()):
         assert time.monotonic() < deadline, "the scheduler did not notice the lost worker"
         time.sleep(0.05)
 

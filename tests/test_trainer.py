@@ -215,7 +215,7 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
     for executor in ("default", taskrt.executor.INLINE):
         monkeypatch.setattr(taskrt.executor, "INLINE", executor)
         monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())  # its state exported
-        trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64")
+        trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64", executor="tasks")
         futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
         results[executor] = [f.result() for f in futures], trainer.parameters()
         held = {str(f.key) for f in futures[-1].run.outputs["state"].values()}
@@ -256,7 +256,8 @@ def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
         for keep in (True, False):
             if not keep:
                 monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())
-            trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64")
+            trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64",
+                              executor="tasks")
             futures = [trainer.submit(x, y) for x, y in data[:3]]
             middle = trainer.parameters()  # read out of the runs, steps in flight
             futures += [trainer.submit(x, y) for x, y in data[3:]]
@@ -303,7 +304,7 @@ def test_keys_are_named_by_layer_and_phase(machine4):
     from dask.utils import key_split
 
     graph = small_lenet()
-    trainer = Trainer(graph, mixed(graph), machine4, fused=False)
+    trainer = Trainer(graph, mixed(graph), machine4, fused=False, executor="tasks")
     x, y = batches(graph, 1)[0]
     future = trainer.submit(x, y)
     future.result()
@@ -318,7 +319,8 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
     data = batches(graph, 3)
     runs = {}
     for fused in (True, False):
-        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64", fused=fused)
+        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64", fused=fused,
+                          executor="tasks")
         futures = [trainer.submit(x, y) for x, y in data]
         runs[fused] = ([f.result() for f in futures], trainer.parameters(), futures[-1].run.keys, trainer.stats)
     (loss_f, params_f, keys_f, stats_f), (loss_u, params_u, keys_u, _) = runs[True], runs[False]
@@ -331,7 +333,8 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
     assert stats_f.measured_bytes == stats_f.planned_bytes
 
 
-def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch):
+@pytest.mark.parametrize("executor", ["programs", "tasks"])
+def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch, executor):
     """Small batches ride in the step's graph (taskrt.executor.INLINE_DATA_BYTES), larger ones are
     scattered to their devices: the same losses and parameters bit for bit, the same bytes moved."""
     import taskrt.executor
@@ -341,7 +344,8 @@ def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch):
     runs = {}
     for limit in (taskrt.executor.INLINE_DATA_BYTES, 0):
         monkeypatch.setattr(taskrt.executor, "INLINE_DATA_BYTES", limit)
-        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64")
+        trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64",
+                          executor=executor)
         futures = [trainer.submit(x, y) for x, y in data]
         losses = [f.result() for f in futures]
         carried = taskrt.executor.inline_data_devices(trainer.plan)

@@ -1,0 +1,156 @@
+"""Control replication (issue 39): what a step costs when each device runs one program per step
+(`Trainer(executor="programs")`) against a Dask task per fused run (`executor="tasks"`).
+
+- Dask tasks per training step and device, counted by a scheduler plugin (every task the scheduler
+  sends to a worker), for several strategies on Machine.local(2) (goal: at most 2).
+- A value's hop from one device's program to another's on loopback: half a ping-pong's round trip
+  between two programs (goal: at most 1 ms; moonshot 0.3 ms), beside Dask's dependent hop between
+  two devices measured on the same cluster.
+- A 64 MB tile from one program to another (goal: at least 5 GB/s).
+- Step times of both executors, interleaved rounds, on local(2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from bench.measure import LOCAL_MODELS, interleaved
+from bench.overhead import data_parallel
+from bench.report import write_result
+from search.baselines import model_parallel, owt
+from search.measured import random_batch
+from taskrt.machine import Machine
+from taskrt.trainer import Trainer
+
+TASKS_GOAL = 2  # Dask tasks per step and device
+HOP_GOAL_S, HOP_MOONSHOT_S = 1e-3, 0.3e-3
+RATE_GOAL = 5e9  # bytes/s, 64 MB between two workers on one host
+LARGE = 64 * 2**20
+HYPER = {"lr": 1e-4, "momentum": 0.9}
+
+
+class TaskCounter(SchedulerPlugin):
+    """Counts the tasks the scheduler sends to workers (each transition to 'processing')."""
+
+    name = "taskrt-task-counter"
+
+    def __init__(self):
+        self.count = 0
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing":
+            self.count += 1
+
+
+def _count(dask_scheduler=None) -> int:
+    return dask_scheduler.plugins[TaskCounter.name].count
+
+
+def tasks_per_step(machine, trainer, x, y, steps: int = 6) -> float:
+    """Dask tasks the scheduler sent per training step (steps one after another)."""
+    client = machine.client
+    trainer.step(x, y)
+    before = client.run_on_scheduler(_count)
+    for _ in range(steps):
+        trainer.step(x, y)
+    return (client.run_on_scheduler(_count) - before) / steps
+
+
+def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str) -> list:
+    """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
+    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
+    the seconds of each round trip."""
+    from distributed import get_worker
+
+    from taskrt.mailbox import mailbox_of
+
+    box = mailbox_of(get_worker())
+    payload, ack = np.ones(max(nbytes // 8, 1)), np.zeros(1, dtype=np.uint8)
+    times = []
+    for i in range(rounds):
+        if role == "a":
+            start = time.perf_counter()
+            box.send(peer, ("ping", tag, i), tag, payload).result()
+            box.take(("pong", tag, i), tag, peer)
+            times.append(time.perf_counter() - start)
+        else:
+            box.take(("ping", tag, i), tag, peer)
+            box.send(peer, ("pong", tag, i), tag, ack).result()
+    return times
+
+
+def hop_rows(machine, rounds: int, large_rounds: int) -> dict:
+    """One-way time of a small value and of a 64 MB tile between two programs; Dask's hop too."""
+    client = machine.client
+    address = machine.addresses()
+    out = {}
+    for what, nbytes, count in (("small", 8, rounds), ("large", LARGE, large_rounds)):
+        tag = f"bench-{what}-{time.time_ns()}"
+        a = client.submit(_ping_pong, "a", address[1], count, nbytes, tag, resources={machine.tag(0): 1}, pure=False)
+        b = client.submit(_ping_pong, "b", address[0], count, nbytes, tag, resources={machine.tag(1): 1}, pure=False)
+        times = a.result()
+        b.result()
+        out[what] = statistics.median(times[1:] if len(times) > 1 else times)
+    hop = out["small"] / 2
+    large = out["large"] - hop  # the answer back is a small value
+    dask = machine.task_overhead(independent=50, chain=30, repeats=2)
+    return {"hop_s": hop, "large_s": large, "large_rate": LARGE / large,
+            "dask_cross_hop_s": dask.get("per_cross_hop_s"), "dask_hop_s": dask.get("per_hop_s")}
+
+
+def strategies_of(graph, machine) -> dict:
+    return {"data parallel": data_parallel(graph, 2), "model parallel": model_parallel(graph, machine),
+            "owt": owt(graph, machine)}
+
+
+def run(out_dir="results", quick=False):
+    rounds = 3 if quick else 7
+    names = ["lenet5"] if quick else ["lenet5", "alexnet32", "vgg16_32"]
+    rows = []
+    with Machine.local(2) as machine:
+        machine.client.register_plugin(TaskCounter())
+        hops = hop_rows(machine, 20 if quick else 200, 3 if quick else 9)
+        for name in names:
+            graph = LOCAL_MODELS[name]()
+            x, y = random_batch(graph)
+            for strategy_name, strategy in strategies_of(graph, machine).items():
+                # no snapshots: the tasks counted are the steps' own
+                trainers = {executor: Trainer(graph, strategy, machine, executor=executor, snapshot_every=None,
+                                              **HYPER)
+                            for executor in ("programs", "tasks")}
+                counts = {e: tasks_per_step(machine, t, x, y, 3 if quick else 6) for e, t in trainers.items()}
+                times = interleaved({e: t.step for e, t in trainers.items()}, x, y, rounds,
+                                    f"programs {name} {strategy_name}")
+                rows.append({"model": name, "strategy": strategy_name,
+                             "programs_tasks_per_device": counts["programs"] / 2,
+                             "tasks_tasks_per_device": counts["tasks"] / 2,
+                             "programs_ms": times["programs"] * 1e3, "tasks_ms": times["tasks"] * 1e3,
+                             "speedup": times["tasks"] / times["programs"]})
+                del trainers
+    worst = max(r["programs_tasks_per_device"] for r in rows)
+    summary = [
+        f"Dask tasks per step and device, executor 'programs': at most {worst:g} over {len(rows)} cases "
+        f"(goal <= {TASKS_GOAL}: {'met' if worst <= TASKS_GOAL else 'NOT met'}); executor 'tasks': "
+        f"{min(r['tasks_tasks_per_device'] for r in rows):g}-{max(r['tasks_tasks_per_device'] for r in rows):g}",
+        f"a value from one device's program to another's: {hops['hop_s'] * 1e3:.3f} ms (half a ping-pong's "
+        f"round trip; goal <= {HOP_GOAL_S * 1e3:g} ms: {'met' if hops['hop_s'] <= HOP_GOAL_S else 'NOT met'}, "
+        f"moonshot {HOP_MOONSHOT_S * 1e3:g} ms: {'met' if hops['hop_s'] <= HOP_MOONSHOT_S else 'not met'}); "
+        f"Dask's dependent hop between the two devices on the same cluster: "
+        f"{(hops['dask_cross_hop_s'] or float('nan')) * 1e3:.2f} ms",
+        f"a 64 MB tile between two programs: {hops['large_s'] * 1e3:.1f} ms = {hops['large_rate'] / 1e9:.2f} GB/s "
+        f"(goal >= {RATE_GOAL / 1e9:g} GB/s: {'met' if hops['large_rate'] >= RATE_GOAL else 'NOT met'})",
+        "step times: medians of interleaved rounds on Machine.local(2), each executor's own trainer",
+    ]
+    columns = [("model", "model"), ("strategy", "strategy"),
+               ("programs_tasks_per_device", "programs: Dask tasks/step/device"),
+               ("tasks_tasks_per_device", "tasks: Dask tasks/step/device"),
+               ("programs_ms", "programs: step ms"), ("tasks_ms", "tasks: step ms"),
+               ("speedup", "tasks / programs step time")]
+    md = write_result(out_dir, "programs", rows, columns, {"hops": hops}, summary)
+    print(md.read_text())
+    return rows
+

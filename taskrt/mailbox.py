@@ -1,0 +1,172 @@
+"""Values sent straight from one device's program to another's, over distributed's comms.
+
+Each worker has a mailbox (`Mailbox`, a worker plugin): a handler on the worker's server
+('taskrt_put') puts each value that arrives under its key in the step, and the program that needs
+it takes it from there, waiting if it has not arrived yet.  A program sends from its own thread:
+the message is written by the worker's event loop, through the worker's pool of connections, as
+a one-way message (no answer to wait for), so the program goes on computing meanwhile.  Large
+arrays travel as the message's own frames, not copied into it (distributed's serialization).
+
+Each value that arrives is logged in the worker's `transfer_incoming_log` (and each sent in the
+sender's `transfer_outgoing_log`) in Dask's own form, under its key: the bytes a step moved are
+counted as the per-task executor's (`Executor.measured_bytes`), and a profiled step shows them.
+
+A program never waits for a value that cannot come: a step's programs are aborted together
+('taskrt_abort': by the client when it gives a step up, by a program of the step that failed),
+and a program that has waited `WATCH_S` asks the scheduler whether the sender's worker is still
+there, failing with `PeerLost` when it is not, so that the trainer's recovery takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+
+from dask.sizeof import sizeof
+from distributed import WorkerPlugin
+from distributed.protocol import to_serialize
+
+WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
+ASK_TIMEOUT_S = 10.0  # for the scheduler's answer to that
+ABORTED_KEPT = 4096  # aborted steps remembered (a value that arrives for one later is dropped)
+
+
+class ProgramAborted(RuntimeError):
+    """The step this program belongs to was given up (by the client, or one of its programs failed)."""
+
+
+class PeerLost(RuntimeError):
+    """The worker a program waits for a value from is gone."""
+
+
+class Mailbox(WorkerPlugin):
+    """Worker plugin: the values sent to this worker's programs, and the handlers that receive them."""
+
+    name = "taskrt-mailbox"
+
+    def setup(self, worker):
+        found = getattr(worker, "_taskrt_mailbox", None)
+        if found is not None:  # registered again (another machine on the same cluster): keep what it holds
+            self.__dict__.update(found.__dict__)
+            return
+        self.worker = worker
+        self.loop = worker.loop.asyncio_loop
+        self.values: dict = {}  # key -> (value, arrived at)
+        self.by_tag: dict = {}  # step tag -> keys of its values here
+        self.aborted: OrderedDict = OrderedDict()  # step tag -> why
+        self.cond = threading.Condition()
+        worker.handlers["taskrt_put"] = self.put
+        worker.handlers["taskrt_abort"] = self.abort
+        worker._taskrt_mailbox = self
+
+    # ---- on the worker's event loop --------------------------------------------------------
+    def put(self, key=None, tag=None, value=None, sender=None, sent=None):
+        arrived = time.time()
+        nbytes = sizeof(value)
+        delay = self.worker.scheduler_delay
+        self.worker.transfer_incoming_log.append({
+            "start": sent + delay, "stop": arrived + delay, "middle": (sent + arrived) / 2 + delay,
+            "duration": arrived - sent, "keys": {key: nbytes}, "total": nbytes,
+            "bandwidth": nbytes / max(arrived - sent, 1e-9), "who": sender})
+        with self.cond:
+            if tag in self.aborted:
+                return
+            self.values[key] = value
+            self.by_tag.setdefault(tag, set()).add(key)
+            self.cond.notify_all()
+
+    def abort(self, tags=(), reason="the step was given up"):
+        with self.cond:
+            for tag in tags:
+                self.aborted[tag] = reason
+                for key in self.by_tag.pop(tag, ()):
+                    self.values.pop(key, None)
+            while len(self.aborted) > ABORTED_KEPT:
+                self.aborted.popitem(last=False)
+            self.cond.notify_all()
+
+    async def _write(self, address: str, msg: dict):
+        pool = self.worker.rpc
+        comm = await pool.connect(address)
+        try:
+            await comm.write(msg, on_error="raise")
+        except BaseException:
+            comm.abort()
+            raise
+        pool.reuse(address, comm)
+
+    # ---- on a program's thread -------------------------------------------------------------
+    def send(self, address: str, key, tag, value):
+        """Send `value` to the mailbox of the worker at `address`; returns a concurrent future of
+        the message being written."""
+        nbytes = sizeof(value)
+        start = time.time()
+        msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "value": to_serialize(value),
+               "sender": self.worker.address, "sent": start}
+        future = asyncio.run_coroutine_threadsafe(self._write(address, msg), self.loop)
+
+        def logged(_, worker=self.worker):
+            stop = time.time()
+            worker.transfer_outgoing_log.append({
+                "start": start + worker.scheduler_delay, "stop": stop + worker.scheduler_delay,
+                "middle": (start + stop) / 2 + worker.scheduler_delay, "duration": stop - start, "who": address,
+                "keys": {key: nbytes}, "total": nbytes, "compressed": 0,
+                "bandwidth": nbytes / max(stop - start, 1e-9)})
+
+        future.add_done_callback(logged)
+        return future
+
+    def take(self, key, tag, sender: str):
+        """The value sent under `key`, once it is here; ProgramAborted if step `tag` is given up
+        meanwhile, PeerLost if the worker at `sender` is gone."""
+        while True:
+            with self.cond:
+                if self.cond.wait_for(lambda: key in self.values or tag in self.aborted, WATCH_S):
+                    if key in self.values:
+                        value, keys = self.values.pop(key), self.by_tag.get(tag)
+                        if keys is not None:
+                            keys.discard(key)
+                            if not keys:
+                                del self.by_tag[tag]
+                        return value
+                    raise ProgramAborted(f"step {tag}: {self.aborted[tag]}")
+            if not self._alive(sender):
+                raise PeerLost(f"the worker at {sender} is gone: its value {key} never came")
+
+    def _alive(self, address: str) -> bool:
+        ask = self.worker.scheduler.ncores(workers=[address])
+        try:
+            return address in asyncio.run_coroutine_threadsafe(ask, self.loop).result(ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (no answer from the scheduler: wait on, the client decides)
+            return True
+
+    def forget(self, tag):
+        """Drop step `tag`'s values still here and any that come later (its program failed)."""
+        self.abort([tag], "a program of the step failed")
+
+    def tell_peers(self, addresses, tag, reason: str):
+        """Abort step `tag` on the workers at `addresses` (its program here failed), without waiting."""
+        msg = {"op": "taskrt_abort", "reply": False, "tags": [tag], "reason": reason}
+        for address in addresses:
+            asyncio.run_coroutine_threadsafe(self._write(address, dict(msg)), self.loop)
+
+
+def mailbox_of(worker) -> Mailbox:
+    found = getattr(worker, "_taskrt_mailbox", None)
+    if found is None:
+        raise RuntimeError("this worker has no taskrt mailbox: use a Machine (it registers taskrt.mailbox.Mailbox)")
+    return found
+
+
+async def abort_on(client, addresses, tags, reason: str) -> None:
+    """Abort steps `tags` on the workers at `addresses` (their programs fail with ProgramAborted);
+    a worker that does not answer is skipped."""
+    async def one(address):
+        try:
+            await asyncio.wait_for(client.rpc(address).taskrt_abort(tags=list(tags), reason=reason), ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (a lost worker runs no program)
+            pass
+
+    await asyncio.gather(*[one(a) for a in addresses])

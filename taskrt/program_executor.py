@@ -1,0 +1,266 @@
+"""A step as one Dask task per device: each device's program (`taskrt.programs`), run where Dask
+places it, exchanging values with the other programs itself (`taskrt.mailbox`).
+
+Dask still places the programs (each pinned by its device's resource tag), keeps their state
+from step to step (the new state stays in the program's result, read by the next step's program
+on the same device, `taskrt.fusion.RunValue`), notices lost workers and shows the programs in the
+dashboard.  Per step the scheduler sees one task per device, plus one per device that reads its
+data tiles from a dataset (the reads run ahead, while the step before still computes); the
+client sends what changes: the data tiles (or the samples' indices), the hyper-parameters and
+where each device's worker is.  A device's program is sent to its worker once per plan, as data
+there (a future), so that a worker lost with it fails the step like its lost state does.
+Each program on a device waits for that device's program of the step before, so the steps of
+several devices are never taken in different orders.  A program about to wait for a value leaves
+its worker's thread pool (`distributed.secede`): programs of another trainer on the same cluster,
+which Dask may have started in another order on another device, can then run meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from operator import getitem
+
+import dask
+import numpy as np
+
+from taskrt.device import to_device, to_host
+from taskrt.executor import Executor, StepRun, _named_graph, loss_sum, step_key
+from taskrt.fusion import RunValue
+from taskrt.mailbox import ProgramAborted, abort_on, mailbox_of
+from taskrt.plan import DATA, Plan, map_outputs
+from taskrt.programs import Compute, DeviceProgram, Recv, device_programs, value_key
+from taskrt.reading import TileRead, read_tile, tile_on_device
+
+KEPT_PLANS = 4  # plans whose programs stay on the workers (IST makes a plan per round)
+HELD = ("state", "buffers", "loss")  # outputs the client keeps as values of their program's result
+
+
+class StepArgs:
+    """What a step's program needs besides its Dask inputs, in one object Dask does not look into:
+    its key, the step's tag, every device's worker address, and `refs`, where each of the
+    program's inputs is: ("in", i) the i-th Dask input, ("item", (i, j)) value j of it (a result
+    of the program before), ("lit", value) given here (the hyper-parameters, small data tiles)."""
+
+    __slots__ = ("key", "tag", "address", "refs", "profiled")
+
+    def __init__(self, key, tag, address, refs, profiled=False):
+        self.key, self.tag, self.address, self.refs, self.profiled = key, tag, address, refs, profiled
+
+    def __reduce__(self):
+        return (StepArgs, (self.key, self.tag, self.address, self.refs, self.profiled))
+
+
+def run_program(program: DeviceProgram, args: StepArgs, *inputs):
+    """On a worker: run `program` for the step `args.tag`; returns the values of its outputs."""
+    from distributed import get_worker, secede
+
+    box = mailbox_of(get_worker())
+    tag, address = args.tag, args.address
+    env = {}
+    for name, (kind, ref) in zip(program.inputs, args.refs):
+        value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
+        env[name] = to_device(value) if program.gpu and name.kind == DATA else value
+    sent, seceded = [], False
+    try:
+        for instruction, drops in zip(program.code, program.drops):
+            if isinstance(instruction, Compute):
+                run = instruction.run
+                if args.profiled:
+                    from taskrt.task_timing import ProfiledRun
+
+                    run = ProfiledRun(run.steps, run.exports, (), None, args.key)
+                env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
+            elif isinstance(instruction, Recv):
+                key = value_key(instruction.name, tag)
+                if not seceded and key not in box.values:
+                    # About to wait: leave the worker's thread pool, so that its tasks go on meanwhile
+                    # (the next step's reads; another trainer's program this one's sender may wait for)
+                    secede()
+                    seceded = True
+                env[instruction.name] = box.take(key, tag, address[instruction.src])
+            else:
+                sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
+                                     env[instruction.name]))
+            for name in drops:
+                del env[name]
+        for future in sent:  # a peer that could not be reached fails the step here
+            future.result()
+    except BaseException as error:
+        box.forget(tag)
+        if not isinstance(error, ProgramAborted):
+            box.tell_peers([address[d] for d in program.peers if d in address], tag,
+                           f"the program of device {program.device} failed: {error!r}")
+        raise
+    return tuple(_for_client(o.output, env[o.name], program.gpu) for o in program.outputs)
+
+
+def _for_client(output: str, value, gpu: bool):
+    """A loss part's value as the sum of its losses (left where it is: `taskrt.executor.loss_sum`);
+    on a GPU, what the client reads brought to host memory; the state as it is."""
+    if output == "loss":
+        return loss_sum(value)
+    if gpu and output not in ("state", "buffers"):
+        return to_host(value)
+    return value
+
+
+def read_tiles(reads: tuple, gpu: bool, *sources) -> tuple:
+    """A device's data tiles of a step read from a dataset (`taskrt.reading`), in order; each read's
+    source is given apart (a dataset's copy on the device is a future, which Dask resolves only
+    as an argument of its own)."""
+    read = tile_on_device if gpu else read_tile
+    return tuple(read(source, *r.args[1:]) for r, source in zip(reads, sources))
+
+
+class ProgramExecutor(Executor):
+    """The executor of `Trainer(executor="programs")`: one Dask task per device and step."""
+
+    def __init__(self, machine, cuda_graphs: bool = True):
+        super().__init__(machine, fused=True, cuda_graphs=cuda_graphs)
+        self._placed: OrderedDict = OrderedDict()  # id(plan) -> (plan, {device: program future})
+        self._last: dict = {}  # device -> the future of its last program
+
+    def _programs(self, plan: Plan, address: dict) -> dict:
+        """{device: the future of its program on its worker}, sent once per plan."""
+        held = self._placed.get(id(plan))
+        if held is not None and held[0] is plan:
+            self._placed.move_to_end(id(plan))
+            return held[1]
+        programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
+        devices = list(programs)
+        futures = {}
+        for device in devices:  # small objects: one scatter each, once per plan
+            [futures[device]] = self.client.scatter([programs[device]], workers=[address[device]], hash=False,
+                                                    direct=True)
+        self._placed[id(plan)] = (plan, futures)
+        while len(self._placed) > KEPT_PLANS:
+            self._placed.popitem(last=False)
+        return futures
+
+    def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None,
+               buffers: dict | None = None, address: dict | None = None) -> StepRun:
+        address = address or self.machine.addresses()
+        placed = self._programs(plan, address)
+        programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
+        given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
+        dsk, device_of, keys = {}, {}, set()
+        program_key = {d: f"dev{d}-program-it{tag}" for d in programs}
+        for device, program in programs.items():
+            inputs, slots, refs = [], {}, []
+
+            def slot(value, inputs=inputs, slots=slots):
+                name = value if isinstance(value, str) else getattr(value, "key", None) or id(value)
+                if name not in slots:
+                    slots[name] = len(inputs)
+                    inputs.append(value)
+                return slots[name]
+
+            reads = []
+            for name in program.inputs:
+                value = _given(name, given)
+                if isinstance(value, RunValue):
+                    refs.append(("item", (slot(value.run), value.index)))
+                elif isinstance(value, TileRead):
+                    reads.append((name, value))
+                    refs.append(None)
+                elif isinstance(value, (np.ndarray, dict)) or name.kind not in ("state", "data", "buffer"):
+                    refs.append(("lit", value))
+                else:
+                    refs.append(("in", slot(value)))
+            if reads:  # one task reads all the device's tiles, ahead of the program
+                read_key = f"dev{device}-read-it{tag}"
+                dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for _, r in reads),
+                                 device in self.gpu_devices, *[r.source for _, r in reads])
+                device_of[read_key] = device
+                at = slot(read_key)
+                it = iter(range(len(reads)))
+                refs = [("item", (at, next(it))) if r is None else r for r in refs]
+            before = self._last.get(device)
+            if before is not None and before.status not in ("error", "cancelled", "lost"):
+                slot(before)  # waits for the device's program of the step before
+            key = program_key[device]
+            args = StepArgs(key, tag, address, tuple(refs), self.profiling)
+            dsk[key] = (run_program, placed[device], args, *inputs)
+            device_of[key] = device
+        outputs, exports = self._outputs(plan, programs, program_key, tag, dsk, device_of)
+        wanted = list(dict.fromkeys([*program_key.values(), *exports]))
+        restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
+        reads_first = {key: 1 if "-read-" in key else 0 for key in dsk}
+        submitted = time.perf_counter()
+        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: reads_first[key]):
+            futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
+        by_key = dict(zip(wanted, futures))
+        for device, key in program_key.items():
+            self._last[device] = by_key[key]
+        out = map_outputs(outputs, lambda v: RunValue(None, by_key[v.run], v.index) if isinstance(v, RunValue)
+                          else by_key[v])
+        out["done"] = [by_key[k] for k in program_key.values()]
+        keys = set(dsk) | {value_key(t.dep, tag) for t in plan.transfers()} | {
+            f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))}
+        reads = {}
+        for i, value in enumerate(outputs.get("loss", [])):
+            reads.setdefault(device_of[value.run], []).append((value.run, value.index, None, i))
+        for device, key in program_key.items():
+            reads.setdefault(device, [(key, None, None, None)])
+        profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
+        run = StepRun(step, tag, plan, out, keys, submitted, reads=reads, profiled=profiled)
+        run.address = address
+        return run
+
+    @staticmethod
+    def _outputs(plan, programs, program_key, tag, dsk, device_of) -> tuple[dict, list]:
+        """The step's outputs: values the client keeps in their program's result (RunValues of its
+        key), and the others (gradients, logits) each taken out of it by a task of its own."""
+        where = {}
+        for device, program in programs.items():
+            for index, output in enumerate(program.outputs):
+                where[output.key] = (device, index)
+        exports = []
+
+        def named(name, key):
+            device, index = where[key]
+            if name in HELD:
+                return RunValue(None, program_key[device], index)
+            export = step_key(key, tag)
+            dsk[export], device_of[export] = (getitem, program_key[device], index), device
+            exports.append(export)
+            return export
+
+        outputs = {name: {k: named(name, key) for k, key in value.items()} if isinstance(value, dict)
+                   else [named(name, key) for key in value] for name, value in plan.outputs.items()}
+        return outputs, exports
+
+    def abort(self, runs, reason: str) -> None:
+        """Give up the steps `runs` (StepRuns): their programs still waiting for values fail."""
+        tags = [run.tag for run in runs]
+        if not tags:
+            return
+        self._last = {}
+        try:
+            addresses = list(self.machine.live_devices().values())
+        except Exception:  # noqa: BLE001  (no scheduler to ask: no program to abort either)
+            return
+        self.client.sync(abort_on, self.client, addresses, tags, reason)
+
+def _given(name, given: dict):
+    """The value a step is given for program input `name` (a Dep of kind state, buffer, data or hyper)."""
+    if name.kind == "state":
+        return given["state"][name.key]
+    if name.kind == "buffer":
+        return given["buffers"][name.key]
+    if name.kind == "data":
+        return given["data"][name.key]
+    return dict(given["hyper"])
+
+
+def make_executor(machine, executor: str = "programs", fused: bool = True, cuda_graphs: bool = True) -> Executor:
+    """The executor named `executor`: "programs" (one Dask task per device and step,
+    `ProgramExecutor`) or "tasks" (a Dask task per plan task, or per fused run: `Executor`)."""
+    if executor == "programs":
+        return ProgramExecutor(machine, cuda_graphs)
+    if executor == "tasks":
+        return Executor(machine, fused, cuda_graphs)
+    raise ValueError(f"executor must be 'programs' or 'tasks', got {executor!r}")
+
