@@ -259,6 +259,9 @@ def make_executor(machine, executor: str = "programs", fused: bool = True, cuda_
     """The executor named `executor`: "programs" (one Dask task per device and step,
     `ProgramExecutor`) or "tasks" (a Dask task per plan task, or per fused run: `Executor`)."""
     if executor == "programs":
+        if not fused:
+            raise ValueError("fused=False needs executor='tasks' (a program runs a device's whole step as one "
+                             "Dask task): pass executor='tasks', or leave executor out")
         return ProgramExecutor(machine, cuda_graphs)
     if executor == "tasks":
         return Executor(machine, fused, cuda_graphs)

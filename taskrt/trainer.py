@@ -152,7 +152,7 @@ class StepFuture:
 class Trainer:
     def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True, cuda_graphs=True, executor="programs", replan=None):
+                 fused=True, cuda_graphs=True, executor=None, replan=None):
         """`precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
         1e-3 relative error) or "bf16" (convolutions and products in bfloat16, everything else and
         the parameters float32: `ops.precision`); it is set on every worker of the machine.  CPU
@@ -167,7 +167,8 @@ class Trainer:
         task per plan task, or per fused run (`taskrt.executor`), to watch a small run layer by
         layer in the dashboard's task stream.
         `fused` (executor "tasks"): run each device's tasks between two waits for another device as
-        one Dask task (taskrt.fusion; the default); False shows every layer's task in the task stream.
+        one Dask task (taskrt.fusion; the default); False shows every layer's task in the task stream
+        (and so picks executor "tasks" unless another is named).
         `cuda_graphs`: GPU workers replay each fused run as a CUDA graph once it has run twice
         (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
         `replan(graph, machine) -> Strategy`: the strategy for the devices left after a lost worker;
@@ -190,6 +191,8 @@ class Trainer:
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
+        if executor is None:
+            executor = "programs" if fused else "tasks"
         self.executor = make_executor(machine, executor, fused, cuda_graphs)
         self.executor_kind = executor
         machine.client.run(set_precision, precision)

@@ -281,3 +281,12 @@ def test_mailbox_hands_over_values_and_never_waits_for_a_lost_sender(monkeypatch
     monkeypatch.setattr(box, "_alive", lambda address: False)
     with pytest.raises(mailbox.PeerLost, match="tcp://there:2"):
         box.take(("a-it3", 0), "3", "tcp://there:2")
+
+
+def test_programs_cannot_be_unfused():
+    from taskrt.program_executor import make_executor
+
+    with pytest.raises(ValueError, match="executor='tasks'"):
+        make_executor(None, "programs", fused=False)
+    with pytest.raises(ValueError, match="'programs' or 'tasks'"):
+        make_executor(None, "threads")
