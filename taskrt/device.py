@@ -167,51 +167,10 @@ _streams: dict = {}
 
 
 def _copy_stream(name: str = "copy"):
-    """A stream of this worker's own for copies ("copy": to the host, "in": to the device), one that
-    does not wait for the legacy stream the kernels run on."""
+    """A stream of this worker's own for copies to the host, one that does not wait for the legacy
+    stream the kernels run on (copies to the device: `taskrt.staging`)."""
     import cupy
 
     if name not in _streams:
         _streams[name] = cupy.cuda.Stream(non_blocking=True)
     return _streams[name]
-
-
-MAX_STAGING = 16  # pinned buffers kept for copies to the device (a few steps of reads ahead)
-_staging: list = []  # (pinned memory, event of the copy that last read it)
-
-
-def to_device_async(tile: np.ndarray):
-    """A host array on this worker's GPU without the host waiting for the GPU: copied into pinned
-    memory, then to the device on a stream of its own, ordered after the kernels queued so far and
-    before those queued next (a copy from pageable memory, `to_device`, makes the host wait for
-    them).  Each pinned buffer is used again once its copy has ended."""
-    import cupy
-
-    tile = np.ascontiguousarray(tile)
-    stream = _copy_stream("in")
-    memory = _pinned(max(tile.nbytes, 1))
-    host = np.frombuffer(memory, tile.dtype, tile.size).reshape(tile.shape)
-    np.copyto(host, tile)
-    out = cupy.empty(tile.shape, tile.dtype)
-    # The allocator hands out memory in the kernels' stream order: `out` may be a block that kernels
-    # queued there still read (a value freed in Python once its kernels were launched).  The copy
-    # waits for them, so it never writes under them (a step's labels were overwritten so, once).
-    stream.wait_event(cupy.cuda.Stream.null.record())
-    out.set(host, stream=stream)
-    event = stream.record()
-    cupy.cuda.Stream.null.wait_event(event)
-    _staging.append((memory, event))
-    return out
-
-
-def _pinned(nbytes: int):
-    import cupy
-
-    for i, (memory, event) in enumerate(_staging):
-        if memory.size() >= nbytes and event.done:
-            del _staging[i]
-            return memory
-    while len(_staging) >= MAX_STAGING:  # the oldest copy has surely ended by now; wait if not
-        memory, event = _staging.pop(0)
-        event.synchronize()
-    return cupy.cuda.alloc_pinned_memory(nbytes)

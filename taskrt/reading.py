@@ -58,8 +58,9 @@ def tile_on_device(source, field: str, indices, rect: Rect, dtype: str, layer: s
     """A GPU worker's read, without waiting for the GPU: a source that generates its values
     (`Synthetic`, `taskrt.synthetic`) computes the window on the device from the step's indices;
     any other is read in host memory and copied through pinned memory on a stream of its own
-    (`taskrt.device.to_device_async`), so the copy overlaps the kernels of the step before."""
-    from taskrt.device import is_gpu, to_device_async
+    (`taskrt.staging.to_device_async`), so the copy overlaps the kernels of the step before."""
+    from taskrt.device import is_gpu
+    from taskrt.staging import to_device_async
 
     if not is_gpu():  # a CPU worker standing in for a GPU device (tests): the host read
         return to_device(read_tile(source, field, indices, rect, dtype, layer))

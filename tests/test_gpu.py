@@ -128,7 +128,7 @@ def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
 @pytest.mark.parametrize("source", ["synthetic", "arrays"])
 def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2, source):
     """Synthetic generates each device's window on the GPU; an ArrayDataset's tiles go through pinned
-    memory on a stream of their own (taskrt.device.to_device_async), several steps in flight: the
+    memory on a stream of their own (taskrt.staging.to_device_async), several steps in flight: the
     same losses and parameters as the same batches sent as numpy arrays (with and without graphs)."""
     from taskrt.datasets import ArrayDataset, Synthetic
 
@@ -223,3 +223,41 @@ def _array_kinds(token, dask_worker=None):
             elif isinstance(array, cupy.ndarray):
                 found["cupy"].append(str(key))
     return found
+
+
+def test_a_copy_to_the_device_overlaps_the_kernels_queued_before_it_and_never_writes_under_them():
+    """taskrt.staging.to_device_async in this process: the copy ends while a long kernel queued
+    before it still runs, and a landing buffer given back while kernels read it is not written
+    until they end (their values stay those of the first tile)."""
+    import cupy
+
+    from taskrt.staging import to_device_async
+
+    a = cupy.random.random((4096, 4096), dtype=cupy.float32)
+    cupy.cuda.Stream.null.synchronize()
+    tile = np.arange(1 << 20, dtype=np.float32)
+    for _ in range(3):  # warm: buffers, pinned memory and the matmul's plan
+        to_device_async(tile)
+    started = cupy.cuda.Stream.null.record()
+    for _ in range(20):
+        a = a @ a / 4096
+    long_kernels = cupy.cuda.Stream.null.record()
+    from taskrt import staging
+
+    landed = to_device_async(tile)
+    copied = staging._staging[-1][1]
+    copied.synchronize()
+    assert not long_kernels.done, "the copy waited for the kernels queued before it"
+    cupy.cuda.Stream.null.synchronize()
+    assert cupy.cuda.get_elapsed_time(started, long_kernels) > 5
+    np.testing.assert_array_equal(landed.get(), tile)
+
+    first = to_device_async(np.full(1 << 20, 1.0, np.float32))
+    total = cupy.zeros((), cupy.float32)
+    for _ in range(20):  # kernels reading `first`, queued behind a long product
+        a = a @ a / 4096
+        total += first.sum()
+    del first  # its buffer goes back while those kernels are still queued
+    second = to_device_async(np.full(1 << 20, 2.0, np.float32))  # may land in the same buffer
+    assert float(total) == 20 * (1 << 20)
+    assert float(second.sum()) == 2 * (1 << 20)
