@@ -60,6 +60,19 @@ def truth(value) -> bool | None:
 
 
 # ---- one verdict per benchmark, read off its record ------------------------------------------------
+def programs_verdict(record) -> str:
+    from bench.programs import HOP_GOAL_S, RATE_GOAL, TASKS_GOAL
+
+    rows, hops = record["rows"], record["hops"]
+    worst = max(r["programs_tasks_per_device"] for r in rows)
+    return (f"Dask tasks per step and device at most {worst:g} ({met(worst <= TASKS_GOAL)}, goal {TASKS_GOAL}); "
+            f"a value between programs {hops['hop_s'] * 1e3:.2f} ms ({met(hops['hop_s'] <= HOP_GOAL_S)}, goal "
+            f"{HOP_GOAL_S * 1e3:g} ms); a 64 MB tile at {hops['large_rate'] / 1e9:.2f} GB/s "
+            f"({met(hops['large_rate'] >= RATE_GOAL)}, goal {RATE_GOAL / 1e9:g} GB/s); programs' step "
+            f"{min(r['speedup'] for r in rows):.2f}x to {max(r['speedup'] for r in rows):.2f}x as fast as "
+            "a Dask task per fused run (no goal)")
+
+
 def kernels_verdict(record) -> str:
     from bench.kernels import GOAL, MOONSHOT
 
@@ -353,6 +366,18 @@ PAGES = {
         f"`python -m bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
         "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32.",
         peer_verdict),
+    "programs": Page(
+        "a step as one program per device against a Dask task per fused run",
+        "on `Machine.local(2)`: the Dask tasks the scheduler sends per training step and device (a scheduler "
+        "plugin), for data parallelism, model parallelism and OWT on LeNet-5, AlexNet-32 and VGG-16-32, with "
+        "`Trainer(executor=\"programs\")` (the default) and `executor=\"tasks\"`; a small value's one-way time "
+        "between two programs (half a ping-pong's round trip through the workers' mailboxes) beside Dask's "
+        "dependent hop between the two devices; a 64 MB tile between two programs; the step times of both "
+        "executors, medians of interleaved rounds.",
+        f"`python -m bench programs` (7 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
+        f"at most {2} Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
+        "(moonshot 0.3 ms); a 64 MB tile between two workers on one host at at least 5 GB/s.",
+        programs_verdict),
     "data": Page(
         "datasets read on the workers against batches sent from the client",
         "per training step, the bytes the client sends (Dask's own counters: the client's stream to the "
