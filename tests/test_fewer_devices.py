@@ -12,7 +12,9 @@ import search
 from search.optimize import SIMULATION_MARGIN, SearchAgain, device_counts
 from taskrt import models
 from taskrt.config import ParallelConfig as P
+from taskrt.lowering import lower
 from taskrt.machine import Machine
+from taskrt.memory import plan_memory
 from taskrt.simulate import Runtime
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer, WorkerLostWarning
@@ -65,6 +67,8 @@ def test_where_the_runtime_costs_most_one_device_is_kept(check):
     if not check:  # equation 1 alone, blind to the runtime's fetches, prefers both devices
         assert counts["2"]["predicted_step_s"] < counts["1"]["predicted_step_s"]
     assert strategy.validated(graph, machine).configs == strategy.configs
+    expected = plan_memory(lower(graph, strategy.validated(graph)))
+    assert strategy.meta["memory_per_device"] == {str(d): m.to_dict() for d, m in expected.items()}
     if check:  # the simulation check's report, for one device too
         assert strategy.meta["refined_step_s"] == counts["1"]["simulated_step_s"]
         assert strategy.meta["chosen_by_simulation"] == "layer-wise optimum"
