@@ -356,7 +356,8 @@ PAGES = {
         "PyTorch on the CPU against the runtime",
         "LeNet-5, AlexNet-32 and VGG-16-32 stepped by PyTorch on the CPU (`bench/torch_peer.py` builds the same "
         "network from the Graph): one thread against the runtime in-process and on `Machine.local(1)`, two "
-        "threads against `Machine.local(2)`. Skips, saying so, without torch.",
+        "threads against `Machine.local(2)` (data parallel, the searched strategy, and one device of it for the "
+        "searched strategy to be no slower than). Skips, saying so, without torch.",
         f"`python -m bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
         "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32; and the searched "
         "strategy on local(2) never slower than one device of it (the same strategy, or a median step at most "
