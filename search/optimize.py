@@ -73,7 +73,8 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     # counts_s: the rest of searching the counts (the simulation check, simulating each result)
     eliminating = sum(s.meta["search"]["optimize_s"] for s, _ in found.values())
     strategy.meta["search"].update(tables_s=built - started, tables_parts_s=tables.seconds, optimize_s=eliminating,
-                                   counts_s=time.perf_counter() - built - eliminating)
+                                   counts_s=time.perf_counter() - built - eliminating,
+                                   configs=sum(len(c) for c in tables.configs.values()))
     if check_by_measurement:
         strategy = _check_by_measurement(graph, machine, cost_model, strategy)
     counted = time.perf_counter()
