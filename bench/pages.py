@@ -173,10 +173,17 @@ def elastic_verdict(record) -> str:
 def peer_verdict(record) -> str:
     judged = [r for r in record["rows"] if r.get("goal")]
     if not judged:
-        return "not judged: this run measured no network the goal names (AlexNet-32, VGG-16-32)"
-    return (f"{met(all(truth(r['meets_goal']) for r in judged))}: local(1) at "
-            + ", ".join(f"{r['taskrt_vs_pytorch']:.2f}x PyTorch's throughput on {r['model']}" for r in judged)
-            + f" (goal {judged[0]['goal']}x)")
+        verdict = "not judged: this run measured no network the goal names (AlexNet-32, VGG-16-32)"
+    else:
+        verdict = (f"{met(all(truth(r['meets_goal']) for r in judged))}: local(1) at "
+                   + ", ".join(f"{r['taskrt_vs_pytorch']:.2f}x PyTorch's throughput on {r['model']}" for r in judged)
+                   + f" (goal {judged[0]['goal']}x)")
+    checked = [r for r in record["rows"] if "never_slower" in r]
+    if checked:  # issue 39, on records that have it
+        verdict += (f"; never slower than one device: {met(all(truth(r['never_slower']) for r in checked))} ("
+                    + ", ".join(f"{r['model']}: {r['device_count']} device(s) kept, searched at "
+                                f"{r['searched_vs_one_device']:.2f}x one device's throughput" for r in checked) + ")")
+    return verdict
 
 
 def data_verdict(record) -> str:
@@ -362,9 +369,12 @@ PAGES = {
         "PyTorch on the CPU against the runtime",
         "LeNet-5, AlexNet-32 and VGG-16-32 stepped by PyTorch on the CPU (`bench/torch_peer.py` builds the same "
         "network from the Graph): one thread against the runtime in-process and on `Machine.local(1)`, two "
-        "threads against `Machine.local(2)`. Skips, saying so, without torch.",
+        "threads against `Machine.local(2)` (data parallel, the searched strategy, and one device of it for the "
+        "searched strategy to be no slower than). Skips, saying so, without torch.",
         f"`python -m bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
-        "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32.",
+        "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32; and the searched "
+        "strategy on local(2) never slower than one device of it (the same strategy, or a median step at most "
+        "5% above, interleaved).",
         peer_verdict),
     "programs": Page(
         "a step as one program per device against a Dask task per fused run",

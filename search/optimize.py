@@ -5,14 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from search.cost import Breakdown, CostModel
 from search.eliminate import minimize
+from search.layer_space import Configs
 from search.memory import step_memory
 from taskrt.strategy import Strategy
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
-             check_by_measurement: bool = False) -> Strategy:
+             check_by_measurement: bool = False, fewer_devices: bool | None = None) -> Strategy:
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
@@ -31,6 +34,15 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     meta["chosen_by_simulation"] names the start, with every candidate's simulated time;
     meta["refined_layers"] and meta["refined_step_s"] the result.
 
+    With `fewer_devices`, the search also runs on the machine's first k devices for k = 1, 2, 4,
+    ... below the device count (`device_counts`), the simulation check included, and keeps the
+    count whose strategy's simulated step (with the runtime's costs) is fastest: the runtime's
+    own costs can make more devices slower than fewer.  The unused devices get no tasks.
+    meta["device_count"] is the count kept; meta["device_counts"] each count's simulated and
+    equation-1 step.  None (the default): on a Dask cluster, not on simulated hardware, whose
+    runtime costs nothing (equation 1's space holds every strategy on fewer devices, and
+    simulating each count's is most of the search's time on large simulated machines).
+
     With `check_by_measurement` (a running cluster only), the result and data, model and OWT
     parallelism are each trained a few steps on the machine (`search.measured`) and the fastest
     is returned; meta["chosen_by_measurement"] names it, with every candidate's median step.
@@ -39,14 +51,67 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     asks it for a strategy on the devices left.
     """
     cost_model = cost_model or CostModel(machine)
+    given = fewer_devices  # None stays None for the search again: the machine left decides
     started = time.perf_counter()
     tables = cost_model.tables(graph)
     built = time.perf_counter()
-    unary = {name: tables.unary(name) for name in graph.layers}
-    edges = [(u, v, m) for u, v, _, m in tables.edges]
+    if fewer_devices is None:
+        fewer_devices = not machine.is_simulated
+    counts = device_counts(machine.num_devices) if fewer_devices else [machine.num_devices]
+    found = {}  # device count -> (strategy, config index per layer in `tables`)
+    for k in counts:
+        searched = _search_on(graph, machine, cost_model, tables, k, check_by_simulation)
+        if searched is not None:  # None: some layer fits on no k devices
+            found[k] = searched
+    if len(found) > 1:
+        k = _fewest_fast(graph, machine, cost_model, {k: s for k, (s, _) in found.items()})
+    else:
+        (k,) = found
+    strategy, choice = found[k]
+    strategy.meta.setdefault("device_count", k)
+    # optimize_s: node and edge elimination and undoing it, for every device count searched;
+    # counts_s: the rest of searching the counts (the simulation check, simulating each result)
+    eliminating = sum(s.meta["search"]["optimize_s"] for s, _ in found.values())
+    strategy.meta["search"].update(tables_s=built - started, tables_parts_s=tables.seconds, optimize_s=eliminating,
+                                   counts_s=time.perf_counter() - built - eliminating,
+                                   configs=sum(len(c) for c in tables.configs.values()))
+    if check_by_measurement:
+        strategy = _check_by_measurement(graph, machine, cost_model, strategy)
+    counted = time.perf_counter()
+    # every layer has a valid config here: no need to validate the strategy again
+    regions = cost_model.regions if check_by_simulation or check_by_measurement else (
+        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
+    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions,
+                                                           cost_model.channel_params))
+    strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
+    strategy.replan = SearchAgain(check_by_simulation, given)
+    return strategy
+
+
+def device_counts(num_devices: int) -> list[int]:
+    """The device counts `optimize(fewer_devices=True)` searches: 1, 2, 4, ... below `num_devices`,
+    and `num_devices` itself."""
+    return [1 << i for i in range(num_devices.bit_length()) if 1 << i < num_devices] + [num_devices]
+
+
+def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: bool):
+    """The search restricted to configs on devices 0..k-1 (the first k devices as a machine of their
+    own): its Strategy, with meta, and the index in `tables` of each layer's config; None when
+    some layer has no config there (none fits in memory)."""
+    keep = {name: np.flatnonzero(last_devices(tables.configs[name]) < k) for name in graph.layers}
+    if any(len(kept) == 0 for kept in keep.values()):
+        return None
+    whole = {name: len(kept) == len(tables.configs[name]) for name, kept in keep.items()}
+
+    def rows(name, values):  # the kept configs' entries; the table itself where all are kept
+        return values if whole[name] else values[keep[name]]
+
+    unary = {name: rows(name, tables.unary(name)) for name in graph.layers}
+    edges = [(u, v, m if whole[u] and whole[v] else m[np.ix_(keep[u], keep[v])]) for u, v, _, m in tables.edges]
+    started = time.perf_counter()
     result = minimize(unary, edges)
-    finished = time.perf_counter()
-    choice = result.choice
+    eliminating = time.perf_counter() - started
+    choice = {name: int(keep[name][i]) for name, i in result.choice.items()}
     configs = {name: tables.configs[name][i] for name, i in choice.items()}
     t_x = {name: 0.0 for name in graph.layers}
     for u, v, _, m in tables.edges:
@@ -58,26 +123,58 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
         "estimated": tables.estimated,
         "per_layer_s": {n: {"t_c": breakdown.t_c[n], "t_x": breakdown.t_x[n], "t_s": breakdown.t_s[n]}
                         for n in graph.layers},
-        "search": {"tables_s": built - started, "tables_parts_s": tables.seconds, "optimize_s": finished - built,
-                   "configs": sum(
-            len(c) for c in tables.configs.values()), "reduced_nodes": result.reduced_nodes,
-            "reduced_edges": result.reduced_edges, "eliminations": result.eliminations, "method": result.method},
+        "search": {"configs": sum(len(kept) for kept in keep.values()), "reduced_nodes": result.reduced_nodes,
+                   "reduced_edges": result.reduced_edges, "eliminations": result.eliminations,
+                   "method": result.method, "optimize_s": eliminating},
         "machine": machine.description,
     }
     strategy = Strategy(configs, name="layer-wise", meta=meta)
-    if check_by_simulation:
-        strategy = _check_by_simulation(graph, machine, cost_model, strategy)
-    if check_by_measurement:
-        strategy = _check_by_measurement(graph, machine, cost_model, strategy)
-    counted = time.perf_counter()
-    # every layer has a valid config here: no need to validate the strategy again
-    regions = cost_model.regions if check_by_simulation or check_by_measurement else (
-        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
-    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions,
-                                                           cost_model.channel_params))
-    strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
-    strategy.replan = SearchAgain(check_by_simulation)
-    return strategy
+    if check_by_simulation and k > 1:
+        view = machine if k == machine.num_devices else machine.subset(range(k))
+        strategy = _check_by_simulation(graph, view, cost_model, strategy)
+        strategy.meta["machine"] = machine.description
+    elif check_by_simulation:  # on one device every strategy is the same one: the check's report of it
+        seconds = _simulated_s(graph, cost_model, strategy)
+        strategy.meta.update(chosen_by_simulation="layer-wise optimum",
+                             simulated_step_s={"layer-wise optimum": seconds},
+                             refined_layers=[], refined_step_s=seconds)
+    return strategy, choice
+
+
+def _simulated_s(graph, cost_model, strategy) -> float:
+    """The simulated step of `strategy` on the cost model's machine, with the runtime's costs."""
+    from taskrt.lowering import lower
+
+    return float(cost_model.simulate(lower(graph, strategy, itemsize=cost_model.itemsize)).step_s)
+
+
+def last_devices(configs) -> np.ndarray:
+    """The highest device id of each config (configs on contiguous blocks: search.space)."""
+    if isinstance(configs, Configs):
+        return configs.first + configs.degrees.prod(axis=1) - 1
+    return np.array([max(config.devices) for config in configs])
+
+
+def _fewest_fast(graph, machine, cost_model, found: dict) -> int:
+    """The device count (a key of `found`, {count: strategy}) whose strategy's step is fastest by
+    simulation on `machine`: from the fewest devices up, a count is taken only when faster than
+    the best so far, on a real cluster by more than SIMULATION_MARGIN (more devices cost the
+    runtime more, the part of a step the simulation predicts least well).  Each count's
+    simulated and equation-1 step go into meta["device_counts"] of every strategy."""
+    margin = 0.0 if machine.is_simulated else SIMULATION_MARGIN
+    simulated = {}
+    for k, strategy in found.items():
+        # the simulation check simulated its result already
+        simulated[k] = float(strategy.meta.get("refined_step_s") or _simulated_s(graph, cost_model, strategy))
+    best = min(found)
+    for k in sorted(found):
+        if simulated[k] < simulated[best] * (1 - margin):
+            best = k
+    report = {str(k): {"simulated_step_s": simulated[k], "predicted_step_s": found[k].meta["predicted_step_s"]}
+              for k in sorted(found)}
+    for k, strategy in found.items():
+        strategy.meta.update(device_count=k, device_counts=report)
+    return best
 
 
 @dataclass(frozen=True)
@@ -86,9 +183,11 @@ class SearchAgain:
     machine left after a lost worker, under a fresh cost model (cached part timings are reused)."""
 
     check_by_simulation: bool = False
+    fewer_devices: bool | None = None
 
     def __call__(self, graph, machine) -> Strategy:
-        return optimize(graph, machine, check_by_simulation=self.check_by_simulation)
+        return optimize(graph, machine, check_by_simulation=self.check_by_simulation,
+                        fewer_devices=self.fewer_devices)
 
 
 def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
@@ -159,11 +258,8 @@ def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strat
     refinement is kept, only when it is more than SIMULATION_MARGIN faster."""
     from tqdm import tqdm
 
-    from taskrt.lowering import lower
-
     def simulated_s(strategy) -> float:
-        plan = lower(graph, strategy, itemsize=cost_model.itemsize)
-        return cost_model.simulate(plan).step_s
+        return _simulated_s(graph, cost_model, strategy)
 
     # On a simulated machine the simulation is the measurement; on a real cluster it is a prediction
     # a few percent off, so a change must win by more than that to be worth the risk.

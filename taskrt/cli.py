@@ -236,6 +236,10 @@ def cmd_search(args):
         print(f"{args.model}, batch {batch} ({args.batch_per_device} per device), on {machine.description}")
         print(f"search: {info['configs']} configs, cost tables {info['tables_s']:.3f} s, node/edge elimination "
               f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})\n")
+        if "device_counts" in meta:
+            print(f"devices: kept {meta['device_count']} of {machine.num_devices}; simulated step per device count: "
+                  + ", ".join(f"{k}: {v['simulated_step_s'] * 1e3:.1f} ms" for k, v in meta["device_counts"].items())
+                  + "\n")
         if args.measure:
             measured = meta["chosen_by_measurement"]
             print("measured on the machine (median step of " + str(measured["rounds"]) + " rounds): " + ", ".join(

@@ -75,3 +75,23 @@ def test_the_committed_accuracy_verdict_counts_as_its_summary_does():
     counted = next(line for line in record["summary"] if line.startswith("simulated prediction within"))
     within, cases = counted.split(" in ")[1].split(" cases")[0].split(" of ")
     assert any(f"{within} of {cases} cases within" in line for line in header("accuracy", record))
+
+
+def test_the_peer_page_judges_never_slower_than_one_device():
+    from bench.overhead import data_parallel
+    from bench.peer import ONE_DEVICE_TOLERANCE, one_device_check
+    from taskrt import models
+
+    graph = models.lenet5(batch=4, image_size=16, width=0.5)
+    one, two = data_parallel(graph, 1).validated(graph), data_parallel(graph, 2).validated(graph)
+    two.meta.update(device_count=2, device_counts={"1": {"simulated_step_s": 0.02}, "2": {"simulated_step_s": 0.01}})
+    slower = one_device_check(graph, two, one, 1.0 + 2 * ONE_DEVICE_TOLERANCE, 1.0)
+    assert not slower["never_slower"] and slower["simulated_ms_per_count"] == {"1": 20.0, "2": 10.0}
+    assert one_device_check(graph, two, one, 1.0 + ONE_DEVICE_TOLERANCE / 2, 1.0)["never_slower"]
+    same = one_device_check(graph, one, one, 1.2, 1.0)  # the search kept one device: the same strategy
+    assert same["never_slower"] and same["searched_is_one_device"] and same["searched_devices"] == [0]
+    rows = [{"model": "alexnet32", "goal": 0.8, "meets_goal": True, "taskrt_vs_pytorch": 1.1},
+            {"model": "alexnet32", **slower}]
+    lines = header("peer", {"rows": rows})
+    verdict = next(line for line in lines if "This run:" in line)
+    assert "met: local(1) at 1.10x" in verdict and "never slower than one device: NOT met" in verdict
