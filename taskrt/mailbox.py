@@ -4,8 +4,10 @@ Each worker has a mailbox (`Mailbox`, a worker plugin): a handler on the worker'
 ('taskrt_put') puts each value that arrives under its key in the step, and the program that needs
 it takes it from there, waiting if it has not arrived yet.  A program sends from its own thread:
 the message is written by the worker's event loop, through the worker's pool of connections, as
-a one-way message (no answer to wait for), so the program goes on computing meanwhile.  Large
-arrays travel as the message's own frames, not copied into it (distributed's serialization).
+a one-way message (no answer to wait for), so the program goes on computing meanwhile.  An array
+of at least `shared_memory.MIN_BYTES` to a worker on the same host is copied once into the
+sender's shared memory and the message says where (`taskrt.shared_memory`); other values travel
+as the message's own frames, not copied into it (distributed's serialization).
 
 Each value that arrives is logged in the worker's `transfer_incoming_log` (and each sent in the
 sender's `transfer_outgoing_log`) in Dask's own form, under its key: the bytes a step moved are
@@ -27,6 +29,8 @@ from collections import OrderedDict
 from dask.sizeof import sizeof
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
+
+from taskrt import shared_memory
 
 WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
 ASK_TIMEOUT_S = 10.0  # for the scheduler's answer to that
@@ -57,12 +61,23 @@ class Mailbox(WorkerPlugin):
         self.by_tag: dict = {}  # step tag -> keys of its values here
         self.aborted: OrderedDict = OrderedDict()  # step tag -> why
         self.cond = threading.Condition()
+        # arrays to a worker on the same host through shared memory (taskrt.shared_memory)
+        self.shm_sender = shared_memory.Sender() if shared_memory.available() else None
+        self.shm_receiver = shared_memory.Receiver()
+        if self.shm_sender is not None:
+            shared_memory.sweep()
         worker.handlers["taskrt_put"] = self.put
         worker.handlers["taskrt_abort"] = self.abort
         worker._taskrt_mailbox = self
 
     # ---- on the worker's event loop --------------------------------------------------------
-    def put(self, key=None, tag=None, value=None, sender=None, sent=None):
+    def teardown(self, worker):
+        if getattr(self, "shm_sender", None) is not None:
+            self.shm_sender.close()
+
+    def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None):
+        if slot is not None:  # the array lies in the sender's shared memory
+            value = self.shm_receiver.read(shared_memory.Slot.from_message(slot))
         arrived = time.time()
         nbytes = sizeof(value)
         delay = self.worker.scheduler_delay
@@ -103,8 +118,16 @@ class Mailbox(WorkerPlugin):
         the message being written."""
         nbytes = sizeof(value)
         start = time.time()
-        msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "value": to_serialize(value),
-               "sender": self.worker.address, "sent": start}
+        msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "sender": self.worker.address,
+               "sent": start}
+        slot = None
+        if (self.shm_sender is not None and shared_memory.eligible(value)
+                and shared_memory.same_host(self.worker.address, address)):
+            slot = self.shm_sender.write(value)  # None: the pool is full, over TCP
+        if slot is not None:
+            msg["slot"] = slot.as_message()
+        else:
+            msg["value"] = to_serialize(value)
         future = asyncio.run_coroutine_threadsafe(self._write(address, msg), self.loop)
 
         def logged(_, worker=self.worker):
