@@ -21,7 +21,8 @@ With `programs` (taskrt.program_executor, the Trainer's default) the scheduler s
 one program per step, once, at its start; the program then runs the device's tasks in its fixed
 order (taskrt.programs.device_order), each costing `task_s` beyond its kernel, and sends each value
 another device reads as soon as the task computing it ends, one message per value and reader,
-which arrives `message_s` after the link's latency and bandwidth; no scheduler between runs.
+which arrives `message_s` (in place of the link's latency) after its bytes crossed the link; no
+scheduler between runs.
 Which bytes move comes from the plan itself, as in the executor.
 """
 
@@ -68,7 +69,10 @@ class Runtime:
     # Each device runs its part of the step as one program (taskrt.programs): one dispatch per device
     # and step, values pushed to their readers' mailboxes (`message_s` each beyond the link)
     programs: bool = False
-    message_s: float = 0.0  # a mailbox message's latency beyond the link's (both workers' event loops)
+    # With programs, a message's latency in place of the link's: a value's one-way time between two
+    # programs through the mailboxes (taskrt.mailbox), measured with the wire's latency in it.  (A
+    # link's latency probed on a Dask cluster is Dask's fetch: a request and its answer.)
+    message_s: float = 0.0
 
 
 @dataclass
@@ -134,7 +138,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
     # With programs, Dask sees one task per device (its program), not one per plan task.
-    dask_tasks = len(_program_devices(plan)) if runtime.programs else len(plan.tasks)
+    dask_tasks = len(program_devices(plan)) if runtime.programs else len(plan.tasks)
     runtime_cpu = (runtime.cpu_per_task_s * dask_tasks + runtime.cpu_per_message_s * len(plan.transfers())
                    + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
@@ -173,8 +177,9 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
 
     booked, reader = [], [None]  # messages as booked; the task whose inputs are being booked
 
-    def transfer(src, dst, nbytes, at):
-        """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
+    def transfer(src, dst, nbytes, at, latency_s=None):
+        """Book one message on the link (and the nodes' interfaces); returns its arrival time
+        (`latency_s` after its last byte left: by default the link's latency)."""
         seconds = nbytes / bandwidth[src, dst]
         begin = max(at, link_free[(src, dst)])
         if nic and node[src] != node[dst]:
@@ -183,7 +188,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
         link_free[(src, dst)] = begin + seconds
         booked.append((src, dst, begin, begin + seconds, nbytes, reader[0]))
-        return begin + seconds + latency[src, dst]
+        return begin + seconds + (latency[src, dst] if latency_s is None else latency_s)
 
     scheduler_free = [origin]
 
@@ -197,13 +202,13 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # another), runs its tasks in its order and sends each value as soon as it is computed.
     def push(t, at):
         reader[0] = t.reader
-        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at) + runtime.message_s
+        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at, runtime.message_s)
 
     program_start, position, sends = {}, {}, defaultdict(list)
     if runtime.programs:
         for tasks in device_order(plan).values():
             position.update((t.key, i) for i, t in enumerate(tasks))
-        for d in _program_devices(plan):
+        for d in program_devices(plan):
             program_start[d] = dispatched(origin)
         for t in plan.transfers():
             sends[t.dep].append(t)
@@ -321,7 +326,7 @@ def _computed_by(plan: Plan, key) -> tuple:
     return task.deps[0].key if task.phase == "export" else key
 
 
-def _program_devices(plan: Plan) -> list:
+def program_devices(plan: Plan) -> list:
     """The devices a step runs a program on: those with tasks, and those only holding data another reads."""
     return sorted({t.device for t in plan.tasks} | {t.src for t in plan.transfers()})
 

@@ -477,22 +477,24 @@ def test_the_shared_scheduler_delays_only_dispatches_that_meet():
 
 def test_programs_chain_across_two_devices_is_kernels_plus_messages():
     """a (device 0) -> b (device 1) -> c (device 0): one program per device, each dispatched once at
-    the start; each value pushed as computed, arriving the link's time plus `message_s` later."""
+    the start; each value pushed as computed, arriving `message_s` after its bytes crossed the link
+    (the message's own latency in place of the link's)."""
     rt = Runtime(programs=True, dispatch_s=0.125, message_s=0.0625, task_s=0.03125, start_s=0.25,
                  per_task_submit_s=0.5, answer_s=0.1875)
     p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"], nbytes=250), task("c", 0, ["b"]))
     sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, LINKS, rt)
     origin = 0.25 + 2 * 0.5  # two Dask tasks submitted: the programs
     a_end = origin + 0.125 + 0.03125 + 1.0
-    b_start = a_end + 0.5 + 0.25 + 0.0625  # 500 B at 1000 B/s, the link's latency, the message's own
+    b_start = a_end + 0.5 + 0.0625  # 500 B at 1000 B/s, then the message's latency
     b_end = b_start + 0.03125 + 2.0
-    c_start = b_end + 0.25 + 0.25 + 0.0625  # no dispatch between runs
+    c_start = b_end + 0.25 + 0.0625  # no dispatch between runs
     assert at(sim, "a") == (origin + 0.125, a_end) and at(sim, "b") == (b_start, b_end)
     assert at(sim, "c") == (c_start, c_start + 0.03125 + 4.0)
     assert sim.step_s == sim.finish[("c",)] + 0.1875
     assert len(sim.transfers) == 2
     tasks = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, LINKS, replace(rt, programs=False, message_s=0.0))
-    assert tasks.step_s - sim.step_s == 0.5 + 2 * 0.125 - 2 * 0.0625  # a task submitted, two dispatches; messages
+    # a task more submitted, two more dispatches, the link's latency instead of the message's
+    assert tasks.step_s - sim.step_s == 0.5 + 2 * 0.125 + 2 * (0.25 - 0.0625)
 
 
 def test_programs_dispatch_once_per_device_through_the_shared_scheduler():
