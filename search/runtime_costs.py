@@ -184,7 +184,8 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, exe
 
     # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
     cross = c.get("per_cross_hop_s")
-    fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - float(machine.latency[1, 0]), 0.0)
+    link = float(machine.latency[1, 0]) if machine.num_devices > 1 else 0.0
+    fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - link, 0.0)
     dispatch = noop_dispatch(c)
     # what a one-task graph waits for its task beyond submitting one task and sending it out: the
     # scheduler taking the graph in, once a step
