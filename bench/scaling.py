@@ -178,15 +178,21 @@ def _plot(rows, names, device_counts, out_dir):
         for strategy in STRATEGIES:
             ys = [_get(rows, name, d, strategy)["images_per_s"] for d in device_counts]
             ax.plot(device_counts, ys, "o-", color=colors[strategy], label=strategy)
+        for executor, style in (("programs", "s:"), ("tasks", "x:")):  # taskrt's own runtime, measured here
+            if f"{executor}_images_per_s" in rows[0]:
+                ys = [_get(rows, name, d, "layer-wise")[f"{executor}_images_per_s"] for d in device_counts]
+                ax.plot(device_counts, ys, style, color=colors["layer-wise"], label=f"layer-wise, taskrt {executor}")
         one = _get(rows, name, 1, "layer-wise")["images_per_s"]
         ax.plot(device_counts, [one * d for d in device_counts], "r--", label="linear scaling")
         ax.set_xscale("log", base=2)
         ax.set_xticks(device_counts, [str(d) for d in device_counts])
+        ax.set_yscale("log")
         ax.set_xlabel("P100 devices (4 per node)")
         ax.set_ylabel("images / s")
         ax.set_title(f"{name}, batch 32 per device")
         ax.legend(fontsize=7)
-    fig.suptitle("Training throughput, SIMULATED (roofline P100, paper's cluster links) - cf. paper Fig. 7")
+    fig.suptitle("Training throughput, SIMULATED (roofline P100, paper's cluster links; solid: the runtime free, "
+                 "dotted: taskrt's, costs measured on this host) - cf. paper Fig. 7")
     fig.tight_layout()
     fig.savefig(f"{out_dir}/scaling.png", dpi=120)
     plt.close(fig)
