@@ -5,7 +5,8 @@
   search       search time, node/edge elimination vs depth-first search (the paper's Table 3)
   strategies   data, model, OWT and layer-wise trained side by side on 2 local devices
   accuracy     predicted vs measured step time on 1 and 2 local devices (the paper's Table 4)
-  scaling      throughput and bytes moved on 1-16 simulated P100s (the paper's Figures 7 and 8)
+  scaling      throughput and bytes moved on 1-16 simulated P100s (the paper's Figures 7 and 8), the
+               runtime free and taskrt's (both executors, costs measured on this host)
   convergence  loss curves of data parallel and layer-wise against one device
   seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)

@@ -119,6 +119,8 @@ def refitted(calibration: dict) -> dict:
     keys = [k for k in search.cost.STEP_LATENCIES if k in calibration]
     if "noop_cpu_per_task_s" in calibration:  # the processor time per task fitted to steps, not no-op tasks'
         keys.append("cpu_per_task_s")
+    if "program_cpu_per_task_s" in calibration:  # the same for steps run as programs
+        keys.append("program_cpu_per_task_s")
     return {k: calibration[k] for k in keys}
 
 
@@ -209,7 +211,7 @@ def _measure(machine, graph, strategies, cost_model, rounds, label, warmup, seed
     batch = image.shape[0]
     for name, trainer in trainers.items():
         plan = trainer.plan
-        runtime = cost_model.runtime(plan, trainer.executor.fused)
+        runtime = cost_model.runtime(plan, trainer.executor.fused, trainer.executor_kind)
         simulated = cost_model.simulate(plan, trainer.executor.fused, runtime)
         cores = runtime.cores
         alone = kernel_seconds(cost_model, plan)

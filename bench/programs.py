@@ -15,7 +15,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from bench.measure import LOCAL_MODELS, interleaved
@@ -23,6 +22,7 @@ from bench.overhead import data_parallel
 from bench.report import write_result
 from search.baselines import model_parallel, owt
 from search.measured import random_batch
+from taskrt.calibration import _ping_pong
 from taskrt.machine import Machine
 from taskrt.trainer import Trainer
 
@@ -58,29 +58,6 @@ def tasks_per_step(machine, trainer, x, y, steps: int = 6) -> float:
     for _ in range(steps):
         trainer.step(x, y)
     return (client.run_on_scheduler(_count) - before) / steps
-
-
-def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str) -> list:
-    """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
-    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
-    the seconds of each round trip."""
-    from distributed import get_worker
-
-    from taskrt.mailbox import mailbox_of
-
-    box = mailbox_of(get_worker())
-    payload, ack = np.ones(max(nbytes // 8, 1)), np.zeros(1, dtype=np.uint8)
-    times = []
-    for i in range(rounds):
-        if role == "a":
-            start = time.perf_counter()
-            box.send(peer, ("ping", tag, i), tag, payload).result()
-            box.take(("pong", tag, i), tag, peer)
-            times.append(time.perf_counter() - start)
-        else:
-            box.take(("ping", tag, i), tag, peer)
-            box.send(peer, ("pong", tag, i), tag, ack).result()
-    return times
 
 
 def hop_rows(machine, rounds: int, large_rounds: int) -> dict:

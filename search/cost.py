@@ -502,28 +502,29 @@ class CostModel:
             for sig, t in seconds.items():
                 self._sync_times[items_of_kind[sig]] = t
 
-    def simulate(self, plan, fused: bool = True, runtime=None):
+    def simulate(self, plan, fused: bool = True, runtime=None, executor: str = "programs"):
         """One step of `plan` simulated on this model's machine (`taskrt.simulate`), with its part
         timings, the slow-down of kernels running beside each other, and the runtime's costs
-        (`runtime(plan, fused)`, unless given, already built)."""
+        (`runtime(plan, fused, executor)`, unless given, already built)."""
         from taskrt.simulate import simulate
 
         corun = self.timer(plan, corun=True) if self.corun else None
         return simulate(plan, self.timer(plan), self.machine,
-                        self.runtime(plan, fused) if runtime is None else runtime, corun)
+                        self.runtime(plan, fused, executor) if runtime is None else runtime, corun)
 
-    def runtime(self, plan, fused: bool = True):
+    def runtime(self, plan, fused: bool = True, executor: str = "programs"):
         """The runtime's costs for `plan`: none for a simulated machine; for a Dask cluster, what
         `Machine.calibrate` measured (scheduler round trip per dependent task, worker time per
         task, a fetch from another device beyond the link, graph submission per task and the
         scheduler taking a graph in, one scatter call per device that receives data, the
         data the graph carries at its measured rate), for
-        the tasks the executor submits: fused (the Trainer's default) or one per plan task."""
+        the executor `executor`: "programs" (the Trainer's default, one program per device) or
+        "tasks", whose tasks are fused runs or one per plan task."""
         from taskrt.simulate import Runtime
 
         if self.estimated:
             return Runtime()
-        return runtime_costs.runtime(self.machine, self.calibration, plan, fused, self.corun)
+        return runtime_costs.runtime(self.machine, self.calibration, plan, fused, self.corun, executor)
 
 
     def measure(self, kind, items: dict, timing=None, what="part kernels", corun: bool = False) -> dict:

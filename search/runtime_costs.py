@@ -22,13 +22,17 @@ from taskrt.device_kinds import DEVICE_KINDS
 # per message; CPU per task fitted to training steps where devices share cores; the scheduler's
 # answer to which workers there are; on CPU workers, the latencies of training steps' hops, start and answer
 # (the start's line fitted by Theil-Sen)
-CALIBRATION_FORMAT = 10
+# ...; for the programs executor, the mailbox hop, its processor time, a program's time per task, the
+# scheduler's time per task, and the start, answer and processor time of training steps run as programs
+CALIBRATION_FORMAT = 11
 # what `fit_to_steps` measures on training steps: the latencies, the rows they and the processor
 # time per task are fitted to (that time only where devices share the host's cores; elsewhere
 # `cpu_per_task_s` is the no-op tasks')
 STEP_LATENCIES = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_start_extra_s",
-                  "step_start_extra_per_task_s")
-STEP_FITTED = (*STEP_LATENCIES, "step_start_rows", "step_cpu_rows")
+                  "step_start_extra_per_task_s", "program_step_answer_s", "program_step_start_extra_s")
+STEP_FITTED = (*STEP_LATENCIES, "step_start_rows", "step_cpu_rows", "program_cpu_per_task_s",
+               "program_step_start_rows", "program_step_cpu_rows")
+EXECUTORS = ("programs", "tasks")  # taskrt.program_executor.make_executor's; "programs" the Trainer's default
 
 
 def cpu_workers(machine) -> bool:
@@ -79,12 +83,43 @@ def fit_to_steps(machine, calibration: dict, corun: bool) -> dict:
     steps (`step_latencies`).  On CPU workers only: elsewhere no-op tasks measure them ({})."""
     if not cpu_workers(machine):
         return {}
-    measured = step_costs(machine, calibration["cpu_per_byte_s"], calibration["cpu_per_message_s"], fit_cpu=corun)
+    measured = step_costs(machine, calibration["cpu_per_byte_s"], calibration["cpu_per_message_s"], fit_cpu=corun,
+                          executor="tasks")
     out = {k: measured[k] for k in ("cpu_per_task_s", "step_cpu_rows")} if corun else {}
     # the start is fitted beyond what `runtime` models without an earlier fit's
     unfitted = {k: v for k, v in calibration.items() if k not in STEP_FITTED}
     out.update(step_latencies(machine, {**unfitted, **out}, measured, corun))
+    out.update(program_step_costs(machine, unfitted, corun))
     return out
+
+
+def program_step_costs(machine, calibration: dict, corun: bool) -> dict:
+    """What training steps run as programs (`search.step_costs`, executor "programs") give the
+    programs' Runtime: where devices share the host's cores, the processor time per Dask task (a
+    program), less each message's and byte's measured apart; the answer (median); the start beyond
+    what `runtime` models (the median over strategies: every one has a program per device)."""
+    from taskrt.simulate import program_devices
+
+    per_message = calibration.get("program_cpu_per_message_s", calibration["cpu_per_message_s"])
+    measured = step_costs(machine, calibration["cpu_per_byte_s"], per_message, fit_cpu=corun, executor="programs")
+    out = {}
+    if corun:
+        out.update(program_cpu_per_task_s=measured["cpu_per_task_s"], program_step_cpu_rows=measured["step_cpu_rows"])
+    if measured["step_answers"]:
+        out["program_step_answer_s"] = max(float(np.median(measured["step_answers"])), 0.0)
+    unfitted = {**calibration, **out}
+    rows = []
+    for plan, firsts in measured["step_starts"]:
+        if firsts:
+            modeled = runtime(machine, unfitted, plan, corun=corun, executor="programs")
+            programs = len(program_devices(plan))
+            start = modeled.start_s + modeled.per_task_submit_s * programs + modeled.dispatch_s
+            rows.append((programs, float(np.median(firsts)) - start))
+    if rows:
+        out["program_step_start_extra_s"] = float(np.median([extra for _, extra in rows]))
+        out["program_step_start_rows"] = [[int(p), float(e)] for p, e in rows]
+    return out
+
 
 
 def step_latencies(machine, calibration: dict, measured: dict, corun: bool) -> dict:
@@ -112,7 +147,8 @@ def step_latencies(machine, calibration: dict, measured: dict, corun: bool) -> d
     rows = []
     for plan, firsts in measured["step_starts"]:
         if firsts:
-            modeled_runtime, tasks = runtime(machine, unfitted, plan, corun=corun), len(fused_plan(plan)[0].tasks)
+            modeled_runtime = runtime(machine, unfitted, plan, corun=corun, executor="tasks")
+            tasks = len(fused_plan(plan)[0].tasks)
             modeled = (modeled_runtime.start_s + modeled_runtime.per_task_submit_s * tasks
                        + modeled_runtime.dispatch_s + modeled_runtime.task_s)
             rows.append((tasks, float(np.median(firsts)) - modeled))
@@ -128,23 +164,28 @@ def noop_dispatch(calibration: dict) -> float:
     return max(calibration["per_hop_s"] - calibration["per_task_s"], 0.0)
 
 
-def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False):
+def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, executor: str = "programs",
+            dataset: bool = False):
     """The runtime's costs for `plan` on a Dask cluster under the calibration `c` (scheduler round
     trip per dependent task, worker time per task, a fetch from another device beyond the link,
     graph submission per task and the scheduler taking a graph in, one scatter call per device
-    that receives data, the data the graph carries at its measured rate), for the tasks the
-    executor submits: fused (the Trainer's default) or one per plan task.  `corun`: parts are
-    timed beside each other too (see below)."""
-    from taskrt.executor import data_bytes_by_device, gpu_devices, graph_seconds, inline_data_devices
+    that receives data, the data the graph carries at its measured rate), for the executor
+    `executor`: "programs" (the Trainer's default: one program per device, `program_runtime`) or
+    "tasks", whose tasks are fused runs (its default) or one per plan task.  `corun`: parts are
+    timed beside each other too (see below).  `dataset`: the devices read their data from a
+    dataset, ahead of the step (nothing sent from the client)."""
+    from taskrt.executor import gpu_devices, graph_seconds
     from taskrt.simulate import Runtime
 
-    by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
-    receivers = set(by_device) - inline
-    scattered = sum(by_device[d] for d in receivers)
-    carried = sum(by_device[d] for d in inline)
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if executor == "programs":
+        return program_runtime(machine, c, plan, corun, dataset)
+
     # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
     cross = c.get("per_cross_hop_s")
-    fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - float(machine.latency[1, 0]), 0.0)
+    link = float(machine.latency[1, 0]) if machine.num_devices > 1 else 0.0
+    fetch = 0.0 if cross is None else max(cross - c["per_hop_s"] - link, 0.0)
     dispatch = noop_dispatch(c)
     # what a one-task graph waits for its task beyond submitting one task and sending it out: the
     # scheduler taking the graph in, once a step
@@ -154,8 +195,7 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False):
     # one-task graph's way, in first_start_s): timed here on this plan
     graph = graph_seconds(plan, gpu_devices(machine), machine.tag, fused)
     client = c.get("check_s", 0.0) + graph.client_s + graph.transit_s
-    start = (client + len(receivers) * c["scatter_s"] + scattered / c["client_bandwidth"]
-             + carried * c["inline_per_byte_s"] + intake)
+    start = client + data_seconds(c, plan, dataset) + intake
     # Measured on training steps where there are (CPU workers): what no-op tasks miss of a
     # real step's hops, its answer and its start (`step_latencies`).  The start and the answer
     # are read off the same steps, and where the task stream places a run early, time moves
@@ -165,16 +205,59 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False):
     answer = c.get("step_answer_s", c.get("answer_s", c["per_hop_s"]))
     if start < 0 and "step_answer_s" in c:
         answer = max(answer + start, 0.0)
-    cores = c["cores"] if shared_cores(machine) else 0
-    if corun:
-        # Parts are timed beside each other too: their slow-down is in those timings.
-        # `Machine.calibrate`'s effective cores, lowered by a reference kernel's slow-down beside
-        # another, would count it a second time.
-        cores = float(os.cpu_count() or 1)
+    cores = _cores(machine, c, corun)
     return Runtime(dispatch_s=c.get("step_dispatch_s", dispatch), task_s=c["per_task_s"],
                    fetch_s=c.get("step_fetch_s", fetch), export_s=c["export_s"],
                    answer_s=answer, start_s=max(start, 0.0),
                    per_task_submit_s=max(c["submit_per_task_s"] + c.get("step_start_extra_per_task_s", 0.0), 0.0),
                    cores=cores,
                    cpu_per_task_s=c["cpu_per_task_s"], cpu_per_message_s=c.get("cpu_per_message_s", 0.0),
-                   cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused)
+                   cpu_per_byte_s=c["cpu_per_byte_s"], fused=fused,
+                   scheduler_per_task_s=c.get("scheduler_per_task_s", 0.0))
+
+
+def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool = False):
+    """The programs executor's costs for `plan` (taskrt.program_executor): the client's question
+    for the workers, the data sent, the scheduler taking the graph in and sending each device its
+    program (one Dask task per device: `dispatch_s` once, through the one scheduler), a program's
+    own time per task, each value's message latency (half a mailbox ping-pong), the answer; on
+    shared cores, the processor time per program, message and byte.
+    What training steps run as programs measured (`program_step_costs`) is added where there."""
+    from taskrt.simulate import Runtime
+
+    dispatch = noop_dispatch(c)
+    intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
+    message = c.get("program_hop_s", 0.0)  # in place of the link's latency (Dask's fetch where probed)
+    start = c.get("check_s", 0.0) + data_seconds(c, plan, dataset) + intake + c.get("program_step_start_extra_s", 0.0)
+    answer = c.get("program_step_answer_s", c.get("answer_s", c["per_hop_s"]))
+    if start < 0 and "program_step_answer_s" in c:  # as for the tasks executor: their sum stays as measured
+        answer = max(answer + start, 0.0)
+    return Runtime(programs=True, dispatch_s=dispatch, task_s=c.get("program_task_s", 0.0), message_s=message,
+                   answer_s=answer, start_s=max(start, 0.0), per_task_submit_s=c["submit_per_task_s"],
+                   scheduler_per_task_s=c.get("scheduler_per_task_s", 0.0), cores=_cores(machine, c, corun),
+                   cpu_per_task_s=c.get("program_cpu_per_task_s", c.get("noop_cpu_per_task_s", c["cpu_per_task_s"])),
+                   cpu_per_message_s=c.get("program_cpu_per_message_s", c.get("cpu_per_message_s", 0.0)),
+                   cpu_per_byte_s=c["cpu_per_byte_s"])
+
+
+def data_seconds(c: dict, plan, dataset: bool) -> float:
+    """The client's time sending a step's data: one scatter call per device that receives tiles too
+    large to carry in the graph, at the client's bandwidth, the rest carried; none where the devices
+    read it from a dataset (its reads run ahead, while the step before computes)."""
+    from taskrt.executor import data_bytes_by_device, inline_data_devices
+
+    if dataset:
+        return 0.0
+    by_device, inline = data_bytes_by_device(plan), inline_data_devices(plan)  # carried, or scattered
+    receivers = set(by_device) - inline
+    return (len(receivers) * c["scatter_s"] + sum(by_device[d] for d in receivers) / c["client_bandwidth"]
+            + sum(by_device[d] for d in inline) * c["inline_per_byte_s"])
+
+
+def _cores(machine, c: dict, corun: bool) -> float:
+    if corun:
+        # Parts are timed beside each other too: their slow-down is in those timings.
+        # `Machine.calibrate`'s effective cores, lowered by a reference kernel's slow-down beside
+        # another, would count it a second time.
+        return float(os.cpu_count() or 1)
+    return c["cores"] if shared_cores(machine) else 0

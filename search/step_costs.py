@@ -16,6 +16,10 @@ simulator sees them (`taskrt.simulate.Runtime`):
   inputs being done to its start, on its own device and from another one beyond the link's time;
   from the step's start to its first task; from the runs computing its outputs ending to the
   client having them.
+
+The steps run under the executor whose costs are fitted (`executor`): "tasks" (a Dask task per
+fused run) or "programs" (one Dask task per device, `program_timings`: the scheduler sees no
+hops inside a step, only its programs' starts and ends).
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def strategies(graph, machine) -> dict:
 
 
 def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 0.0, fit_cpu: bool = True,
-               steps: int = STEPS, warmup: int = WARMUP, timed: int = TIMED, rounds: int = ROUNDS) -> dict:
+               steps: int = STEPS, warmup: int = WARMUP, timed: int = TIMED, rounds: int = ROUNDS,
+               executor: str = "tasks") -> dict:
     """The runtime's costs measured on training steps of `calibration_network` (module docstring).
 
     With `fit_cpu`: {"cpu_per_task_s"} fitted to the steps' processor time (`runtime_cpu`, `rounds`
@@ -83,7 +88,8 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     latencies, `step_timings` of `timed` more steps per strategy, pooled: {"step_gaps": {"same":
     [...], "cross": [...]}, "step_answers": [...]}, and per strategy its plan and the start of
     each step's first task ("step_starts": [(plan, [seconds])]; the cost model compares them with
-    the start it models for the plan)."""
+    the start it models for the plan).  With `executor="programs"` the gaps stay empty (a program's
+    hops never reach the scheduler) and the rows count Dask tasks: one program per device."""
     from search.measured import random_batch
     from taskrt.fusion import fused_plan
 
@@ -91,7 +97,7 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     x, y = random_batch(graph, 0)
     client = machine.client
     client.get_task_stream(start=time.time())  # the first call starts the scheduler's recording
-    trainers = calibration_trainers(machine, graph, x, y, warmup)
+    trainers = calibration_trainers(machine, graph, x, y, warmup, executor)
     gaps, answers, starts = {"same": [], "cross": []}, [], []
     out = {}
     if fit_cpu:
@@ -102,7 +108,8 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
         fused, _ = fused_plan(trainer.plan)
         firsts = []
         for _ in range(timed):
-            measured = _timed_step(trainer, x, y, fused, machine)
+            measured = (_timed_programs(trainer, x, y, machine) if executor == "programs"
+                        else _timed_step(trainer, x, y, fused, machine))
             if measured is None:
                 continue
             for kind in gaps:
@@ -115,14 +122,15 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     return out
 
 
-def calibration_trainers(machine, graph, x, y, warmup: int) -> dict:
+def calibration_trainers(machine, graph, x, y, warmup: int, executor: str = "tasks") -> dict:
     """A Trainer per calibration strategy, each `warmup` steps in (compiled, memory touched)."""
     from taskrt.trainer import Trainer
 
     trainers = {}
     for name, strategy in strategies(graph, machine).items():
         # no snapshots: training takes one rarely enough to cost under 5%, not in every few steps
-        trainers[name] = trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, snapshot_every=None)
+        trainers[name] = trainer = Trainer(graph, strategy, machine, lr=1e-4, momentum=0.9, snapshot_every=None,
+                                           executor=executor)
         for _ in range(warmup):
             trainer.step(x, y)
     return trainers
@@ -145,9 +153,19 @@ def runtime_cpu(trainers: dict, x, y, steps: int, rounds: int) -> list[dict]:
     rows = []
     for name, trainer in trainers.items():
         fused, _ = fused_plan(trainer.plan)
-        rows.append({"strategy": name, "tasks": len(fused.tasks), "messages": len(fused.transfers()),
+        rows.append({"strategy": name, "tasks": dask_tasks(trainer), "messages": len(fused.transfers()),
                      "bytes": fused.bytes_moved, "runtime_cpu_s": float(np.median(seconds[name]))})
     return rows
+
+
+def dask_tasks(trainer) -> int:
+    """The Dask tasks of one of `trainer`'s steps: its fused plan's, or with programs one per device."""
+    from taskrt.fusion import fused_plan
+    from taskrt.programs import device_programs
+
+    if trainer.executor_kind == "programs":
+        return len(device_programs(trainer.plan))
+    return len(fused_plan(trainer.plan)[0].tasks)
 
 
 def fit_per_task(rows: list[dict], cpu_per_byte_s: float, cpu_per_message_s: float) -> float:
@@ -168,6 +186,28 @@ def _timed_step(trainer, x, y, fused, machine) -> dict | None:
     future, began, ended = recorded_step(trainer, x, y)
     return step_timings(fused, machine.client.get_task_stream(start=began), future.run.tag, began, ended,
                         machine.latency, machine.bandwidth)
+
+
+def _timed_programs(trainer, x, y, machine) -> dict | None:
+    """One step of `trainer` (executor "programs"), its programs' times read from the task stream
+    (`program_timings`); None if the stream lacks one of them."""
+    future, began, ended = recorded_step(trainer, x, y)
+    return program_timings(machine.client.get_task_stream(start=began), future.run.tag, began, ended)
+
+
+def program_timings(records, tag: str, began: float, ended: float) -> dict | None:
+    """What one step run as programs took beyond them, from the scheduler's task stream `records`
+    (keys 'dev<d>-program-it<tag>'), on its clock: "first_start_s" from `began` (the client starting
+    the step) to its first program's start; "answer_s" from its last program's end to `ended` (the
+    client having its values); no "gaps" (the hops inside a step never reach the scheduler).  None
+    if the stream has no program of the step."""
+    suffix = f"-program-it{tag}"
+    spans = [span for record in records if isinstance(record["key"], str) and record["key"].endswith(suffix)
+             for span in record["startstops"] if span["action"] == "compute"]
+    if not spans:
+        return None
+    return {"gaps": {"same": [], "cross": []}, "first_start_s": min(s["start"] for s in spans) - began,
+            "answer_s": ended - max(s["stop"] for s in spans)}
 
 
 def recorded_step(trainer, x, y) -> tuple:
@@ -287,22 +327,32 @@ def processor_over_steps(trainer, x, y, steps: int) -> tuple[float, float, float
     for _ in range(steps):
         trainer.step(x, y)
     wall = time.perf_counter() - start
-    total, task_threads = ((after - begin) / steps for after, begin in zip(processor_time(client), before))
-    return total, task_threads, wall / steps
+    after = processor_time(client)
+    total = (after[0] - before[0]) / steps
+    # the runtime's own threads, those there at both ends: a task thread may have ended meanwhile
+    # (a program that left its pool, `distributed.secede`, ends its thread), taking its time with it
+    # (a thread id used again by a new thread: its time since it began, not a negative difference)
+    others = sum(seconds - before[1].get(thread, 0.0) if seconds >= before[1].get(thread, 0.0) else seconds
+                 for thread, seconds in after[1].items()) / steps
+    return total, total - others, wall / steps
 
 
-def processor_time(client) -> tuple[float, float]:
+def processor_time(client) -> tuple[float, dict]:
     """Processor seconds of all the workers and this process (where a local scheduler runs), and
-    of the workers' task threads alone: kernels slowed by the runtime's work take no more
-    processor time, only more wall time, so the task stream's durations would not do."""
+    of every other thread than the workers' task threads, by (worker, thread): kernels slowed by
+    the runtime's work take no more processor time, only more wall time, so the task stream's
+    durations would not do.  (A process's time keeps its ended threads'; a thread's goes with it.)"""
     from taskrt.calibration import _process_cpu
 
-    workers = client.run(_worker_cpu).values()
-    return sum(w[0] for w in workers) + _process_cpu(), sum(w[1] for w in workers)
+    workers = client.run(_worker_cpu)
+    own = _process_cpu()
+    others = {(address, thread): seconds for address, w in workers.items() for thread, seconds in w[1].items()}
+    others[("client", 0)] = own
+    return sum(w[0] for w in workers.values()) + own, others
 
 
-def _worker_cpu() -> tuple[float, float]:
-    """This worker process's processor seconds, and those of the threads running its tasks."""
+def _worker_cpu() -> tuple[float, dict]:
+    """This worker process's processor seconds, and those of each thread not running its tasks."""
     import threading
 
     import psutil
@@ -310,4 +360,5 @@ def _worker_cpu() -> tuple[float, float]:
     from taskrt.calibration import _process_cpu
 
     runs_tasks = {t.native_id for t in threading.enumerate() if "Dask-Default-Threads" in t.name}
-    return _process_cpu(), sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in runs_tasks)
+    return _process_cpu(), {t.id: t.user_time + t.system_time for t in psutil.Process().threads()
+                            if t.id not in runs_tasks}

@@ -1,7 +1,9 @@
 """What the runtime costs on a cluster, measured (`Machine.calibrate`): Dask's time per task and
 per dependent hop, a graph's submission and intake, scatters, the client's bandwidth, the end of
-a run to the client, a device's memory bandwidth, and the processor time the runtime itself
-spends per task, message and byte.  The cost model prices the runtime with it
+a run to the client, a device's memory bandwidth, the processor time the runtime itself
+spends per task, message and byte, and the scheduler's own time per task; for the programs
+executor (taskrt.program_executor), a value's hop from one program to another through the
+mailboxes, its processor time, and a program's own time per task.  The cost model prices the runtime with it
 (search.runtime_costs); the functions whose names start with an underscore run on workers."""
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def calibrate(machine) -> dict:
         start = time.perf_counter()
         machine.live_devices()
         check.append(time.perf_counter() - start)
+    out.update(program_costs(machine))
     copy = client.run(_copy_rate, workers=[address[0]])[address[0]]
     fresh = client.run(_copy_rate, fresh=True, workers=[address[0]])[address[0]]
     out.update(cpu_costs(machine))
@@ -118,9 +121,11 @@ def cpu_costs(machine, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int
 
     with dask.annotate(resources={machine.tag(0): 1}):
         dsk = {(f"taskrt-cpu-{tag}", i): (_noop,) for i in range(tasks)}
-        before = total()
+        before, scheduler_before = total(), client.run_on_scheduler(_process_cpu)
         client.gather(client.get(dsk, list(dsk), sync=False))
         per_task = (total() - before) / tasks
+        # the scheduler's process (on Machine.local, this one: the client's share of a task counts too)
+        scheduler_per_task = (client.run_on_scheduler(_process_cpu) - scheduler_before) / tasks
     per_byte = per_message = 0.0
     if machine.num_devices > 1:
         per_message = cpu_per_message(machine, total, small)
@@ -143,7 +148,77 @@ def cpu_costs(machine, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int
             del payloads, payload
         per_byte = statistics.median(rounds)
     return {"cpu_per_task_s": per_task, "cpu_per_message_s": per_message, "cpu_per_byte_s": per_byte,
-            "cores": effective_cores(machine)}
+            "cores": effective_cores(machine), "scheduler_per_task_s": scheduler_per_task}
+
+
+def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 5) -> dict:
+    """What the programs executor (taskrt.program_executor) costs beyond kernels and links: a
+    small value's hop from one device's program to another's (`program_hop_s`: half the median
+    round trip of a ping-pong through the mailboxes, taskrt.mailbox), the processor time of all
+    processes per such message (`program_cpu_per_message_s`), and a program's own time per task
+    (`program_task_s`: a run of no-op tasks, as a program runs a device's tasks).  One device: no
+    hop to measure, only the time per task."""
+    client, address = machine.client, machine.addresses()
+    out = {"program_task_s": statistics.median(
+        client.submit(_run_seconds, tasks, repeats, workers=[address[0]], allow_other_workers=False,
+                      pure=False).result())}
+    if machine.num_devices < 2:
+        return out
+
+    def total():
+        return sum(client.run(_process_cpu).values()) + _process_cpu()
+
+    warm, tag = (f"taskrt-{what}-{uuid.uuid4().hex[:8]}" for what in ("warm", "hop"))
+    client.gather([client.submit(_ping_pong, role, address[1 - i], 5, 8, warm, workers=[address[i]],
+                                 allow_other_workers=False, pure=False) for i, role in enumerate("ab")])
+    before = total()
+    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, 8, tag, workers=[address[i]],
+                          allow_other_workers=False, pure=False) for i, role in enumerate("ab"))
+    times = a.result()
+    b.result()
+    cpu = total() - before
+    out["program_hop_s"] = statistics.median(times) / 2
+    # both programs' threads wait without using the processor: what is counted is the messages'
+    out["program_cpu_per_message_s"] = max(cpu, 0.0) / (2 * rounds)
+    return out
+
+
+def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str) -> list:
+    """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
+    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
+    the seconds of each round trip."""
+    from distributed import get_worker
+
+    from taskrt.mailbox import mailbox_of
+
+    box = mailbox_of(get_worker())
+    payload, ack = np.ones(max(nbytes // 8, 1)), np.zeros(1, dtype=np.uint8)
+    times = []
+    for i in range(rounds):
+        if role == "a":
+            start = time.perf_counter()
+            box.send(peer, ("ping", tag, i), tag, payload).result()
+            box.take(("pong", tag, i), tag, peer)
+            times.append(time.perf_counter() - start)
+        else:
+            box.take(("ping", tag, i), tag, peer)
+            box.send(peer, ("pong", tag, i), tag, ack).result()
+    return times
+
+
+def _run_seconds(tasks: int, repeats: int) -> list:
+    """Seconds per task of a run of `tasks` no-op tasks, each reading the one before (as a program
+    runs a device's tasks: taskrt.fusion.FusedRun), `repeats` times after one untimed run."""
+    from taskrt.fusion import FusedRun
+
+    steps = ((0, _noop, ()),) + tuple((i, _noop, (("own", i - 1),)) for i in range(1, tasks))
+    run = FusedRun(steps, (tasks - 1,))
+    out = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        out.append((time.perf_counter() - start) / tasks)
+    return out[1:]
 
 
 def cpu_per_message(machine, total, count: int, rounds: int = 3) -> float:

@@ -66,7 +66,7 @@ def predicted_step_s(trainer) -> float:
 
     cost_model = CostModel(trainer.machine, progress=False)
     plan = trainer.plan
-    return cost_model.simulate(plan, fused=trainer.executor.fused).step_s
+    return cost_model.simulate(plan, fused=trainer.executor.fused, executor=trainer.executor_kind).step_s
 
 
 def cmd_run(args):

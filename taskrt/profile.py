@@ -281,8 +281,8 @@ def _simulated(trainer, cost_model) -> StepTimeline | None:
     from taskrt.fusion import fused_plan
 
     plan, fused = trainer.plan, trainer.executor.fused
-    simulation = cost_model.simulate(plan, fused)
-    runs = fused_plan(plan)[1] if fused else {}
+    simulation = cost_model.simulate(plan, fused, executor=trainer.executor_kind)
+    runs = fused_plan(plan)[1] if fused and trainer.executor_kind == "tasks" else {}
     return simulated_step(plan, simulation, tuple(range(trainer.machine.num_devices)), 0.0, 0, runs)
 
 

@@ -13,8 +13,17 @@ then for its device to fetch what it reads from other devices (`fetch_s` per mes
 link), and costs its device some time beyond its kernel (`task_s`); a step starts after the
 client's own work on it (asking which devices have a worker, building and serializing its graph),
 its data sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
-`answer_s` after the runs computing them end (taskrt.worker_reads).  Which bytes move comes from
-the plan itself, as in the executor.
+`answer_s` after the runs computing them end (taskrt.worker_reads).  Dask's scheduler is one
+server for every device: each task it sends out occupies it for `scheduler_per_task_s`, so
+dispatches of many devices wait for each other.
+
+With `programs` (taskrt.program_executor, the Trainer's default) the scheduler sends each device
+one program per step, once, at its start; the program then runs the device's tasks in its fixed
+order (taskrt.programs.device_order), each costing `task_s` beyond its kernel, and sends each value
+another device reads as soon as the task computing it ends, one message per value and reader,
+which arrives `message_s` (in place of the link's latency) after its bytes crossed the link; no
+scheduler between runs.
+Which bytes move comes from the plan itself, as in the executor.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from taskrt.fusion import fused_plan
-from taskrt.plan import HYPER, TASK, Plan, output_keys
+from taskrt.plan import HYPER, TASK, Dep, Plan, output_keys
+from taskrt.programs import device_order
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,15 @@ class Runtime:
     # The runtime runs each device's run of tasks between two waits for another device as one
     # task, and each of its values read elsewhere as a small task of its own (taskrt.fusion)
     fused: bool = False
+    # Dask's scheduler is one server shared by every device: each dispatch occupies it this long
+    scheduler_per_task_s: float = 0.0
+    # Each device runs its part of the step as one program (taskrt.programs): one dispatch per device
+    # and step, values pushed to their readers' mailboxes (`message_s` each beyond the link)
+    programs: bool = False
+    # With programs, a message's latency in place of the link's: a value's one-way time between two
+    # programs through the mailboxes (taskrt.mailbox), measured with the wire's latency in it.  (A
+    # link's latency probed on a Dask cluster is Dask's fetch: a request and its answer.)
+    message_s: float = 0.0
 
 
 @dataclass
@@ -94,6 +113,8 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     group, one per value read outside it); each plan task's start and finish are then placed
     inside its group's run, in order."""
     members, kernels = {}, {}
+    if runtime.programs and runtime.fused:
+        raise ValueError("Runtime: programs run a device's plan tasks themselves; fused is the other executor's")
     if runtime.fused:
         plan, members = fused_plan(plan)
         kernel, kernel_corun = task_time, corun_time or task_time
@@ -116,9 +137,11 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
         raise AssertionError(f"the plan has tasks depending on tasks it lacks: {sorted(unknown, key=repr)[:3]}")
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
-    runtime_cpu = (runtime.cpu_per_task_s * len(plan.tasks) + runtime.cpu_per_message_s * len(plan.transfers())
+    # With programs, Dask sees one task per device (its program), not one per plan task.
+    dask_tasks = len(program_devices(plan)) if runtime.programs else len(plan.tasks)
+    runtime_cpu = (runtime.cpu_per_task_s * dask_tasks + runtime.cpu_per_message_s * len(plan.transfers())
                    + runtime.cpu_per_byte_s * plan.bytes_moved)
-    origin = runtime.start_s + runtime.per_task_submit_s * len(plan.tasks)  # the step sent
+    origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
     per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
     result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu, origin)
     if runtime.cores:
@@ -154,8 +177,9 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
 
     booked, reader = [], [None]  # messages as booked; the task whose inputs are being booked
 
-    def transfer(src, dst, nbytes, at):
-        """Book one message on the link (and the nodes' interfaces); returns its arrival time."""
+    def transfer(src, dst, nbytes, at, latency_s=None):
+        """Book one message on the link (and the nodes' interfaces); returns its arrival time
+        (`latency_s` after its last byte left: by default the link's latency)."""
         seconds = nbytes / bandwidth[src, dst]
         begin = max(at, link_free[(src, dst)])
         if nic and node[src] != node[dst]:
@@ -164,7 +188,41 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             nic_out_free[node[src]] = nic_in_free[node[dst]] = begin + seconds
         link_free[(src, dst)] = begin + seconds
         booked.append((src, dst, begin, begin + seconds, nbytes, reader[0]))
-        return begin + seconds + latency[src, dst]
+        return begin + seconds + (latency[src, dst] if latency_s is None else latency_s)
+
+    scheduler_free = [origin]
+
+    def dispatched(ready):
+        """When the scheduler has sent out a task it can send from `ready` on: it sends one at a time."""
+        begin = max(ready, scheduler_free[0])
+        scheduler_free[0] = begin + runtime.scheduler_per_task_s
+        return begin + runtime.dispatch_s
+
+    # With programs: each device's program reaches it once (the scheduler sends them one after
+    # another), runs its tasks in its order and sends each value as soon as it is computed.
+    def push(t, at):
+        reader[0] = t.reader
+        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at, runtime.message_s)
+
+    program_start, position, sends = {}, {}, defaultdict(list)
+    if runtime.programs:
+        for tasks in device_order(plan).values():
+            position.update((t.key, i) for i, t in enumerate(tasks))
+        for d in program_devices(plan):
+            program_start[d] = dispatched(origin)
+        for t in plan.transfers():
+            sends[t.dep].append(t)
+        for dep, messages in sends.items():  # values given to the step go out as its program starts
+            if dep.kind != TASK:
+                for t in messages:
+                    push(t, program_start[t.src])
+    next_position = [0] * n
+
+    def inputs_ready(task):
+        if runtime.programs:
+            return _program_inputs_ready(task, plan, finish, arrived, program_start[task.device])
+        reader[0] = task.key
+        return _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime, dispatched)
 
     waiting, dependents = {}, defaultdict(list)
     order = {t.key: i for i, t in enumerate(plan.tasks)}
@@ -175,9 +233,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
         for d in deps:
             dependents[d].append(task)
         if not deps:
-            reader[0] = task.key
-            ready = _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime)
-            heapq.heappush(pending, (ready, order[task.key], task))
+            heapq.heappush(pending, (inputs_ready(task), order[task.key], task))
     queued = [[] for _ in range(n)]  # per device, tasks whose inputs are there
     # device -> [task, remaining seconds of work (run alone), start, slow-down beside another kernel,
     # the kernel's share of the work]
@@ -195,11 +251,14 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
 
     while pending or running or any(queued) or backlog > 0:
         while pending and pending[0][0] <= now:  # before devices choose: ties go by plan order
-            ready, position, task = heapq.heappop(pending)
-            heapq.heappush(queued[task.device], (ready, position, task))
-        for d in range(n):  # idle devices take their earliest ready task
-            if d not in running and queued[d]:
+            ready, rank, task = heapq.heappop(pending)
+            # a program takes its tasks in its own order; Dask's workers, in the order they arrive
+            heapq.heappush(queued[task.device], (position[task.key], ready, task) if runtime.programs
+                           else (ready, rank, task))
+        for d in range(n):  # idle devices take their earliest ready task (a program: its next one)
+            if d not in running and queued[d] and (not runtime.programs or queued[d][0][0] == next_position[d]):
                 _, _, task = heapq.heappop(queued[d])
+                next_position[d] += 1
                 alone = task_time(task)
                 beside = corun_time(task) / alone if alone > 0 else 1.0
                 work = _task_overhead(task, runtime) + alone
@@ -213,6 +272,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
         worked_off = now + backlog / (threads * speed) if backlog > 0 else np.inf
         next_ready = pending[0][0] if pending else np.inf
         later = min(next_finish, worked_off, next_ready)
+        if later == np.inf:  # a program waits for a task that never comes: the order is not one of dependencies
+            raise AssertionError(f"programs stuck: devices wait for tasks out of their order {queued}")
         for d, item in running.items():  # a task due by `later` is done (no rounding residue left)
             item[1] = 0.0 if now + item[1] / rate[d] <= later else item[1] - (later - now) * rate[d]
         if backlog > 0:
@@ -223,12 +284,12 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
             kernel_start[task.key] = now - (now - began) * kernel_share
             finish[task.key] = now
             busy[d] += now - began
+            for t in sends.get(Dep(TASK, task.key), ()):  # a program sends as soon as it has the value
+                push(t, now)
             for consumer in dependents[task.key]:
                 waiting[consumer.key] -= 1
                 if waiting[consumer.key] == 0:
-                    reader[0] = consumer.key
-                    ready = _inputs_ready(consumer, plan, finish, arrived, transfer, origin, runtime)
-                    heapq.heappush(pending, (ready, order[consumer.key], consumer))
+                    heapq.heappush(pending, (inputs_ready(consumer), order[consumer.key], consumer))
     if len(finish) != len(plan.tasks):
         stuck = [t.key for t in plan.tasks if t.key not in finish]
         raise AssertionError(f"the plan has a dependency cycle: {len(stuck)} tasks never ran, e.g. {stuck[:3]}"
@@ -239,7 +300,10 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # while that step is being sent: its runs, which read them, start `origin` after it does, so
     # only what is left of them beyond that lengthens the step.
     # So does what is left after the last task ends of the runtime's work (`now`: when it is done).
-    read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
+    if runtime.programs:  # the client reads a program's result: it ends after its last task and send
+        read = max([*finish.values(), *(b[3] for b in booked), origin]) + runtime.answer_s
+    else:
+        read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, now - origin)
     return Simulation(end, busy, end - busy, start, finish, plan.bytes_moved, transfers=booked,
                       kernel_start=kernel_start)
@@ -262,7 +326,26 @@ def _computed_by(plan: Plan, key) -> tuple:
     return task.deps[0].key if task.phase == "export" else key
 
 
-def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> float:
+def program_devices(plan: Plan) -> list:
+    """The devices a step runs a program on: those with tasks, and those only holding data another reads."""
+    return sorted({t.device for t in plan.tasks} | {t.src for t in plan.transfers()})
+
+
+def _program_inputs_ready(task, plan, finish, arrived, started) -> float:
+    """When all of `task`'s inputs are on its device, in a program that started at `started`: its
+    own device's values when computed, others' when their message arrived (sent as computed)."""
+    ready = started
+    for dep in task.deps:
+        if dep.kind == HYPER:
+            continue
+        if plan.device_of(dep) != task.device:
+            ready = max(ready, arrived[(dep, task.device)])
+        elif dep.kind == TASK:
+            ready = max(ready, finish[dep.key])
+    return ready
+
+
+def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime, dispatched) -> float:
     """When all of `task`'s inputs are on its device.  The scheduler hears the last one is done and
     sends the task out; its device then fetches what lives elsewhere, one message per source
     device (as Dask batches them), each value once per device."""
@@ -275,7 +358,7 @@ def _inputs_ready(task, plan, finish, arrived, transfer, origin, runtime) -> flo
         src = plan.device_of(dep)
         if src != task.device:
             remote[src].append(dep)
-    ready += runtime.dispatch_s
+    ready = dispatched(ready)
     arrival = ready
     for src, deps in remote.items():
         missing = [d for d in deps if (d, task.device) not in arrived]

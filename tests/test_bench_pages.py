@@ -60,6 +60,21 @@ def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
     assert all(f"{v:g}x" in PAGES["peer"].goal for v in peer.GOALS.values())
     assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
     assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
+    from bench import accuracy, scaling
+
+    assert f"{scaling.GOAL_RATIO:g}x" in PAGES["scaling"].goal
+    assert f"{accuracy.GOAL_CASES} of the 15" in PAGES["accuracy"].goal
+    assert f"{accuracy.GOAL_MEDIAN:.0%}" in PAGES["accuracy"].goal and f"{accuracy.GOAL:.0%}" in PAGES["accuracy"].goal
+
+
+def test_the_accuracy_verdict_judges_cases_median_and_ranking():
+    rows = [{"model": "m", "strategy": s, "devices": 2, "simulated_error": e, "within_goal": abs(e) <= 0.1}
+            for s, e in (("data", 0.02), ("owt", 0.2))]
+    record = {"rows": rows, "goal": 0.1, "goal_cases": 1, "goal_median": 0.07}
+    assert any("NOT met: 1 of 2 cases within 10% (goal 1), median |error| 11.0%" in line
+               for line in header("accuracy", {**record, "median_error": 0.11, "ranked_right": True}))
+    assert any("met: 1 of 2 cases" in line and "NOT" not in line
+               for line in header("accuracy", {**record, "median_error": 0.05, "ranked_right": True}))
 
 
 def test_yes_and_no_written_as_text_read_as_such():

@@ -64,8 +64,9 @@ class FlatCosts:
     def __init__(self, machine):
         self.machine = machine
 
-    def simulate(self, plan, fused=True):
-        return simulate(plan, lambda task: 2e-4, self.machine, Runtime(fused=fused))
+    def simulate(self, plan, fused=True, executor="programs"):
+        programs = executor == "programs"
+        return simulate(plan, lambda task: 2e-4, self.machine, Runtime(fused=fused and not programs, programs=programs))
 
 
 @pytest.fixture(scope="module")

@@ -57,13 +57,13 @@ def messages(monkeypatch):
     log = []
     original = simulate_module._inputs_ready
 
-    def recording(task, plan, finish, arrived, transfer, origin, runtime):
+    def recording(task, plan, finish, arrived, transfer, origin, runtime, *rest):
         def logged(src, dst, nbytes, ready):
             arrival = transfer(src, dst, nbytes, ready)
             log.append((src, dst, nbytes, ready, arrival))
             return arrival
 
-        return original(task, plan, finish, arrived, logged, origin, runtime)
+        return original(task, plan, finish, arrived, logged, origin, runtime, *rest)
 
     monkeypatch.setattr(simulate_module, "_inputs_ready", recording)
     return log
@@ -449,6 +449,91 @@ def test_a_fused_data_parallel_replica_need_not_wait_for_the_servers_forward():
     first_on_1 = min(sim.start[t.key] for t in plan.tasks if t.device == 1 and t.phase == "fwd")
     last_on_0 = max(sim.finish[t.key] for t in plan.tasks if t.device == 0 and t.phase == "bwd")
     assert first_on_1 < 1.0 < last_on_0
+
+
+# ---- 6c. the shared scheduler; programs ----------------------------------------------------------
+
+SIXTEEN = Machine.simulated(4, 4, latency=0.0, intra_bandwidth=math.inf, inter_bandwidth=math.inf)
+
+
+def test_the_shared_scheduler_serializes_dispatches_of_16_devices():
+    """One task per device, all ready at once: Dask's one scheduler sends them one after another."""
+    p = plan_of(*(task(f"t{d}", d) for d in range(16)))
+    times = {f"t{d}": 1.0 for d in range(16)}
+    sim = run(p, times, SIXTEEN, Runtime(dispatch_s=0.125, scheduler_per_task_s=0.25))
+    assert [sim.start[(f"t{d}",)] for d in range(16)] == [0.125 + 0.25 * d for d in range(16)]
+    assert sim.step_s == 0.125 + 15 * 0.25 + 1.0
+    alone = run(p, times, SIXTEEN, Runtime(dispatch_s=0.125))  # a scheduler of no time: all at once
+    assert alone.step_s == 0.125 + 1.0
+
+
+def test_the_shared_scheduler_delays_only_dispatches_that_meet():
+    """A chain: each task is sent once the one before ended, the scheduler idle by then."""
+    p = plan_of(task("a", 0), task("b", 1, ["a"], nbytes=0), task("c", 2, ["b"], nbytes=0))
+    sim = run(p, {"a": 1.0, "b": 1.0, "c": 1.0}, SIXTEEN, Runtime(dispatch_s=0.125, scheduler_per_task_s=0.25))
+    assert sim.start[("b",)] == 0.125 + 1.0 + 0.125
+    assert sim.start[("c",)] == sim.finish[("b",)] + 0.125
+
+
+def test_programs_chain_across_two_devices_is_kernels_plus_messages():
+    """a (device 0) -> b (device 1) -> c (device 0): one program per device, each dispatched once at
+    the start; each value pushed as computed, arriving `message_s` after its bytes crossed the link
+    (the message's own latency in place of the link's)."""
+    rt = Runtime(programs=True, dispatch_s=0.125, message_s=0.0625, task_s=0.03125, start_s=0.25,
+                 per_task_submit_s=0.5, answer_s=0.1875)
+    p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"], nbytes=250), task("c", 0, ["b"]))
+    sim = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, LINKS, rt)
+    origin = 0.25 + 2 * 0.5  # two Dask tasks submitted: the programs
+    a_end = origin + 0.125 + 0.03125 + 1.0
+    b_start = a_end + 0.5 + 0.0625  # 500 B at 1000 B/s, then the message's latency
+    b_end = b_start + 0.03125 + 2.0
+    c_start = b_end + 0.25 + 0.0625  # no dispatch between runs
+    assert at(sim, "a") == (origin + 0.125, a_end) and at(sim, "b") == (b_start, b_end)
+    assert at(sim, "c") == (c_start, c_start + 0.03125 + 4.0)
+    assert sim.step_s == sim.finish[("c",)] + 0.1875
+    assert len(sim.transfers) == 2
+    tasks = run(p, {"a": 1.0, "b": 2.0, "c": 4.0}, LINKS, replace(rt, programs=False, message_s=0.0))
+    # a task more submitted, two more dispatches, the link's latency instead of the message's
+    assert tasks.step_s - sim.step_s == 0.5 + 2 * 0.125 + 2 * (0.25 - 0.0625)
+
+
+def test_programs_dispatch_once_per_device_through_the_shared_scheduler():
+    """16 devices, a chain of 16 hops: the tasks executor sends every run through the scheduler,
+    programs only their 16 programs, one after another, at the start."""
+    p = plan_of(task("t0", 0), *(task(f"t{d}", d, [f"t{d - 1}"], nbytes=0) for d in range(1, 16)))
+    times = {f"t{d}": 1.0 for d in range(16)}
+    common = {"dispatch_s": 0.125, "scheduler_per_task_s": 0.25}
+    programs = run(p, times, SIXTEEN, Runtime(programs=True, **common))
+    assert programs.start[("t0",)] == 0.125
+    assert programs.start[("t15",)] == 0.125 + 15 * 1.0  # each value sent as computed: no dispatch
+    assert programs.step_s == programs.finish[("t15",)] == 0.125 + 16.0
+    tasks = run(p, times, SIXTEEN, Runtime(**common))
+    assert tasks.step_s == 16 * 0.125 + 16.0
+
+
+def test_a_program_runs_its_tasks_in_its_order():
+    """Device 0's program takes `x` (reading device 1's `p`) before `y`, which the fused plan puts
+    later (it reads `x`'s device's run again): `y` waits for `x` even when ready earlier."""
+    p = plan_of(task("p", 1, nbytes=500), task("x", 0, ["p"]), task("y", 0, ["x"]), task("z", 0))
+    sim = run(p, {"p": 1.0, "x": 1.0, "y": 1.0, "z": 1.0}, LINKS, Runtime(programs=True))
+    from taskrt.programs import device_order
+
+    order = [t.key for t in device_order(p)[0]]
+    starts = [sim.start[k] for k in order]
+    assert starts == sorted(starts)
+
+
+def test_programs_on_real_plans_move_the_plans_bytes_one_message_per_value(real_plans):
+    rt = Runtime(programs=True, dispatch_s=1e-3, message_s=2e-4, task_s=1e-5, scheduler_per_task_s=1e-4)
+    for key in [("vgg16", "2x2", "owt", "train"), ("lenet5", "1x4", "model", "train"),
+                ("lenet5", "2x2", "data-allreduce", "train")]:
+        plan, machine, cost_model = real_plans[key]
+        sim = simulate(plan, cost_model.timer(plan), machine, rt)
+        ideal = simulate(plan, cost_model.timer(plan), machine)
+        assert len(sim.transfers) == len(plan.transfers())
+        assert sum(t[4] for t in sim.transfers) == plan.bytes_moved
+        assert sim.step_s >= ideal.step_s - 1e-12
+        assert set(sim.finish) == {t.key for t in plan.tasks}
 
 
 # ---- 7. schedules of real plans -----------------------------------------------------------------

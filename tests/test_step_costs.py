@@ -66,23 +66,28 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
 
     fitted = {"cpu_per_task_s": 0.003, "cpu_per_message_s": 123.0, "step_cpu_rows": [],
               "step_gaps": {"same": [], "cross": []}, "step_answers": [], "step_starts": []}
-    monkeypatch.setattr(search.runtime_costs, "step_costs", lambda machine, per_byte, per_message, fit_cpu: fitted)
+    monkeypatch.setattr(search.runtime_costs, "step_costs",
+                        lambda machine, per_byte, per_message, fit_cpu, executor: fitted)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
     # the processor time per task from the steps; per message, Machine.calibrate's own measurement
     assert model.calibration["cpu_per_task_s"] == 0.003 and 0 <= model.calibration["cpu_per_message_s"] < 0.1
     assert "noop_cpu_per_task_s" in model.calibration
     plan = _plan(machine4)
-    runtime = model.runtime(plan)
+    runtime = model.runtime(plan, executor="tasks")
     assert runtime.cpu_per_task_s == 0.003 and runtime.cpu_per_message_s == model.calibration["cpu_per_message_s"]
+    # programs: the steps run as programs give the processor time per program; per message, the mailbox's
+    programs = model.runtime(plan)
+    assert programs.programs and model.calibration["program_cpu_per_task_s"] == programs.cpu_per_task_s == 0.003
+    assert programs.cpu_per_message_s == model.calibration["program_cpu_per_message_s"]
     assert 0 < model.calibration["check_s"] < 1
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0, 0, 0, 1))
-    without = model.runtime(plan).start_s
+    without = model.runtime(plan, executor="tasks").start_s
     assert without >= model.calibration["check_s"]
     # built in 0.25 s, written in 0.5 and read in 0.125, on two devices: the client's 0.75 s, then the
     # scheduler reads it (0.125) and writes half of it for a worker, which reads that (0.3125)
     times = taskrt.executor.GraphTimes(0.25, 0.5, 0.125, 2)
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
-    assert model.runtime(plan).start_s == pytest.approx(without + 0.75 + 0.125 + 0.3125, abs=1e-12)
+    assert model.runtime(plan, executor="tasks").start_s == pytest.approx(without + 0.75 + 0.125 + 0.3125, abs=1e-12)
 
 
 def test_a_simulated_machine_runs_no_steps(monkeypatch):
@@ -110,7 +115,11 @@ def test_a_cost_model_on_local_workers_takes_the_latencies_of_steps(machine4, tm
     assert counts["one device"] == 1 < counts["data"]
     first = {"data": 0.03, "one device": 0.012}  # the steps' first tasks, after their start
 
-    def measured(machine, per_byte, per_message, fit_cpu):
+    def measured(machine, per_byte, per_message, fit_cpu, executor):
+        if executor == "programs":  # a program's hops never reach the scheduler
+            return {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.0, "step_cpu_rows": [],
+                    "step_gaps": {"same": [], "cross": []}, "step_answers": [0.001] * 8 + [0.5, 0.4],
+                    "step_starts": [(p, [first[n]] * 3) for n, p in plans.items()]}
         return {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.0, "step_cpu_rows": [],
                 "step_gaps": {"same": [(0.004, "fused")] * 5 + [(0.003, "export")] * 5,
                               "cross": [(0.009, "fused")] * 10},
@@ -128,8 +137,11 @@ def test_a_cost_model_on_local_workers_takes_the_latencies_of_steps(machine4, tm
     assert c["step_fetch_s"] == pytest.approx(max(0.009 - c["per_task_s"] - c["step_dispatch_s"], 0.0), abs=1e-12)
     assert c["step_answer_s"] == pytest.approx(0.002)  # the median: not the slow ones
     assert len(c["step_start_rows"]) == 2
+    assert c["program_step_answer_s"] == pytest.approx(0.001) and len(c["program_step_start_rows"]) == 2
     for name, plan in plans.items():
-        runtime = model.runtime(plan)
+        programs = model.runtime(plan)
+        assert programs.programs and programs.answer_s == c["program_step_answer_s"]
+        runtime = model.runtime(plan, executor="tasks")
         assert runtime.dispatch_s == c["step_dispatch_s"] and runtime.fetch_s == c["step_fetch_s"]
         assert runtime.answer_s == c["step_answer_s"]
         # two strategies, a line through both: the simulated first task starts when the measured did
@@ -195,7 +207,7 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
     graph = calibration_network(batch=8)
     plan = lower(graph, strategies(graph, machine4)["one device"])
 
-    def measured(machine, per_byte, per_message, fit_cpu):
+    def measured(machine, per_byte, per_message, fit_cpu, executor):
         return {"cpu_per_task_s": 0.003, "cpu_per_message_s": 0.0, "step_cpu_rows": [],
                 "step_gaps": {"same": [], "cross": []}, "step_answers": [0.02] * 5,
                 "step_starts": [(plan, [0.001] * 3)]}  # its first task long before the modeled start
@@ -209,9 +221,10 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
     other = lower(graph, strategies(graph, machine4)["data"])  # a plan whose modeled start is no longer
     monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0.001, 0.001,
                                                                                                      0.001, 1))
-    runtime = model.runtime(other)
+    runtime = model.runtime(other, executor="tasks")
     unfitted = search.runtime_costs.runtime(model.machine, {k: v for k, v in model.calibration.items()
-                                                            if k != "step_start_extra_s"}, other, corun=model.corun)
+                                                            if k != "step_start_extra_s"}, other, corun=model.corun,
+                                            executor="tasks")
     assert unfitted.start_s + extra < 0
     assert runtime.start_s == 0.0
     assert runtime.answer_s == pytest.approx(max(0.02 + unfitted.start_s + extra, 0.0), abs=1e-12)
@@ -233,3 +246,25 @@ def test_the_start_line_ignores_one_strategy_far_off():
     # two points: the line through both; one task count: their median, flat
     assert robust_line([1.0, 21.0], [0.001, 0.003]) == pytest.approx((0.0009, 0.0001), abs=1e-12)
     assert robust_line([5.0, 5.0, 5.0], [0.001, 0.002, 0.009]) == (0.002, 0.0)
+
+
+def test_program_timings_read_the_first_start_and_the_last_end_of_a_steps_programs():
+    from search.step_costs import program_timings
+
+    def record(key, start, stop):
+        return {"key": key, "startstops": [{"action": "compute", "start": start, "stop": stop}]}
+
+    records = [record("dev0-program-it7-ab", 10.25, 11.0), record("dev1-program-it7-ab", 10.5, 11.5),
+               record("dev0-program-it8-cd", 9.0, 20.0), record(("conv1-fwd-it7-ab", 0), 1.0, 30.0)]
+    timed = program_timings(records, "7-ab", 10.0, 11.75)
+    assert timed == {"gaps": {"same": [], "cross": []}, "first_start_s": 0.25, "answer_s": 0.25}
+    assert program_timings(records, "9-xy", 10.0, 11.0) is None
+
+
+def test_steps_run_as_programs_count_a_dask_task_per_device(machine4):
+    costs = step_costs(machine4, steps=1, warmup=1, timed=2, rounds=1, executor="programs")
+    rows = {r["strategy"]: r for r in costs["step_cpu_rows"]}
+    assert rows["one device"]["tasks"] == 1 and rows["data"]["tasks"] == machine4.num_devices
+    assert costs["step_gaps"] == {"same": [], "cross": []}
+    assert len(costs["step_answers"]) == 10 and all(-1 < a < 1 for a in costs["step_answers"])
+    assert all(0 < s < 1 for _, firsts in costs["step_starts"] for s in firsts)
