@@ -24,7 +24,7 @@ from taskrt.device_kinds import DEVICE_KINDS
 # (the start's line fitted by Theil-Sen)
 # ...; for the programs executor, the mailbox hop, its processor time, a program's time per task, the
 # scheduler's time per task, and the start, answer and processor time of training steps run as programs
-CALIBRATION_FORMAT = 11
+CALIBRATION_FORMAT = 12
 # what `fit_to_steps` measures on training steps: the latencies, the rows they and the processor
 # time per task are fitted to (that time only where devices share the host's cores; elsewhere
 # `cpu_per_task_s` is the no-op tasks')
@@ -228,6 +228,7 @@ def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool =
     dispatch = noop_dispatch(c)
     intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
     message = c.get("program_hop_s", 0.0)  # in place of the link's latency (Dask's fetch where probed)
+    one_host = shared_cores(machine)
     start = c.get("check_s", 0.0) + data_seconds(c, plan, dataset) + intake + c.get("program_step_start_extra_s", 0.0)
     answer = c.get("program_step_answer_s", c.get("answer_s", c["per_hop_s"]))
     if start < 0 and "program_step_answer_s" in c:  # as for the tasks executor: their sum stays as measured
@@ -237,7 +238,10 @@ def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool =
                    scheduler_per_task_s=c.get("scheduler_per_task_s", 0.0), cores=_cores(machine, c, corun),
                    cpu_per_task_s=c.get("program_cpu_per_task_s", c.get("noop_cpu_per_task_s", c["cpu_per_task_s"])),
                    cpu_per_message_s=c.get("program_cpu_per_message_s", c.get("cpu_per_message_s", 0.0)),
-                   cpu_per_byte_s=c["cpu_per_byte_s"])
+                   # CPU workers on one host send large values through shared memory, at its own rate
+                   cpu_per_byte_s=c.get("program_cpu_per_byte_s", c["cpu_per_byte_s"]) if one_host
+                   else c["cpu_per_byte_s"],
+                   message_bandwidth=c.get("program_bandwidth", 0.0) if one_host else 0.0)
 
 
 def data_seconds(c: dict, plan, dataset: bool) -> float:

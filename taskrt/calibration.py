@@ -151,13 +151,17 @@ def cpu_costs(machine, tasks: int = 300, nbytes: int = 16 * 2**20, messages: int
             "cores": effective_cores(machine), "scheduler_per_task_s": scheduler_per_task}
 
 
-def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 5) -> dict:
+LARGE_MESSAGE_BYTES = 32 * 2**20
+
+
+def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 5, large_rounds: int = 5) -> dict:
     """What the programs executor (taskrt.program_executor) costs beyond kernels and links: a
     small value's hop from one device's program to another's (`program_hop_s`: half the median
     round trip of a ping-pong through the mailboxes, taskrt.mailbox), the processor time of all
     processes per such message (`program_cpu_per_message_s`), and a program's own time per task
-    (`program_task_s`: a run of no-op tasks, as a program runs a device's tasks).  One device: no
-    hop to measure, only the time per task."""
+    (`program_task_s`: a run of no-op tasks, as a program runs a device's tasks); on one host, a
+    32 MiB value's rate between two programs (`program_bandwidth`), the processor time per byte
+    taken as the sender's copy (`program_cpu_per_byte_s`).  One device: no hop to measure, only the time per task."""
     client, address = machine.client, machine.addresses()
     out = {"program_task_s": statistics.median(
         client.submit(_run_seconds, tasks, repeats, workers=[address[0]], allow_other_workers=False,
@@ -180,6 +184,18 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     out["program_hop_s"] = statistics.median(times) / 2
     # both programs' threads wait without using the processor: what is counted is the messages'
     out["program_cpu_per_message_s"] = max(cpu, 0.0) / (2 * rounds)
+    if len({d.node for d in machine.devices[:2]}) == 1:
+        # a large value between two programs on one host (through shared memory where there is some)
+        large, tag = LARGE_MESSAGE_BYTES, f"taskrt-large-{uuid.uuid4().hex[:8]}"
+        a, b = (client.submit(_ping_pong, role, address[1 - i], large_rounds, large, tag, workers=[address[i]],
+                              allow_other_workers=False, pure=False) for i, role in enumerate("ab"))
+        times = a.result()[1:]  # the first fills the sender's segment for the first time
+        b.result()
+        one_way = max(statistics.median(times) - out["program_hop_s"], 1e-9)  # the answer is small
+        out["program_bandwidth"] = large / one_way
+        # its time is the sender's copy, on the sender's core (too short for the processor clock's
+        # 10 ms ticks to time apart from the messages')
+        out["program_cpu_per_byte_s"] = 1.0 / out["program_bandwidth"]
     return out
 
 

@@ -73,6 +73,9 @@ class Runtime:
     # programs through the mailboxes (taskrt.mailbox), measured with the wire's latency in it.  (A
     # link's latency probed on a Dask cluster is Dask's fetch: a request and its answer.)
     message_s: float = 0.0
+    # With programs, the bytes per second of a large value between two programs where that is not
+    # the link's (on one host they go through shared memory: taskrt.shared_memory); 0: the link's
+    message_bandwidth: float = 0.0
 
 
 @dataclass
@@ -177,10 +180,11 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
 
     booked, reader = [], [None]  # messages as booked; the task whose inputs are being booked
 
-    def transfer(src, dst, nbytes, at, latency_s=None):
+    def transfer(src, dst, nbytes, at, latency_s=None, rate=0.0):
         """Book one message on the link (and the nodes' interfaces); returns its arrival time
-        (`latency_s` after its last byte left: by default the link's latency)."""
-        seconds = nbytes / bandwidth[src, dst]
+        (`latency_s` after its last byte left: by default the link's latency; `rate`: bytes per
+        second in place of the link's)."""
+        seconds = nbytes / (rate or bandwidth[src, dst])
         begin = max(at, link_free[(src, dst)])
         if nic and node[src] != node[dst]:
             seconds = max(seconds, nbytes / nic)
@@ -202,7 +206,9 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # another), runs its tasks in its order and sends each value as soon as it is computed.
     def push(t, at):
         reader[0] = t.reader
-        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at, runtime.message_s)
+        same_node = node[t.src] == node[t.dst]
+        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at, runtime.message_s,
+                                           runtime.message_bandwidth if same_node else 0.0)
 
     program_start, position, sends = {}, {}, defaultdict(list)
     if runtime.programs:

@@ -497,6 +497,16 @@ def test_programs_chain_across_two_devices_is_kernels_plus_messages():
     assert tasks.step_s - sim.step_s == 0.5 + 2 * 0.125 + 2 * (0.25 - 0.0625)
 
 
+def test_programs_on_one_node_move_bytes_at_the_message_rate_and_between_nodes_at_the_links():
+    """`message_bandwidth` (shared memory between programs on one host) replaces the link's rate on
+    one node only."""
+    p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"]))
+    rt = Runtime(programs=True, message_bandwidth=5000.0)
+    assert at(run(p, {"a": 1.0}, LINKS, rt), "b")[0] == 1.0 + 0.1  # 500 B at 5000 B/s, no latency given
+    two_nodes = Machine.simulated(2, 1, inter_bandwidth=1000.0, latency=0.0)
+    assert at(run(p, {"a": 1.0}, two_nodes, rt), "b")[0] == 1.0 + 0.5  # between nodes: the link's rate
+
+
 def test_programs_dispatch_once_per_device_through_the_shared_scheduler():
     """16 devices, a chain of 16 hops: the tasks executor sends every run through the scheduler,
     programs only their 16 programs, one after another, at the start."""
