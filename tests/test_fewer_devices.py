@@ -24,13 +24,15 @@ from tests.test_equivalence import TOLERANCE, assert_close, batch_for
 
 class FetchCosts(search.CostModel):
     """A simulated machine's cost model whose runtime charges `fetch_s` for every value a device
-    fetches from another (as a Dask worker asks another for it), and nothing else."""
+    gets from another (a program's message, or a Dask worker asking another for it), and nothing else."""
 
     def __init__(self, machine, fetch_s: float):
         super().__init__(machine, cache=False, progress=False)
         self.fetch_s = fetch_s
 
-    def runtime(self, plan, fused: bool = True):
+    def runtime(self, plan, fused: bool = True, executor: str = "programs"):
+        if executor == "programs":  # each value from another device costs its message
+            return Runtime(programs=True, message_s=self.fetch_s)
         return Runtime(fetch_s=self.fetch_s, fused=fused)
 
 
