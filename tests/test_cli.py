@@ -34,6 +34,7 @@ def test_search_measures_only_on_a_local_machine():
         main(["search", "--model", "lenet5", "--machine", "simulated:1x4", "--measure"])
 
 
+@pytest.mark.slow  # a cost model calibrated on a local machine, then candidates trained (over a minute)
 def test_search_measures_the_candidates_on_a_local_machine(tmp_path, capsys):
     assert main(["search", "--model", "lenet5", "--machine", "local:2", "--batch-per-device", "4",
                  "--image-size", "16", "--measure", "--cache", str(tmp_path / "c.json")]) == 0
