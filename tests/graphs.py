@@ -1,8 +1,10 @@
 """Small graphs for the tests: undirected shapes for the optimizer (edge lists over node names), an
 Inception-style block built with the graph API, and a small LeNet-5 with a mixed strategy that
-uses every split the trainer tests need."""
+uses every split the trainer tests need; parameters compared bit for bit."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from taskrt import Graph, models
 from taskrt.config import ParallelConfig as P
@@ -132,3 +134,12 @@ def inception_block(batch=4, channels=8, size=9, classes=5) -> Graph:
     y = g.linear(y, classes, name="fc")
     g.softmax_cross_entropy(y, name="loss")
     return g
+
+
+def assert_same_parameters(actual: dict, expected: dict) -> None:
+    """Two trainers' parameters ({layer: {name: array}}) equal bit for bit, layer by layer."""
+    assert {layer: set(p) for layer, p in actual.items()} == {layer: set(p) for layer, p in expected.items()}
+    for layer, params in expected.items():
+        for name, value in params.items():
+            np.testing.assert_array_equal(actual[layer][name], value, err_msg=f"{layer}.{name}")
+

@@ -22,7 +22,7 @@ from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Dep
 from taskrt.programs import Compute, Recv, Send, device_programs, value_key
 from taskrt.strategy import Strategy
 from taskrt.trainer import Trainer
-from tests.graphs import mixed_lenet_strategy, small_lenet
+from tests.graphs import assert_same_parameters, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
 from tests.test_equivalence import GRAPHS, batch_for
 
@@ -207,9 +207,7 @@ def test_programs_equal_tasks_bit_for_bit(machine4):
         results[executor] = [f.result() for f in futures], trainer.parameters(), trainer.stats
     (losses, params, stats), (losses_t, params_t, _) = results["programs"], results["tasks"]
     assert losses == losses_t
-    for layer in params:
-        for name in params[layer]:
-            np.testing.assert_array_equal(params[layer][name], params_t[layer][name])
+    assert_same_parameters(params, params_t)
     assert stats.measured_bytes == stats.planned_bytes
 
 

@@ -13,7 +13,7 @@ from taskrt.machine import Machine, MachineError, worker_info
 from taskrt.reference import SingleDeviceTrainer
 from taskrt.strategy import Strategy, StrategyError
 from taskrt.trainer import CheckpointError, Trainer
-from tests.graphs import mixed_lenet_strategy, small_lenet
+from tests.graphs import assert_same_parameters, mixed_lenet_strategy, small_lenet
 
 
 def mixed(graph):
@@ -225,9 +225,7 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
     assert held <= ran and not any("fused" in key for key in ran)
     (losses, params), (inline_losses, inline_params) = results.values()
     assert losses == inline_losses
-    for layer in params:
-        for name in params[layer]:
-            np.testing.assert_array_equal(params[layer][name], inline_params[layer][name])
+    assert_same_parameters(params, inline_params)
     assert InlineExecutor().submit(sum, [1, 2]).result() == 3
     with pytest.raises(ZeroDivisionError):
         InlineExecutor().submit(lambda: 1 / 0).result()
@@ -325,9 +323,7 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
         runs[fused] = ([f.result() for f in futures], trainer.parameters(), futures[-1].run.keys, trainer.stats)
     (loss_f, params_f, keys_f, stats_f), (loss_u, params_u, keys_u, _) = runs[True], runs[False]
     assert loss_f == loss_u  # the same kernels in the same order: bit for bit
-    for layer in params_u:
-        for name in params_u[layer]:
-            np.testing.assert_array_equal(params_f[layer][name], params_u[layer][name])
+    assert_same_parameters(params_f, params_u)
     assert len(keys_f) < len(keys_u)
     assert "dev1-fused" in {key_split(k) for k in keys_f if isinstance(k, tuple)}  # device 1 has runs worth fusing
     assert stats_f.measured_bytes == stats_f.planned_bytes
@@ -356,9 +352,7 @@ def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch, 
     assert carried == {p.device for p in tiles} and not scattered_in  # every device's tiles are small here
     assert not none and len(scattered) == len(tiles)
     assert loss_in == loss_sc
-    for layer in params_sc:
-        for name in params_sc[layer]:
-            np.testing.assert_array_equal(params_in[layer][name], params_sc[layer][name])
+    assert_same_parameters(params_in, params_sc)
     assert stats_in.measured_bytes == stats_in.planned_bytes
 
 
