@@ -408,7 +408,7 @@ PAGES = {
         "dependent hop between the two devices; a 64 MB tile between two programs; the step times of both "
         "executors, medians of interleaved rounds.",
         f"`python -m bench programs` (7 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
-        f"at most {2} Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
+        "at most 2 Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
         "(moonshot 0.3 ms); a 64 MB tile between two workers on one host at at least 5 GB/s.",
         programs_verdict),
     "data": Page(

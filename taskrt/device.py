@@ -167,8 +167,8 @@ _streams: dict = {}
 
 
 def _copy_stream(name: str = "copy"):
-    """A stream of this worker's own for copies to the host, one that does not wait for the legacy
-    stream the kernels run on (copies to the device: `taskrt.staging`)."""
+    """A stream of this worker's own for copies ("copy": to the host; "in": to the device,
+    `taskrt.staging`), one that does not wait for the legacy stream the kernels run on."""
     import cupy
 
     if name not in _streams:

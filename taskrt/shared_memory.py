@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+from distributed.comm import get_address_host
 
 DIRECTORY = "/dev/shm"
 PREFIX = "taskrt-"
@@ -58,15 +59,11 @@ def available() -> bool:
 
 def same_host(address_a: str, address_b: str) -> bool:
     """Whether two worker addresses (tcp://host:port) are on one host, as far as addresses tell."""
-    def host(address):
-        return address.split("://")[-1].rsplit(":", 1)[0]
-
-    return host(address_a) == host(address_b)
+    return get_address_host(address_a) == get_address_host(address_b)
 
 
 def eligible(value) -> bool:
-    return (isinstance(value, np.ndarray) and value.nbytes >= MIN_BYTES and not value.dtype.hasobject
-            and type(value) is np.ndarray)
+    return type(value) is np.ndarray and value.nbytes >= MIN_BYTES and not value.dtype.hasobject
 
 
 class _Segment:

@@ -83,14 +83,6 @@ def _landing() -> Landing:
     return _state["landing"]
 
 
-def _copy_stream():
-    import cupy
-
-    if "stream" not in _state:
-        _state["stream"] = cupy.cuda.Stream(non_blocking=True)  # does not wait for the legacy stream
-    return _state["stream"]
-
-
 _staging: list = []  # (pinned memory, event of the copy that last read it)
 
 
@@ -100,8 +92,10 @@ def to_device_async(tile: np.ndarray):
     into a landing buffer (`Landing`); the kernels queued after it wait for the copy."""
     import cupy
 
+    from taskrt.device import _copy_stream
+
     tile = np.ascontiguousarray(tile)
-    stream = _copy_stream()
+    stream = _copy_stream("in")  # a stream of its own, not the one copies to the host take
     memory = _pinned(max(tile.nbytes, 1))
     host = np.frombuffer(memory, tile.dtype, tile.size).reshape(tile.shape)
     np.copyto(host, tile)
