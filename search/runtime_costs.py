@@ -24,7 +24,7 @@ from taskrt.device_kinds import DEVICE_KINDS
 # (the start's line fitted by Theil-Sen)
 # ...; for the programs executor, the mailbox hop, its processor time, a program's time per task, the
 # scheduler's time per task, and the start, answer and processor time of training steps run as programs
-CALIBRATION_FORMAT = 12
+CALIBRATION_FORMAT = 13
 # what `fit_to_steps` measures on training steps: the latencies, the rows they and the processor
 # time per task are fitted to (that time only where devices share the host's cores; elsewhere
 # `cpu_per_task_s` is the no-op tasks')

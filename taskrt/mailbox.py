@@ -22,6 +22,7 @@ there, failing with `PeerLost` when it is not, so that the trainer's recovery ta
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +31,7 @@ from dask.sizeof import sizeof
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from taskrt import shared_memory
+from taskrt import local_link, shared_memory
 
 WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
 ASK_TIMEOUT_S = 10.0  # for the scheduler's answer to that
@@ -66,6 +67,14 @@ class Mailbox(WorkerPlugin):
         self.shm_receiver = shared_memory.Receiver()
         if self.shm_sender is not None:
             shared_memory.sweep()
+        # messages to workers on this host over Unix sockets, past both event loops (taskrt.local_link)
+        self.links, self.listener = None, None
+        if local_link.available():
+            try:
+                self.listener = local_link.Listener(worker.address, self._delivered)
+                self.links = local_link.Links()
+            except OSError:  # no socket here (a path too long, no /tmp): distributed's comms only
+                self.listener = None
         worker.handlers["taskrt_put"] = self.put
         worker.handlers["taskrt_abort"] = self.abort
         worker._taskrt_mailbox = self
@@ -74,6 +83,12 @@ class Mailbox(WorkerPlugin):
     def teardown(self, worker):
         if getattr(self, "shm_sender", None) is not None:
             self.shm_sender.close()
+        if getattr(self, "listener", None) is not None:
+            self.listener.close()
+            self.links.close()
+
+    def _delivered(self, message: dict):  # on a thread of the local link
+        self.put(**message)
 
     def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None):
         if slot is not None:  # the array lies in the sender's shared memory
@@ -81,7 +96,8 @@ class Mailbox(WorkerPlugin):
         arrived = time.time()
         nbytes = sizeof(value)
         delay = self.worker.scheduler_delay
-        self.worker.transfer_incoming_log.append({
+        # Dask reads its logs on the event loop: appended there (this runs on a local link's thread too)
+        self.loop.call_soon_threadsafe(self.worker.transfer_incoming_log.append, {
             "start": sent + delay, "stop": arrived + delay, "middle": (sent + arrived) / 2 + delay,
             "duration": arrived - sent, "keys": {key: nbytes}, "total": nbytes,
             "bandwidth": nbytes / max(arrived - sent, 1e-9), "who": sender})
@@ -120,25 +136,44 @@ class Mailbox(WorkerPlugin):
         start = time.time()
         msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "sender": self.worker.address,
                "sent": start}
-        slot = None
-        if (self.shm_sender is not None and shared_memory.eligible(value)
-                and shared_memory.same_host(self.worker.address, address)):
+        slot, near = None, shared_memory.same_host(self.worker.address, address)
+        if self.shm_sender is not None and near and shared_memory.eligible(value):
             slot = self.shm_sender.write(value)  # None: the pool is full, over TCP
         if slot is not None:
             msg["slot"] = slot.as_message()
-        else:
-            msg["value"] = to_serialize(value)
-        future = asyncio.run_coroutine_threadsafe(self._write(address, msg), self.loop)
+        future = None
+        if near and self.links is not None:
+            future = self._send_near(address, msg, value)
+        if future is None:
+            if slot is None:
+                msg["value"] = to_serialize(value)
+            future = asyncio.run_coroutine_threadsafe(self._write(address, msg), self.loop)
 
         def logged(_, worker=self.worker):
             stop = time.time()
-            worker.transfer_outgoing_log.append({
+            self.loop.call_soon_threadsafe(worker.transfer_outgoing_log.append, {
                 "start": start + worker.scheduler_delay, "stop": stop + worker.scheduler_delay,
                 "middle": (start + stop) / 2 + worker.scheduler_delay, "duration": stop - start, "who": address,
                 "keys": {key: nbytes}, "total": nbytes, "compressed": 0,
                 "bandwidth": nbytes / max(stop - start, 1e-9)})
 
         future.add_done_callback(logged)
+        return future
+
+    def _send_near(self, address, msg, value):
+        """`msg` through the local link, written from this thread: a done future, or None where the
+        worker at `address` has no socket here."""
+        message = {k: v for k, v in msg.items() if k not in ("op", "reply")}
+        if "slot" not in message:
+            message["value"] = value
+        future = concurrent.futures.Future()
+        try:
+            if not self.links.send(address, message):
+                return None
+        except OSError as error:
+            future.set_exception(OSError(f"could not send {msg['key']} to the worker at {address}: {error}"))
+            return future
+        future.set_result(None)
         return future
 
     def take(self, key, tag, sender: str):

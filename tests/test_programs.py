@@ -258,6 +258,8 @@ class FakeWorker:
 
 
 def test_mailbox_hands_over_values_and_never_waits_for_a_lost_sender(monkeypatch):
+    import asyncio
+
     import taskrt.mailbox as mailbox
 
     box = mailbox.Mailbox()
@@ -266,6 +268,7 @@ def test_mailbox_hands_over_values_and_never_waits_for_a_lost_sender(monkeypatch
     threading.Timer(0.05, box.put, kwargs={"key": ("a-it1", 0), "tag": "1", "value": value,
                                            "sender": "tcp://there:2", "sent": time.time()}).start()
     assert box.take(("a-it1", 0), "1", "tcp://there:2") is value
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), box.loop).result()  # the log is appended on the loop
     [logged] = box.worker.transfer_incoming_log
     assert logged["keys"] == {("a-it1", 0): value.nbytes} and logged["who"] == "tcp://there:2"
     # a step given up: its waiting program fails, and values that come for it later are dropped
