@@ -35,7 +35,11 @@ SOURCES = [
     "per task and intake, the question for the live workers, the end of a run to the client: no-op tasks on "
     "Machine.local(2) of this host (`Machine.calibrate`)",
     "a value's message between two programs: half the median round trip of a small value between two workers' "
-    "mailboxes on this host (loopback TCP), in place of the link's latency; bytes at the simulated links' bandwidth",
+    "mailboxes on this host, within a node over their Unix sockets (taskrt.local_link), between nodes over "
+    "distributed's comms (TCP on loopback), in place of the link's latency; bytes at the simulated links' bandwidth",
+    "steps sent ahead, as `Trainer.fit` sends them: with programs, the client's and the scheduler's work on a step "
+    "happens while the steps before run, bounding the step only where it is longer (`Runtime.steps_ahead`); the "
+    "tasks executor's steps wait for the scheduler between runs",
     "a program's own time per task: a run of no-op tasks on a worker of this host; a GPU task's launch cost "
     "is not measured here (a GPU worker replays a run's kernels as one CUDA graph)",
     "kernels: the P100 roofline; data read on the devices from a dataset, ahead of the step (nothing sent "
@@ -79,7 +83,8 @@ def run(out_dir="results", quick=False):
                 "additive_s": cost_model.breakdown(graph, strategy).total,
             }
             for executor in EXECUTORS:  # taskrt's own runtime, as measured on this host
-                costs = runtime(machine, calibration, plan, executor=executor, dataset=True)
+                costs = runtime(machine, calibration, plan, executor=executor, dataset=True,
+                                steps_ahead=executor == "programs")
                 step = cost_model.simulate(plan, runtime=costs).step_s
                 row[f"{executor}_step_s"] = step
                 row[f"{executor}_images_per_s"] = 32 * devices / step
@@ -128,7 +133,9 @@ def _runtime_summary(ratios, calibration) -> list[str]:
         f"taskrt's costs, measured on this host ({c['device']}, Machine.local(2)): Dask per task "
         f"{c['per_task_s'] * 1e3:.2f} ms, per hop {c['per_hop_s'] * 1e3:.2f} ms, the scheduler's processor time "
         f"per task {c.get('scheduler_per_task_s', 0) * 1e3:.2f} ms (one scheduler for every device); a program's "
-        f"message {c.get('program_hop_s', 0) * 1e3:.3f} ms, its time per task "
+        f"message {c.get('program_hop_s', 0) * 1e3:.3f} ms within a node (Unix socket), "
+        f"{c.get('program_remote_hop_s', c.get('program_hop_s', 0)) * 1e3:.3f} ms between nodes (distributed's comms), "
+        f"its time per task "
         f"{c.get('program_task_s', 0) * 1e6:.1f} µs"]
     return lines + [f"where each cost comes from: {source}" for source in SOURCES]
 

@@ -184,6 +184,12 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     out["program_hop_s"] = statistics.median(times) / 2
     # both programs' threads wait without using the processor: what is counted is the messages'
     out["program_cpu_per_message_s"] = max(cpu, 0.0) / (2 * rounds)
+    # the same over distributed's comms, as messages between hosts go (on one host: TCP on loopback)
+    tag = f"taskrt-remote-{uuid.uuid4().hex[:8]}"
+    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, 8, tag, False, workers=[address[i]],
+                          allow_other_workers=False, pure=False) for i, role in enumerate("ab"))
+    out["program_remote_hop_s"] = statistics.median(a.result()) / 2
+    b.result()
     if len({d.node for d in machine.devices[:2]}) == 1:
         # a large value between two programs on one host (through shared memory where there is some)
         large, tag = LARGE_MESSAGE_BYTES, f"taskrt-large-{uuid.uuid4().hex[:8]}"
@@ -199,10 +205,10 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     return out
 
 
-def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str) -> list:
+def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: bool = True) -> list:
     """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
     (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
-    the seconds of each round trip."""
+    the seconds of each round trip.  `link=False`: over distributed's comms, as between hosts."""
     from distributed import get_worker
 
     from taskrt.mailbox import mailbox_of
@@ -213,12 +219,12 @@ def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str) -> list
     for i in range(rounds):
         if role == "a":
             start = time.perf_counter()
-            box.send(peer, ("ping", tag, i), tag, payload).result()
+            box.send(peer, ("ping", tag, i), tag, payload, link).result()
             box.take(("pong", tag, i), tag, peer)
             times.append(time.perf_counter() - start)
         else:
             box.take(("ping", tag, i), tag, peer)
-            box.send(peer, ("pong", tag, i), tag, ack).result()
+            box.send(peer, ("pong", tag, i), tag, ack, link).result()
     return times
 
 

@@ -129,9 +129,9 @@ class Mailbox(WorkerPlugin):
         pool.reuse(address, comm)
 
     # ---- on a program's thread -------------------------------------------------------------
-    def send(self, address: str, key, tag, value):
+    def send(self, address: str, key, tag, value, link: bool = True):
         """Send `value` to the mailbox of the worker at `address`; returns a concurrent future of
-        the message being written."""
+        the message being written.  `link=False`: over distributed's comms even on one host."""
         nbytes = sizeof(value)
         start = time.time()
         msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "sender": self.worker.address,
@@ -142,7 +142,7 @@ class Mailbox(WorkerPlugin):
         if slot is not None:
             msg["slot"] = slot.as_message()
         future = None
-        if near and self.links is not None:
+        if link and near and self.links is not None:
             future = self._send_near(address, msg, value)
         if future is None:
             if slot is None:
