@@ -55,7 +55,7 @@ def calibration(machine, cache, corun: bool, progress: bool = True) -> dict:
     if machine.is_simulated:
         kind = machine.devices[0].kind
         return {"per_task_s": 0.0, "per_hop_s": 0.0, "memory_bandwidth": DEVICE_KINDS[kind]["memory_bandwidth"]}
-    key = f"{machine.devices[0].kind}|{machine.num_devices} devices"
+    key = calibration_key(machine)
     cached = cache.data["overhead"].get(key)
     if cached is None or cached.get("format") != CALIBRATION_FORMAT:
         from tqdm import tqdm
@@ -75,6 +75,11 @@ def calibration(machine, cache, corun: bool, progress: bool = True) -> dict:
         cache.data["overhead"][key] = cached
         cache.save()
     return cached
+
+
+def calibration_key(machine) -> str:
+    """Where a cost cache keeps `machine`'s calibration."""
+    return f"{machine.devices[0].kind}|{machine.num_devices} devices"
 
 
 def fit_to_steps(machine, calibration: dict, corun: bool) -> dict:
