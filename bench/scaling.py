@@ -36,7 +36,8 @@ SOURCES = [
     "Machine.local(2) of this host (`Machine.calibrate`)",
     "a value's message between two programs: half the median round trip of a small value between two workers' "
     "mailboxes on this host, within a node over their Unix sockets (taskrt.local_link), between nodes over "
-    "distributed's comms (TCP on loopback), in place of the link's latency; bytes at the simulated links' bandwidth",
+    "their TCP sockets (on loopback here; a TLS cluster's go over distributed's comms), in place of the link's "
+    "latency; bytes at the simulated links' bandwidth",
     "steps sent ahead, as `Trainer.fit` sends them: with programs, the client's and the scheduler's work on a step "
     "happens while the steps before run, bounding the step only where it is longer (`Runtime.steps_ahead`); the "
     "tasks executor's steps wait for the scheduler between runs",
@@ -134,7 +135,7 @@ def _runtime_summary(ratios, calibration) -> list[str]:
         f"{c['per_task_s'] * 1e3:.2f} ms, per hop {c['per_hop_s'] * 1e3:.2f} ms, the scheduler's processor time "
         f"per task {c.get('scheduler_per_task_s', 0) * 1e3:.2f} ms (one scheduler for every device); a program's "
         f"message {c.get('program_hop_s', 0) * 1e3:.3f} ms within a node (Unix socket), "
-        f"{c.get('program_remote_hop_s', c.get('program_hop_s', 0)) * 1e3:.3f} ms between nodes (distributed's comms), "
+        f"{c.get('program_remote_hop_s', c.get('program_hop_s', 0)) * 1e3:.3f} ms between nodes (TCP), "
         f"its time per task "
         f"{c.get('program_task_s', 0) * 1e6:.1f} µs"]
     return lines + [f"where each cost comes from: {source}" for source in SOURCES]

@@ -24,8 +24,9 @@ from taskrt.device_kinds import DEVICE_KINDS
 # (the start's line fitted by Theil-Sen)
 # ...; for the programs executor, the mailbox hop, its processor time, a program's time per task, the
 # scheduler's time per task, and the start, answer and processor time of training steps run as programs;
-# the mailbox hop on one host over the local link (taskrt.local_link), and over distributed's comms
-CALIBRATION_FORMAT = 14
+# the mailbox hop on one host over the local link (taskrt.local_link), and as between hosts (its TCP
+# sockets, or distributed's comms on a TLS cluster)
+CALIBRATION_FORMAT = 15
 # what `fit_to_steps` measures on training steps: the latencies, the rows they and the processor
 # time per task are fitted to (that time only where devices share the host's cores; elsewhere
 # `cpu_per_task_s` is the no-op tasks')

@@ -184,9 +184,11 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     out["program_hop_s"] = statistics.median(times) / 2
     # both programs' threads wait without using the processor: what is counted is the messages'
     out["program_cpu_per_message_s"] = max(cpu, 0.0) / (2 * rounds)
-    # the same over distributed's comms, as messages between hosts go (on one host: TCP on loopback)
+    # the same as messages between hosts go: over TCP sockets of the programs' own, or on a TLS
+    # cluster over distributed's comms (on one host: on loopback)
     tag = f"taskrt-remote-{uuid.uuid4().hex[:8]}"
-    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, 8, tag, False, workers=[address[i]],
+    between = "tcp" if address[0].startswith("tcp://") else "comms"
+    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, 8, tag, between, workers=[address[i]],
                           allow_other_workers=False, pure=False) for i, role in enumerate("ab"))
     out["program_remote_hop_s"] = statistics.median(a.result()) / 2
     b.result()
@@ -205,10 +207,10 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     return out
 
 
-def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: bool = True) -> list:
+def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: str = "auto") -> list:
     """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
     (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
-    the seconds of each round trip.  `link=False`: over distributed's comms, as between hosts."""
+    the seconds of each round trip.  `link`: as `Mailbox.send`'s."""
     from distributed import get_worker
 
     from taskrt.mailbox import mailbox_of

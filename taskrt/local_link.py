@@ -1,4 +1,4 @@
-"""Messages between workers on one host over Unix sockets, without either worker's event loop.
+"""Messages between workers over sockets of their own, without either worker's event loop.
 
 Through distributed's comms a message between two programs goes from the program's thread to the
 worker's event loop, through its comm layer, and on the receiving worker from its event loop to
@@ -7,13 +7,15 @@ on the two event loops.  Here the sending program writes the message to a Unix s
 a thread of the receiving worker that does nothing but read its sockets hands it to the mailbox:
 two thread wake-ups and a socket, a few tenths of a millisecond.
 
-Each worker listens on a socket named after its own address (`path_of`), in a directory only its
-user can enter (the same trust as the shared memory segments beside it, `taskrt.shared_memory`),
-so a sender on the same host finds it without asking.  A message is a pickle (protocol 5) with
-its arrays' buffers sent beside it, not copied into it; large arrays go through shared memory
-anyway, so what travels here is small.  Messages from one worker to another arrive in order.
-Between hosts, or where a socket cannot be reached, messages go over distributed's comms as
-before (`taskrt.mailbox`).
+Each worker listens on a Unix socket named after its own address (`path_of`), in a directory only
+its user can enter (the same trust as the shared memory segments beside it, `taskrt.shared_memory`),
+so a sender on the same host finds it without asking.  On a cluster whose workers speak plain TCP
+it also listens on a TCP port of its host, which a sender on another host asks it for once
+(`Links(resolve=)`): the same trust as distributed's own TCP comms, which carry pickles too.  On a
+TLS cluster messages between hosts stay on distributed's comms, and so do they where a socket
+cannot be reached (`taskrt.mailbox`).  A message is a pickle (protocol 5) with its arrays' buffers
+sent beside it, not copied into it; large arrays between workers of one host go through shared
+memory anyway.  Messages from one worker to another arrive in order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 import threading
 
 import numpy as np
-from distributed.comm import parse_address
+from distributed.comm import get_address_host, parse_address
 
 HEADER = struct.Struct("<QI")  # the pickle's bytes, how many buffers
 LENGTH = struct.Struct("<Q")
@@ -51,27 +53,37 @@ def path_of(address: str) -> str:
 
 
 class Listener:
-    """A worker's socket: `deliver(message)` is called on a reading thread for each message."""
+    """A worker's sockets: `deliver(message)` is called on a reading thread for each message.
+    `tcp`: a TCP port too, on the worker's host (`port`), for workers on other hosts."""
 
-    def __init__(self, address: str, deliver):
+    def __init__(self, address: str, deliver, tcp: bool = False):
         self.path, self.deliver = path_of(address), deliver
         try:
             os.unlink(self.path)  # left by a worker killed on this port before
         except FileNotFoundError:
             pass
-        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(self.path)
-        self.server.listen(64)
-        self.closed = False
-        self.connections: list = []
-        threading.Thread(target=self._accept, name="taskrt-link-accept", daemon=True).start()
+        self.closed, self.connections, self.servers, self.port = False, [], [], None
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(self.path)
+        self.servers.append(server)
+        if tcp:
+            host = get_address_host(address)
+            server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            server.bind((host, 0))
+            self.port = server.getsockname()[1]
+            self.servers.append(server)
+        for server in self.servers:
+            server.listen(64)
+            threading.Thread(target=self._accept, args=(server,), name="taskrt-link-accept", daemon=True).start()
 
-    def _accept(self):
+    def _accept(self, server):
         while not self.closed:
             try:
-                conn, _ = self.server.accept()
+                conn, _ = server.accept()
             except OSError:  # closed
                 return
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.connections.append(conn)
             if self.closed:
                 conn.close()
@@ -100,8 +112,9 @@ class Listener:
 
     def close(self):
         self.closed = True
+        for server in self.servers:
+            server.close()
         try:
-            self.server.close()
             os.unlink(self.path)
         except OSError:
             pass
@@ -113,18 +126,21 @@ class Listener:
 
 
 class Links:
-    """A worker's connections to the sockets of other workers on its host, one per peer."""
+    """A worker's connections to the sockets of other workers, one per peer: on its host their Unix
+    sockets; elsewhere, where `resolve(address)` gives one, the TCP port it names."""
 
-    def __init__(self):
+    def __init__(self, resolve=None):
         self.lock = threading.Lock()
-        self.peers: dict = {}  # address -> (socket, lock) or None where there is none to reach
+        self.resolve = resolve
+        self.peers: dict = {}  # (address, near) -> (socket, lock) or None where there is none to reach
 
-    def send(self, address: str, message) -> bool:
-        """Send `message` to the worker at `address`; False where it has no socket to reach."""
+    def send(self, address: str, message, near: bool = True) -> bool:
+        """Send `message` to the worker at `address` (`near`: on this host, through its Unix socket;
+        otherwise over TCP); False where it has no socket to reach."""
         with self.lock:
-            if address not in self.peers:
-                self.peers[address] = _connect(address)
-            peer = self.peers[address]
+            if (address, near) not in self.peers:
+                self.peers[address, near] = _connect(address) if near else self._connect_tcp(address)
+            peer = self.peers[address, near]
         if peer is None:
             return False
         sock, lock = peer
@@ -137,9 +153,22 @@ class Links:
                 _send_all(sock, [head, data, *raws])
         except OSError:
             with self.lock:
-                self.peers.pop(address, None)
+                self.peers.pop((address, near), None)
             raise
         return True
+
+    def _connect_tcp(self, address: str):
+        port = self.resolve(address) if self.resolve is not None else None
+        if port is None:
+            return None
+        host = get_address_host(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=10)
+        except OSError:  # a firewall between the hosts: distributed's comms reach it
+            return None
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, threading.Lock()
 
     def close(self):
         with self.lock:

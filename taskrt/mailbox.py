@@ -67,14 +67,17 @@ class Mailbox(WorkerPlugin):
         self.shm_receiver = shared_memory.Receiver()
         if self.shm_sender is not None:
             shared_memory.sweep()
-        # messages to workers on this host over Unix sockets, past both event loops (taskrt.local_link)
+        # messages over sockets of their own, past both event loops (taskrt.local_link): to workers on
+        # this host over Unix sockets; to others over TCP where the cluster speaks plain TCP (not TLS)
         self.links, self.listener = None, None
+        self.tcp = worker.address.startswith("tcp://")
         if local_link.available():
             try:
-                self.listener = local_link.Listener(worker.address, self._delivered)
-                self.links = local_link.Links()
+                self.listener = local_link.Listener(worker.address, self._delivered, tcp=self.tcp)
+                self.links = local_link.Links(resolve=self._link_port)
             except OSError:  # no socket here (a path too long, no /tmp): distributed's comms only
                 self.listener = None
+        worker.handlers["taskrt_link"] = self.link_port
         worker.handlers["taskrt_put"] = self.put
         worker.handlers["taskrt_abort"] = self.abort
         worker._taskrt_mailbox = self
@@ -89,6 +92,17 @@ class Mailbox(WorkerPlugin):
 
     def _delivered(self, message: dict):  # on a thread of the local link
         self.put(**message)
+
+    def link_port(self):
+        """This worker's TCP port for messages from workers on other hosts (None: there is none)."""
+        return self.listener.port if self.listener is not None else None
+
+    def _link_port(self, address: str):  # on a program's thread, once per peer on another host
+        ask = self.worker.rpc(address).taskrt_link()
+        try:
+            return asyncio.run_coroutine_threadsafe(ask, self.loop).result(ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (an older worker, no answer: distributed's comms)
+            return None
 
     def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None):
         if slot is not None:  # the array lies in the sender's shared memory
@@ -129,9 +143,13 @@ class Mailbox(WorkerPlugin):
         pool.reuse(address, comm)
 
     # ---- on a program's thread -------------------------------------------------------------
-    def send(self, address: str, key, tag, value, link: bool = True):
+    def send(self, address: str, key, tag, value, link: str = "auto"):
         """Send `value` to the mailbox of the worker at `address`; returns a concurrent future of
-        the message being written.  `link=False`: over distributed's comms even on one host."""
+        the message being written.  `link`: "auto" (a Unix socket on this host, TCP to another
+        where the cluster speaks plain TCP, else distributed's comms), "tcp" (over TCP even on this
+        host) or "comms" (distributed's)."""
+        if link not in ("auto", "tcp", "comms"):
+            raise ValueError(f"link must be 'auto', 'tcp' or 'comms', got {link!r}")
         nbytes = sizeof(value)
         start = time.time()
         msg = {"op": "taskrt_put", "reply": False, "key": key, "tag": tag, "sender": self.worker.address,
@@ -142,8 +160,13 @@ class Mailbox(WorkerPlugin):
         if slot is not None:
             msg["slot"] = slot.as_message()
         future = None
-        if link and near and self.links is not None:
-            future = self._send_near(address, msg, value)
+        # To another host only small values take the program's own TCP socket: a large one is written
+        # by the event loop while the program computes on (it would hold the program for its bytes)
+        if self.links is not None and link != "comms":
+            if near and link == "auto":
+                future = self._send_link(address, msg, value, True)
+            elif self.tcp and (link == "tcp" or nbytes < shared_memory.MIN_BYTES):
+                future = self._send_link(address, msg, value, False)
         if future is None:
             if slot is None:
                 msg["value"] = to_serialize(value)
@@ -160,15 +183,15 @@ class Mailbox(WorkerPlugin):
         future.add_done_callback(logged)
         return future
 
-    def _send_near(self, address, msg, value):
-        """`msg` through the local link, written from this thread: a done future, or None where the
-        worker at `address` has no socket here."""
+    def _send_link(self, address, msg, value, near: bool):
+        """`msg` through the link (`near`: a Unix socket, else TCP), written from this thread: a done
+        future, or None where the worker at `address` has no socket to reach."""
         message = {k: v for k, v in msg.items() if k not in ("op", "reply")}
         if "slot" not in message:
             message["value"] = value
         future = concurrent.futures.Future()
         try:
-            if not self.links.send(address, message):
+            if not self.links.send(address, message, near):
                 return None
         except OSError as error:
             future.set_exception(OSError(f"could not send {msg['key']} to the worker at {address}: {error}"))

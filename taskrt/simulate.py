@@ -74,8 +74,8 @@ class Runtime:
     # link's latency probed on a Dask cluster is Dask's fetch: a request and its answer.)
     message_s: float = 0.0
     # With programs, a message's latency between nodes, where it is not `message_s` (on one host
-    # programs message each other over a Unix socket, taskrt.local_link; between hosts over
-    # distributed's comms); None: `message_s`
+    # programs message each other over Unix sockets, between hosts over TCP ones: taskrt.local_link;
+    # on a TLS cluster over distributed's comms); None: `message_s`
     remote_message_s: float | None = None
     # With programs, the bytes per second of a large value between two programs where that is not
     # the link's (on one host they go through shared memory: taskrt.shared_memory); 0: the link's

@@ -64,3 +64,27 @@ def test_socket_paths_are_private_and_distinct():
     assert a != b and os.path.dirname(a) == local_link.directory()
     assert stat.S_IMODE(os.stat(local_link.directory()).st_mode) == 0o700
     assert local_link.path_of("tls://[::1]:5") != local_link.path_of("tls://[::1]:6")
+
+
+def test_workers_on_other_hosts_are_reached_over_tcp_where_they_name_a_port():
+    got = queue.Queue()
+    listener = local_link.Listener("tcp://127.0.0.1:3", got.put, tcp=True)
+    try:
+        assert listener.port
+        links = local_link.Links(resolve=lambda address: listener.port)
+        value = np.arange(1000.0)
+        assert links.send("tcp://127.0.0.1:3", {"key": "far", "value": value}, near=False)
+        received = got.get(timeout=5)
+        assert received["key"] == "far"
+        np.testing.assert_array_equal(received["value"], value)
+        assert local_link.Links(resolve=lambda address: None).send("tcp://127.0.0.1:3", {}, near=False) is False
+        links.close()
+    finally:
+        listener.close()
+
+
+def test_the_mailbox_rejects_an_unknown_way():
+    from taskrt.mailbox import Mailbox
+
+    with pytest.raises(ValueError, match="'auto', 'tcp' or 'comms'"):
+        Mailbox().send("tcp://127.0.0.1:4", "k", "1", np.zeros(1), link="udp")
