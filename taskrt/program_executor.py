@@ -10,9 +10,9 @@ client sends what changes: the data tiles (or the samples' indices), the hyper-p
 where each device's worker is.  A device's program is sent to its worker once per plan, as data
 there (a future), so that a worker lost with it fails the step like its lost state does.
 Each program on a device waits for that device's program of the step before, so the steps of
-several devices are never taken in different orders.  A program about to wait for a value leaves
-its worker's thread pool (`distributed.secede`): programs of another trainer on the same cluster,
-which Dask may have started in another order on another device, can then run meanwhile.
+several devices are never taken in different orders. A program about to wait for a value leaves its
+worker's thread pool (`distributed.secede`), so that tasks not needing the device run there
+meanwhile (it still holds the device's resource).
 """
 
 from __future__ import annotations
