@@ -109,6 +109,8 @@ class Listener:
             return
         finally:
             conn.close()
+            if conn in self.connections:
+                self.connections.remove(conn)
 
     def close(self):
         self.closed = True
@@ -154,6 +156,7 @@ class Links:
         except OSError:
             with self.lock:
                 self.peers.pop((address, near), None)
+            sock.close()
             raise
         return True
 
