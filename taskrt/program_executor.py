@@ -9,14 +9,18 @@ data tiles from a dataset (the reads run ahead, while the step before still comp
 client sends what changes: the data tiles (or the samples' indices), the hyper-parameters and
 where each device's worker is.  A device's program is sent to its worker once per plan, as data
 there (a future), so that a worker lost with it fails the step like its lost state does.
-Each program on a device waits for that device's program of the step before, so the steps of
-several devices are never taken in different orders. A program about to wait for a value leaves its
-worker's thread pool (`distributed.secede`), so that tasks not needing the device run there
-meanwhile (it still holds the device's resource).
+A device's program reads what the device's program of the step before left (its state) on their
+worker, not as a Dask dependency: the scheduler sends it as soon as it has it, and the worker
+starts it as the one before ends, with no word from the scheduler in between.  Programs come to a
+device in the order of their steps and its worker runs one at a time (each holds the device's
+resource), earlier steps first, so the steps of several devices are never taken in different
+orders.  A program about to wait for a value leaves its worker's thread pool (`distributed.secede`),
+so that tasks not needing the device run there meanwhile (it still holds the device's resource).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -34,33 +38,62 @@ from taskrt.programs import Compute, DeviceProgram, Recv, device_programs, value
 from taskrt.reading import TileRead, read_tile, tile_on_device
 
 KEPT_PLANS = 4  # plans whose programs stay on the workers (IST makes a plan per round)
+SENT = itertools.count()  # steps sent by this client's executors, in order
+READ_PRIORITY = 1  # over every program's (0, -1, -2, ...)
 HELD = ("state", "buffers", "loss")  # outputs the client keeps as values of their program's result
 
 
 class StepArgs:
     """What a step's program needs besides its Dask inputs, in one object Dask does not look into:
-    its key, the step's tag, every device's worker address, and `refs`, where each of the
-    program's inputs is: ("in", i) the i-th Dask input, ("item", (i, j)) value j of it (a result
-    of the program before), ("lit", value) given here (the hyper-parameters, small data tiles)."""
+    its key, the step's tag, every device's worker address, `before`, the key of the device's
+    program before it (run on the same worker), and `refs`, where each of the program's inputs is:
+    ("in", i) the i-th Dask input, ("item", (i, j)) value j of it (a result of another program),
+    ("before", j) value j of the result of the program before, read on the worker, not through
+    Dask, ("lit", value) given here (the hyper-parameters, small data tiles)."""
 
-    __slots__ = ("key", "tag", "address", "refs", "profiled")
+    __slots__ = ("key", "tag", "address", "refs", "profiled", "before")
 
-    def __init__(self, key, tag, address, refs, profiled=False):
-        self.key, self.tag, self.address, self.refs, self.profiled = key, tag, address, refs, profiled
+    def __init__(self, key, tag, address, refs, profiled=False, before=None):
+        self.key, self.tag, self.address, self.refs = key, tag, address, refs
+        self.profiled, self.before = profiled, before
 
     def __reduce__(self):
-        return (StepArgs, (self.key, self.tag, self.address, self.refs, self.profiled))
+        return (StepArgs, (self.key, self.tag, self.address, self.refs, self.profiled, self.before))
+
+
+def _before(worker, box, key, tag):
+    """The result of the device's program `key` of the step before, which ran on this worker.
+    Steps are sent to a device in order and its worker runs one program at a time, the earlier
+    first, so it is there; where that program has not come yet (it waited for an input this one
+    did not), this one goes back to the scheduler to come again later (`distributed.Reschedule`)."""
+    from distributed import Reschedule
+
+    try:
+        return worker.data[key]
+    except KeyError:
+        pass
+    if tag in box.aborted:
+        raise ProgramAborted(f"step {tag}: {box.aborted[tag]}")
+    state = getattr(worker.state.tasks.get(key), "state", None)
+    if state == "error":
+        raise ProgramAborted(f"step {tag}: the program before it on this device ({key}) failed")
+    raise Reschedule()
 
 
 def run_program(program: DeviceProgram, args: StepArgs, *inputs):
     """On a worker: run `program` for the step `args.tag`; returns the values of its outputs."""
     from distributed import get_worker, secede
 
-    box = mailbox_of(get_worker())
+    worker = get_worker()
+    box = mailbox_of(worker)
     tag, address = args.tag, args.address
+    before = _before(worker, box, args.before, tag) if args.before is not None else None
     env = {}
     for name, (kind, ref) in zip(program.inputs, args.refs):
-        value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
+        if kind == "before":
+            value = before[ref]
+        else:
+            value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
         env[name] = to_device(value) if program.gpu and name.kind == DATA else value
     sent, seceded = [], False
     try:
@@ -75,8 +108,7 @@ def run_program(program: DeviceProgram, args: StepArgs, *inputs):
             elif isinstance(instruction, Recv):
                 key = value_key(instruction.name, tag)
                 if not seceded and key not in box.values:
-                    # About to wait: leave the worker's thread pool, so that its tasks go on meanwhile
-                    # (the next step's reads; another trainer's program this one's sender may wait for)
+                    # About to wait: leave the worker's thread pool, so that its other tasks go on meanwhile
                     secede()
                     seceded = True
                 env[instruction.name] = box.take(key, tag, address[instruction.src])
@@ -120,7 +152,7 @@ class ProgramExecutor(Executor):
     def __init__(self, machine, cuda_graphs: bool = True):
         super().__init__(machine, fused=True, cuda_graphs=cuda_graphs)
         self._placed: OrderedDict = OrderedDict()  # id(plan) -> (plan, {device: program future})
-        self._last: dict = {}  # device -> the future of its last program
+        self._last: dict = {}  # device -> the future of its last program, its worker's address
 
     def _programs(self, plan: Plan, address: dict) -> dict:
         """{device: the future of its program on its worker}, sent once per plan."""
@@ -145,7 +177,7 @@ class ProgramExecutor(Executor):
         placed = self._programs(plan, address)
         programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
         given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
-        dsk, device_of, keys = {}, {}, set()
+        dsk, device_of, keys, kept = {}, {}, set(), []
         program_key = {d: f"dev{d}-program-it{tag}" for d in programs}
         for device, program in programs.items():
             inputs, slots, refs = [], {}, []
@@ -157,10 +189,17 @@ class ProgramExecutor(Executor):
                     inputs.append(value)
                 return slots[name]
 
+            # The device's program of the step before ran on the same worker: its results are read
+            # there, so that this one need not wait for the scheduler to hear it ended (`_before`).
+            before, at = self._last.get(device, (None, None))
+            if before is None or before.status in ("error", "cancelled", "lost") or at != address[device]:
+                before = None
             reads = []
             for name in program.inputs:
                 value = _given(name, given)
-                if isinstance(value, RunValue):
+                if isinstance(value, RunValue) and before is not None and value.run.key == before.key:
+                    refs.append(("before", value.index))
+                elif isinstance(value, RunValue):
                     refs.append(("item", (slot(value.run), value.index)))
                 elif isinstance(value, TileRead):
                     reads.append((name, value))
@@ -177,23 +216,26 @@ class ProgramExecutor(Executor):
                 at = slot(read_key)
                 it = iter(range(len(reads)))
                 refs = [("item", (at, next(it))) if r is None else r for r in refs]
-            before = self._last.get(device)
-            if before is not None and before.status not in ("error", "cancelled", "lost"):
-                slot(before)  # waits for the device's program of the step before
             key = program_key[device]
-            args = StepArgs(key, tag, address, tuple(refs), self.profiling)
+            args = StepArgs(key, tag, address, tuple(refs), self.profiling,
+                            before.key if before is not None else None)
+            if before is not None:
+                kept.append(before)
             dsk[key] = (run_program, placed[device], args, *inputs)
             device_of[key] = device
         outputs, exports = self._outputs(plan, programs, program_key, tag, dsk, device_of)
         wanted = list(dict.fromkeys([*program_key.values(), *exports]))
         restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
-        reads_first = {key: 1 if "-read-" in key else 0 for key in dsk}
+        # A worker runs the tasks it holds by priority: reads first, then programs in the order their
+        # steps were sent (Dask's own order ranks graphs sent within 60 ms of each other by their insides)
+        sent = -next(SENT)
+        priority = {key: READ_PRIORITY if "-read-" in key else sent for key in dsk}
         submitted = time.perf_counter()
-        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: reads_first[key]):
+        with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
         by_key = dict(zip(wanted, futures))
         for device, key in program_key.items():
-            self._last[device] = by_key[key]
+            self._last[device] = (by_key[key], address[device])
         out = map_outputs(outputs, lambda v: RunValue(None, by_key[v.run], v.index) if isinstance(v, RunValue)
                           else by_key[v])
         out["done"] = [by_key[k] for k in program_key.values()]
@@ -207,6 +249,7 @@ class ProgramExecutor(Executor):
         profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
         run = StepRun(step, tag, plan, out, keys, submitted, reads=reads, profiled=profiled)
         run.address = address
+        run.kept = kept  # the programs before, whose results these read on their workers, held till these end
         return run
 
     @staticmethod

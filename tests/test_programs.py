@@ -291,3 +291,27 @@ def test_programs_cannot_be_unfused():
         make_executor(None, "programs", fused=False)
     with pytest.raises(ValueError, match="'programs' or 'tasks'"):
         make_executor(None, "threads")
+
+
+def test_a_program_reads_the_step_before_on_its_worker_or_comes_again_later():
+    from types import SimpleNamespace
+
+    from distributed import Reschedule
+
+    from taskrt.mailbox import ProgramAborted
+    from taskrt.program_executor import _before
+
+    result = (np.ones(2), "loss")
+    worker = SimpleNamespace(data={"dev0-program-it1": result},
+                             state=SimpleNamespace(tasks={"dev0-program-it2": SimpleNamespace(state="constrained"),
+                                                          "dev0-program-it3": SimpleNamespace(state="error")}))
+    box = SimpleNamespace(aborted={"9": "given up"})
+    assert _before(worker, box, "dev0-program-it1", "2") is result
+    with pytest.raises(Reschedule):  # not run yet (it waited for an input): this one comes again
+        _before(worker, box, "dev0-program-it2", "3")
+    with pytest.raises(Reschedule):  # not on this worker yet
+        _before(worker, box, "dev0-program-it7", "8")
+    with pytest.raises(ProgramAborted, match="failed"):
+        _before(worker, box, "dev0-program-it3", "4")
+    with pytest.raises(ProgramAborted, match="given up"):
+        _before(worker, box, "dev0-program-it8", "9")
