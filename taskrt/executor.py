@@ -15,7 +15,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import getitem
 
 import dask
@@ -78,7 +78,6 @@ class StepRun:
     reads: dict | None = None  # what the client waits for on each device (taskrt.worker_reads.reads_of)
     address: dict | None = None  # the devices' worker addresses when the step was sent
     profiled: dict | None = None  # a profiled step's graph and each key's device (`Executor.profiling`)
-    kept: list = field(default_factory=list)  # futures held while this step runs (taskrt.program_executor)
 
     def futures(self) -> list:
         return futures_of(output_keys(self.outputs))

@@ -43,7 +43,8 @@ class ProgramAborted(RuntimeError):
 
 
 class PeerLost(RuntimeError):
-    """The worker a program waits for a value from is gone."""
+    """The worker a program waits for a value from is gone (or, for the state a program reads on its
+    worker, the worker that held it)."""
 
 
 class Mailbox(WorkerPlugin):
@@ -61,6 +62,7 @@ class Mailbox(WorkerPlugin):
         self.values: dict = {}  # key -> (value, arrived at)
         self.by_tag: dict = {}  # step tag -> keys of its values here
         self.aborted: OrderedDict = OrderedDict()  # step tag -> why
+        self.failed: OrderedDict = OrderedDict()  # key of a program that failed here -> its error
         self.cond = threading.Condition()
         # arrays to a worker on the same host through shared memory (taskrt.shared_memory)
         self.shm_sender = shared_memory.Sender() if shared_memory.available() else None
@@ -222,6 +224,14 @@ class Mailbox(WorkerPlugin):
             return address in asyncio.run_coroutine_threadsafe(ask, self.loop).result(ASK_TIMEOUT_S)
         except Exception:  # noqa: BLE001  (no answer from the scheduler: wait on, the client decides)
             return True
+
+    def program_failed(self, key, error: BaseException):
+        """Keep the error of the program `key` for the device's next program, which reads its result
+        here (taskrt.program_executor) and fails with it, as Dask fails a task's dependents."""
+        with self.cond:
+            self.failed[key] = error
+            while len(self.failed) > ABORTED_KEPT:
+                self.failed.popitem(last=False)
 
     def forget(self, tag):
         """Drop step `tag`'s values still here and any that come later (its program failed)."""

@@ -32,7 +32,7 @@ import numpy as np
 from taskrt.device import to_device, to_host
 from taskrt.executor import Executor, StepRun, _named_graph, loss_sum, step_key
 from taskrt.fusion import RunValue
-from taskrt.mailbox import ProgramAborted, abort_on, mailbox_of
+from taskrt.mailbox import PeerLost, ProgramAborted, abort_on, mailbox_of
 from taskrt.plan import DATA, Plan, map_outputs
 from taskrt.programs import Compute, DeviceProgram, Recv, device_programs, value_key
 from taskrt.reading import TileRead, read_tile, tile_on_device
@@ -61,42 +61,55 @@ class StepArgs:
         return (StepArgs, (self.key, self.tag, self.address, self.refs, self.profiled, self.before))
 
 
+WAITING = ("waiting", "ready", "constrained", "fetch", "flight", "executing", "long-running")  # worker task states
+
+
 def _before(worker, box, key, tag):
     """The result of the device's program `key` of the step before, which ran on this worker.
-    Steps are sent to a device in order and its worker runs one program at a time, the earlier
-    first, so it is there; where that program has not come yet (it waited for an input this one
-    did not), this one goes back to the scheduler to come again later (`distributed.Reschedule`)."""
+
+    The scheduler sends this program once every input of the one before is there too (it is given
+    them as Dask inputs: `ProgramExecutor.submit`), so the one before came to this worker first, and
+    ran first: the worker runs one program of the device at a time, by the order the steps were
+    sent.  Where that program failed, this one fails with its error, as Dask fails a task's
+    dependents; where it is not on this worker, its worker was lost (Dask may run this program again
+    on the worker that took the device's place): PeerLost, which the trainer recovers from."""
     from distributed import Reschedule
 
     try:
         return worker.data[key]
     except KeyError:
         pass
+    error = box.failed.get(key)
+    if error is not None:
+        raise error
     if tag in box.aborted:
         raise ProgramAborted(f"step {tag}: {box.aborted[tag]}")
-    state = getattr(worker.state.tasks.get(key), "state", None)
-    if state == "error":
-        raise ProgramAborted(f"step {tag}: the program before it on this device ({key}) failed")
-    raise Reschedule()
+    task = worker.state.tasks.get(key)
+    if task is not None and task.state == "error":
+        raise ProgramAborted(f"step {tag}: the device's program of the step before ({key}) failed")
+    if task is not None and task.state in WAITING:  # here but not run yet: come again after it
+        raise Reschedule()
+    raise PeerLost(f"step {tag}: the device's program of the step before ({key}) is not on its worker "
+                   f"{worker.address}: the worker that ran it was lost")
 
 
 def run_program(program: DeviceProgram, args: StepArgs, *inputs):
     """On a worker: run `program` for the step `args.tag`; returns the values of its outputs."""
-    from distributed import get_worker, secede
+    from distributed import Reschedule, get_worker, secede
 
     worker = get_worker()
     box = mailbox_of(worker)
     tag, address = args.tag, args.address
-    before = _before(worker, box, args.before, tag) if args.before is not None else None
-    env = {}
-    for name, (kind, ref) in zip(program.inputs, args.refs):
-        if kind == "before":
-            value = before[ref]
-        else:
-            value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
-        env[name] = to_device(value) if program.gpu and name.kind == DATA else value
     sent, seceded = [], False
     try:
+        before = _before(worker, box, args.before, tag) if args.before is not None else None
+        env = {}
+        for name, (kind, ref) in zip(program.inputs, args.refs):
+            if kind == "before":
+                value = before[ref]
+            else:
+                value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
+            env[name] = to_device(value) if program.gpu and name.kind == DATA else value
         for instruction, drops in zip(program.code, program.drops):
             if isinstance(instruction, Compute):
                 run = instruction.run
@@ -119,7 +132,10 @@ def run_program(program: DeviceProgram, args: StepArgs, *inputs):
                 del env[name]
         for future in sent:  # a peer that could not be reached fails the step here
             future.result()
+    except Reschedule:  # the program before has not run yet (`_before`): nothing happened here
+        raise
     except BaseException as error:
+        box.program_failed(args.key, error)
         box.forget(tag)
         if not isinstance(error, ProgramAborted):
             box.tell_peers([address[d] for d in program.peers if d in address], tag,
@@ -152,7 +168,9 @@ class ProgramExecutor(Executor):
     def __init__(self, machine, cuda_graphs: bool = True):
         super().__init__(machine, fused=True, cuda_graphs=cuda_graphs)
         self._placed: OrderedDict = OrderedDict()  # id(plan) -> (plan, {device: program future})
-        self._last: dict = {}  # device -> the future of its last program, its worker's address
+        # device -> the future of its last program, its worker's address and the program's Dask inputs
+        self._last: dict = {}
+        self._held: list = []  # (a program's future, the future of the one before it, which it reads)
 
     def _programs(self, plan: Plan, address: dict) -> dict:
         """{device: the future of its program on its worker}, sent once per plan."""
@@ -177,7 +195,7 @@ class ProgramExecutor(Executor):
         placed = self._programs(plan, address)
         programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
         given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
-        dsk, device_of, keys, kept = {}, {}, set(), []
+        dsk, device_of, keys, kept_of, inputs_of = {}, {}, set(), {}, {}
         program_key = {d: f"dev{d}-program-it{tag}" for d in programs}
         for device, program in programs.items():
             inputs, slots, refs = [], {}, []
@@ -191,7 +209,7 @@ class ProgramExecutor(Executor):
 
             # The device's program of the step before ran on the same worker: its results are read
             # there, so that this one need not wait for the scheduler to hear it ended (`_before`).
-            before, at = self._last.get(device, (None, None))
+            before, at, before_inputs = self._last.get(device, (None, None, ()))
             if before is None or before.status in ("error", "cancelled", "lost") or at != address[device]:
                 before = None
             reads = []
@@ -216,15 +234,20 @@ class ProgramExecutor(Executor):
                 at = slot(read_key)
                 it = iter(range(len(reads)))
                 refs = [("item", (at, next(it))) if r is None else r for r in refs]
+            inputs_of[device] = list(inputs)
+            if before is not None:  # sent once the inputs of the program before are there: after it
+                for value in before_inputs:
+                    slot(value)
             key = program_key[device]
             args = StepArgs(key, tag, address, tuple(refs), self.profiling,
                             before.key if before is not None else None)
             if before is not None:
-                kept.append(before)
+                kept_of[device] = before
             dsk[key] = (run_program, placed[device], args, *inputs)
             device_of[key] = device
         outputs, exports = self._outputs(plan, programs, program_key, tag, dsk, device_of)
-        wanted = list(dict.fromkeys([*program_key.values(), *exports]))
+        read_keys = [key for key in dsk if "-read-" in key]
+        wanted = list(dict.fromkeys([*program_key.values(), *exports, *read_keys]))
         restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
         # A worker runs the tasks it holds by priority: reads first, then programs in the order their
         # steps were sent (Dask's own order ranks graphs sent within 60 ms of each other by their insides)
@@ -234,8 +257,13 @@ class ProgramExecutor(Executor):
         with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
         by_key = dict(zip(wanted, futures))
-        for device, key in program_key.items():
-            self._last[device] = (by_key[key], address[device])
+        # The programs before are held here till these have run (a step's run may be dropped before:
+        # a recovery's replayed steps that no one waits for), or the worker would let their results go.
+        self._held = [(after, before) for after, before in self._held if after.status == "pending"]
+        self._held += [(by_key[program_key[d]], before) for d, before in kept_of.items()]
+        for device, key in program_key.items():  # what the device's next program reads, and waits for
+            self._last[device] = (by_key[key], address[device],
+                                  [by_key[v] if isinstance(v, str) else v for v in inputs_of[device]])
         out = map_outputs(outputs, lambda v: RunValue(None, by_key[v.run], v.index) if isinstance(v, RunValue)
                           else by_key[v])
         out["done"] = [by_key[k] for k in program_key.values()]
@@ -249,7 +277,6 @@ class ProgramExecutor(Executor):
         profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
         run = StepRun(step, tag, plan, out, keys, submitted, reads=reads, profiled=profiled)
         run.address = address
-        run.kept = kept  # the programs before, whose results these read on their workers, held till these end
         return run
 
     @staticmethod

@@ -49,6 +49,7 @@ from taskrt.graph import Graph
 from taskrt.inprocess import buffer_tiles, shard_states
 from taskrt.lowering import lower
 from taskrt.machine import MachineError
+from taskrt.mailbox import PeerLost
 from taskrt.memory import plan_memory
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
 from taskrt.program_executor import make_executor
@@ -344,7 +345,8 @@ class Trainer:
 
         missing = self._missing_devices()
         errors = [f.exception() for f in failed if f.status == "error"]
-        if missing or len(errors) < len(failed) or any(isinstance(e, KilledWorker) for e in errors):
+        # a program's peer (or the worker that held its state: taskrt.program_executor) gone is a lost worker
+        if missing or len(errors) < len(failed) or any(isinstance(e, (KilledWorker, PeerLost)) for e in errors):
             self._lost(missing, f"step {step} lost values its tasks need" + (
                 f" with the worker(s) of device(s) {missing}" if missing else " (a worker died and was restarted)"),
                 step)

@@ -293,25 +293,28 @@ def test_programs_cannot_be_unfused():
         make_executor(None, "threads")
 
 
-def test_a_program_reads_the_step_before_on_its_worker_or_comes_again_later():
+def test_a_program_reads_the_step_before_on_its_worker_fails_with_its_error_or_as_lost():
     from types import SimpleNamespace
 
     from distributed import Reschedule
 
-    from taskrt.mailbox import ProgramAborted
+    from taskrt.mailbox import PeerLost, ProgramAborted
     from taskrt.program_executor import _before
 
     result = (np.ones(2), "loss")
-    worker = SimpleNamespace(data={"dev0-program-it1": result},
+    failed = ValueError("a bad tile")
+    worker = SimpleNamespace(address="tcp://w", data={"dev0-program-it1": result},
                              state=SimpleNamespace(tasks={"dev0-program-it2": SimpleNamespace(state="constrained"),
                                                           "dev0-program-it3": SimpleNamespace(state="error")}))
-    box = SimpleNamespace(aborted={"9": "given up"})
+    box = SimpleNamespace(aborted={"9": "given up"}, failed={"dev0-program-it4": failed})
     assert _before(worker, box, "dev0-program-it1", "2") is result
-    with pytest.raises(Reschedule):  # not run yet (it waited for an input): this one comes again
+    with pytest.raises(Reschedule):  # here, not run yet: this one comes again after it
         _before(worker, box, "dev0-program-it2", "3")
-    with pytest.raises(Reschedule):  # not on this worker yet
-        _before(worker, box, "dev0-program-it7", "8")
     with pytest.raises(ProgramAborted, match="failed"):
         _before(worker, box, "dev0-program-it3", "4")
+    with pytest.raises(ValueError, match="a bad tile"):  # its own error, as Dask hands it to dependents
+        _before(worker, box, "dev0-program-it4", "5")
     with pytest.raises(ProgramAborted, match="given up"):
         _before(worker, box, "dev0-program-it8", "9")
+    with pytest.raises(PeerLost, match="was lost"):  # never here: its worker was lost, the trainer recovers
+        _before(worker, box, "dev0-program-it7", "8")
