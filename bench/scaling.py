@@ -38,6 +38,9 @@ SOURCES = [
     "mailboxes on this host, within a node over their Unix sockets (taskrt.local_link), between nodes over "
     "their TCP sockets (on loopback here; a TLS cluster's go over distributed's comms), in place of the link's "
     "latency; bytes at the simulated links' bandwidth",
+    "steps sent ahead, as `Trainer.fit` sends them: with programs, the client's and the scheduler's work on a step "
+    "happens while the steps before run, bounding the step only where it is longer (`Runtime.steps_ahead`); the "
+    "tasks executor's steps wait for the scheduler between runs",
     "a program's own time per task: a run of no-op tasks on a worker of this host; a GPU task's launch cost "
     "is not measured here (a GPU worker replays a run's kernels as one CUDA graph)",
     "kernels: the P100 roofline; data read on the devices from a dataset, ahead of the step (nothing sent "
@@ -81,7 +84,8 @@ def run(out_dir="results", quick=False):
                 "additive_s": cost_model.breakdown(graph, strategy).total,
             }
             for executor in EXECUTORS:  # taskrt's own runtime, as measured on this host
-                costs = runtime(machine, calibration, plan, executor=executor, dataset=True)
+                costs = runtime(machine, calibration, plan, executor=executor, dataset=True,
+                                steps_ahead=executor == "programs")
                 step = cost_model.simulate(plan, runtime=costs).step_s
                 row[f"{executor}_step_s"] = step
                 row[f"{executor}_images_per_s"] = 32 * devices / step

@@ -172,7 +172,7 @@ def noop_dispatch(calibration: dict) -> float:
 
 
 def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, executor: str = "programs",
-            dataset: bool = False):
+            dataset: bool = False, steps_ahead: bool = False):
     """The runtime's costs for `plan` on a Dask cluster under the calibration `c` (scheduler round
     trip per dependent task, worker time per task, a fetch from another device beyond the link,
     graph submission per task and the scheduler taking a graph in, one scatter call per device
@@ -180,14 +180,15 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, exe
     `executor`: "programs" (the Trainer's default: one program per device, `program_runtime`) or
     "tasks", whose tasks are fused runs (its default) or one per plan task.  `corun`: parts are
     timed beside each other too (see below).  `dataset`: the devices read their data from a
-    dataset, ahead of the step (nothing sent from the client)."""
+    dataset, ahead of the step (nothing sent from the client).  `steps_ahead`: the programs'
+    steady state as `Trainer.fit` sends steps (`taskrt.simulate.Runtime.steps_ahead`)."""
     from taskrt.executor import gpu_devices, graph_seconds
     from taskrt.simulate import Runtime
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     if executor == "programs":
-        return program_runtime(machine, c, plan, corun, dataset)
+        return program_runtime(machine, c, plan, corun, dataset, steps_ahead)
 
     # a hop between devices beyond one on a device: the link's latency, and the rest is the fetch
     cross = c.get("per_cross_hop_s")
@@ -223,7 +224,7 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, exe
                    scheduler_per_task_s=c.get("scheduler_per_task_s", 0.0))
 
 
-def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool = False):
+def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool = False, steps_ahead: bool = False):
     """The programs executor's costs for `plan` (taskrt.program_executor): the client's question
     for the workers, the data sent, the scheduler taking the graph in and sending each device its
     program (one Dask task per device: `dispatch_s` once, through the one scheduler), a program's
@@ -240,7 +241,7 @@ def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool =
     answer = c.get("program_step_answer_s", c.get("answer_s", c["per_hop_s"]))
     if start < 0 and "program_step_answer_s" in c:  # as for the tasks executor: their sum stays as measured
         answer = max(answer + start, 0.0)
-    return Runtime(programs=True, dispatch_s=dispatch, task_s=c.get("program_task_s", 0.0),
+    return Runtime(programs=True, steps_ahead=steps_ahead, dispatch_s=dispatch, task_s=c.get("program_task_s", 0.0),
                    message_s=message, remote_message_s=c.get("program_remote_hop_s"), answer_s=answer,
                    start_s=max(start, 0.0), per_task_submit_s=c["submit_per_task_s"],
                    scheduler_per_task_s=c.get("scheduler_per_task_s", 0.0), cores=_cores(machine, c, corun),

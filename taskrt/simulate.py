@@ -80,6 +80,13 @@ class Runtime:
     # With programs, the bytes per second of a large value between two programs where that is not
     # the link's (on one host they go through shared memory: taskrt.shared_memory); 0: the link's
     message_bandwidth: float = 0.0
+    # With programs, steps sent ahead as `Trainer.fit` sends them: a device's program is on its
+    # worker before the one of the step before ends there (it reads that one's state on the worker:
+    # taskrt.program_executor), so the client's work on a step, its graph's intake, the dispatch and
+    # the answer happen while earlier steps run.  A step then lasts as long as the longest of the
+    # devices' work with every program starting at once, the scheduler's time sending the step's
+    # programs (`scheduler_per_task_s` each) and the client's own time on it (`start_s`).
+    steps_ahead: bool = False
 
 
 @dataclass
@@ -122,6 +129,8 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     members, kernels = {}, {}
     if runtime.programs and runtime.fused:
         raise ValueError("Runtime: programs run a device's plan tasks themselves; fused is the other executor's")
+    if runtime.steps_ahead and not runtime.programs:
+        raise ValueError("Runtime: steps_ahead models programs (the tasks executor's steps wait for the scheduler)")
     if runtime.fused:
         plan, members = fused_plan(plan)
         kernel, kernel_corun = task_time, corun_time or task_time
@@ -150,7 +159,11 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
                    + runtime.cpu_per_byte_s * plan.bytes_moved)
     origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
     per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
-    result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu, origin)
+    result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu,
+                       0.0 if runtime.steps_ahead else origin)
+    if runtime.steps_ahead:  # the client and the scheduler work on this step while earlier ones run
+        result.step_s = max(result.step_s, origin, runtime.scheduler_per_task_s * dask_tasks)
+        result.idle_s = result.step_s - result.busy_s
     if runtime.cores:
         result.cpu_s = origin + runtime_cpu + sum(task_time(t) + _task_overhead(t, runtime) for t in plan.tasks)
     for key, inside in members.items():  # each member's share of its run, in order
@@ -219,8 +232,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     if runtime.programs:
         for tasks in device_order(plan).values():
             position.update((t.key, i) for i, t in enumerate(tasks))
-        for d in program_devices(plan):
-            program_start[d] = dispatched(origin)
+        for d in program_devices(plan):  # sent ahead: there as the step before ends on the device
+            program_start[d] = origin if runtime.steps_ahead else dispatched(origin)
         for t in plan.transfers():
             sends[t.dep].append(t)
         for dep, messages in sends.items():  # values given to the step go out as its program starts
@@ -312,7 +325,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
     # only what is left of them beyond that lengthens the step.
     # So does what is left after the last task ends of the runtime's work (`now`: when it is done).
     if runtime.programs:  # the client reads a program's result: it ends after its last task and send
-        read = max([*finish.values(), *(b[3] for b in booked), origin]) + runtime.answer_s
+        read = max([*finish.values(), *(b[3] for b in booked), origin]) + (0.0 if runtime.steps_ahead
+                                                                          else runtime.answer_s)
     else:
         read = max((finish[_computed_by(plan, key)] for key in _outputs(plan)), default=origin) + runtime.answer_s
     end = max(read, now - origin)

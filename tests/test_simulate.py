@@ -532,6 +532,27 @@ def test_programs_dispatch_once_per_device_through_the_shared_scheduler():
     assert tasks.step_s == 16 * 0.125 + 16.0
 
 
+def test_programs_sent_ahead_overlap_the_client_and_the_scheduler_with_earlier_steps():
+    """Steps sent ahead (`fit`): the programs are there as the step before ends, so the step is the
+    devices' work from a common start, unless the client's time on a step or the scheduler's on its
+    programs is longer (then that is the step)."""
+    rt = Runtime(programs=True, dispatch_s=0.125, message_s=0.0625, start_s=0.25, per_task_submit_s=0.5,
+                 answer_s=0.1875, scheduler_per_task_s=0.25)
+    p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"], nbytes=250), task("c", 0, ["b"]))
+    times = {"a": 1.0, "b": 2.0, "c": 4.0}
+    sync, ahead = run(p, times, LINKS, rt), run(p, times, LINKS, replace(rt, steps_ahead=True))
+    assert at(ahead, "a") == (0.0, 1.0)
+    assert ahead.step_s == ahead.finish[("c",)] == 1.0 + 0.5 + 0.0625 + 2.0 + 0.25 + 0.0625 + 4.0
+    assert sync.step_s == ahead.step_s + (0.25 + 2 * 0.5) + 0.125 + 0.1875  # start, dispatch, answer
+    assert ahead.idle_s.tolist()[:2] == [ahead.step_s - 5.0, ahead.step_s - 2.0]
+    slow_client = run(p, times, LINKS, replace(rt, steps_ahead=True, start_s=20.0))
+    assert slow_client.step_s == 20.0 + 2 * 0.5
+    busy_scheduler = run(p, times, LINKS, replace(rt, steps_ahead=True, scheduler_per_task_s=9.0))
+    assert busy_scheduler.step_s == 2 * 9.0
+    with pytest.raises(ValueError, match="steps_ahead"):
+        run(p, times, LINKS, Runtime(steps_ahead=True))
+
+
 def test_a_program_runs_its_tasks_in_its_order():
     """Device 0's program takes `x` (reading device 1's `p`) before `y`, which the fused plan puts
     later (it reads `x`'s device's run again): `y` waits for `x` even when ready earlier."""
