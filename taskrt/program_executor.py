@@ -10,11 +10,11 @@ client sends what changes: the data tiles (or the samples' indices), the hyper-p
 where each device's worker is.  A device's program is sent to its worker once per plan, as data
 there (a future), so that a worker lost with it fails the step like its lost state does.
 A device's program reads what the device's program of the step before left (its state) on their
-worker, not as a Dask dependency: the scheduler sends it as soon as it has it, and the worker
-starts it as the one before ends, with no word from the scheduler in between.  Programs come to a
-device in the order of their steps and its worker runs one at a time (each holds the device's
-resource), earlier steps first, so the steps of several devices are never taken in different
-orders.  A program about to wait for a value leaves its worker's thread pool (`distributed.secede`),
+worker, not as a Dask dependency: the scheduler sends it once the inputs of the one before are
+there (they are its Dask inputs too), and the worker starts it as the one before ends, with no word
+from the scheduler in between.  Programs come to a device in the order of their steps and its
+worker runs one at a time (each holds the device's resource), earlier steps first, so the steps of
+several devices are never taken in different orders.  A program about to wait for a value leaves its worker's thread pool (`distributed.secede`),
 so that tasks not needing the device run there meanwhile (it still holds the device's resource).
 """
 
