@@ -14,8 +14,9 @@ worker, not as a Dask dependency: the scheduler sends it once the inputs of the 
 there (they are its Dask inputs too), and the worker starts it as the one before ends, with no word
 from the scheduler in between.  Programs come to a device in the order of their steps and its
 worker runs one at a time (each holds the device's resource), earlier steps first, so the steps of
-several devices are never taken in different orders.  A program about to wait for a value leaves its worker's thread pool (`distributed.secede`),
-so that tasks not needing the device run there meanwhile (it still holds the device's resource).
+several devices are never taken in different orders.  A program about to wait for a value leaves
+its worker's thread pool (`distributed.secede`), so that tasks not needing the device run there
+meanwhile (it still holds the device's resource).
 """
 
 from __future__ import annotations
