@@ -196,7 +196,7 @@ class ProgramExecutor(Executor):
         placed = self._programs(plan, address)
         programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
         given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
-        dsk, device_of, keys, kept_of, inputs_of = {}, {}, set(), {}, {}
+        dsk, device_of, keys, kept_of, inputs_of, read_keys = {}, {}, set(), {}, {}, []
         program_key = {d: f"dev{d}-program-it{tag}" for d in programs}
         for device, program in programs.items():
             inputs, slots, refs = [], {}, []
@@ -232,6 +232,7 @@ class ProgramExecutor(Executor):
                 dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for _, r in reads),
                                  device in self.gpu_devices, *[r.source for _, r in reads])
                 device_of[read_key] = device
+                read_keys.append(read_key)
                 at = slot(read_key)
                 it = iter(range(len(reads)))
                 refs = [("item", (at, next(it))) if r is None else r for r in refs]
@@ -247,13 +248,12 @@ class ProgramExecutor(Executor):
             dsk[key] = (run_program, placed[device], args, *inputs)
             device_of[key] = device
         outputs, exports = self._outputs(plan, programs, program_key, tag, dsk, device_of)
-        read_keys = [key for key in dsk if "-read-" in key]
         wanted = list(dict.fromkeys([*program_key.values(), *exports, *read_keys]))
         restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
         # A worker runs the tasks it holds by priority: reads first, then programs in the order their
         # steps were sent (Dask's own order ranks graphs sent within 60 ms of each other by their insides)
         sent = -next(SENT)
-        priority = {key: READ_PRIORITY if "-read-" in key else sent for key in dsk}
+        priority = {key: READ_PRIORITY if key in read_keys else sent for key in dsk}
         submitted = time.perf_counter()
         with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
             futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
