@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _inside(offset, pad, stride, size, count):
     """Output indices [lo, hi) of [0, count) whose input index o*stride + offset - pad is in [0, size)."""
     lo = max(0, -((offset - pad) // stride))
@@ -28,7 +28,7 @@ def _inside(offset, pad, stride, size, count):
 
 # Loops run over local slices indexed from 0: that is the form numba vectorizes (several times
 # faster than indexing the whole row with an offset).
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
     """cols (C*kh*kw, (n1-n0)*(h1-h0)*wo) <- the windows of x (N, C, H, W) over the block."""
     _, c_in, height, width = x.shape
@@ -62,7 +62,7 @@ def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
                         col += wo
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def col2im(cols, dx, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
     """Adjoint of `im2col`: add the window gradients cols into dx (N, C, H, W)."""
     _, c_in, height, width = dx.shape
@@ -88,7 +88,7 @@ def col2im(cols, dx, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
                         col += wo
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def store(block, y, bias, relu, n0, n1, h0, h1):
     """y[n0:n1, :, h0:h1] <- block (Cout, positions) + bias, through relu if asked."""
     _, c_out, _, wo = y.shape
@@ -108,7 +108,7 @@ def store(block, y, bias, relu, n0, n1, h0, h1):
                 col += wo
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def load(d, block, n0, n1, h0, h1):
     """block (Cout, positions) <- d[n0:n1, :, h0:h1] of an NCHW array."""
     _, c_out, _, wo = d.shape
@@ -123,7 +123,7 @@ def load(d, block, n0, n1, h0, h1):
                 col += wo
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def to_nhwc(x, out, top, left):
     """out[n, top + h, left + w, c] <- x[n, c, h, w]: reads whole rows of each channel."""
     n_, c_, height, width = x.shape
@@ -136,7 +136,7 @@ def to_nhwc(x, out, top, left):
                     dst[w, c] = src[w]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def swap_last(a, out):
     """out[i, k, j] <- a[i, j, k]."""
     n0, n1, n2 = a.shape
@@ -148,7 +148,7 @@ def swap_last(a, out):
                 dst[k, j] = row[k]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def flip_taps(w, out):
     """out[t, co, c] <- w[co, c, taps - 1 - t]: a (Cout, C, taps) kernel flipped and transposed."""
     c_out, c_in, taps = w.shape

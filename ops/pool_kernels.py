@@ -12,7 +12,7 @@ import numba
 import numpy
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def max_pool_grad(x, y, dy, dx, kh, kw, sh, sw, pt, pl):
     """dx (N, C, H, W), zeroed, += dy (N, C, Ho, Wo) at the first maximum of each window of x."""
     n_, c_, height, width = x.shape

@@ -17,7 +17,7 @@ from ops import reuse
 from ops.base import array_module
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _update(w, v, g, lr, momentum, weight_decay, w_new, v_new):
     for i in range(w.size):  # a zero term is left out, as the array operations leave it out
         step = g[i] + weight_decay * w[i] if weight_decay != 0 else g[i]

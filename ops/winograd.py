@@ -44,7 +44,7 @@ def applies(x, kernel, stride, channels: int, out_hw) -> bool:
 
 
 # ---- transforms ---------------------------------------------------------------------------------
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _kernel_transform(w, flipped, out):
     """out[k, a, b] <- (G g G^T)[k // 4, k % 4] of the 3x3 kernel g from input channel a to output
     channel b of the correlation: g = w[b, a], or, flipped, w[a, b] rotated by 180 degrees."""
@@ -73,7 +73,7 @@ def _kernel_transform(w, flipped, out):
                 o3[b] = r2[b]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def kernel_gradient(du, out):
     """out[o, c] <- G^T dU[:, c, o] G: the 3x3 kernel gradient (Cout, C, 3, 3) from its transformed
     form (16, C, Cout)."""
@@ -100,7 +100,7 @@ def kernel_gradient(du, out):
                 out[o, c, tap // 3, tap % 3] = g[tap, o]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def input_transform(xp, v, n0, n1, th0, th1):
     """v[k, t, :] <- (B^T d B)[k // 4, k % 4] of the 4x4 patch d under each tile t of the block
     (samples [n0, n1), tile rows [th0, th1), all tile columns) of a padded NHWC tile xp."""
@@ -131,7 +131,7 @@ def input_transform(xp, v, n0, n1, th0, th1):
                 t += 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def output_transform(m, y, bias, relu, n0, n1, th0, th1):
     """y[n, o, 2 th + i, 2 tw + j] <- (A^T M A)[i, j] + bias[o], through relu if asked, for the block's
     tiles of an NCHW y (the last row and column are cropped where its height or width is odd)."""
@@ -169,7 +169,7 @@ def output_transform(m, y, bias, relu, n0, n1, th0, th1):
                 t += 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def output_gradient_transform(dp, dm, n0, n1, th0, th1):
     """dm[k, t, :] <- (A dY A^T)[k // 4, k % 4] of each tile's 2x2 output gradient dY, from an NHWC
     gradient dp zero-padded to even height and width: the adjoint of `output_transform`."""
