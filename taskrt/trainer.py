@@ -31,7 +31,7 @@ import time
 import uuid
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -140,6 +140,10 @@ class StepFuture:
             trainer._finished(self.run)
             trainer._cut_lineage(self.run)
             trainer._keep_good(self.run)
+            # a finished step's future holds its loss, not its outputs: a caller keeping many
+            # futures must not keep every step's parameters on the workers (the trainer keeps
+            # what it needs of them)
+            self.run = replace(self.run, outputs={})
         return self._loss
 
     def done(self) -> bool:

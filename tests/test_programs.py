@@ -182,8 +182,8 @@ def test_a_step_is_one_dask_task_per_device_and_one_more_to_read(machine4):
     trainer = Trainer(graph, mixed_lenet_strategy(graph), machine4, lr=0.05)
     x, y = batches(graph, 1)[0]
     future = trainer.submit(x, y)
-    future.result()
     programs = future.run.outputs["done"]
+    future.result()
     assert sorted(key_split(f.key) for f in programs) == ["dev0-program", "dev1-program", "dev2-program"]
     rng = np.random.default_rng(1)
     dataset = ArrayDataset({"images": rng.standard_normal((8, 1, 16, 16)), "labels": rng.integers(0, 10, 8)})
@@ -192,6 +192,28 @@ def test_a_step_is_one_dask_task_per_device_and_one_more_to_read(machine4):
     graph_keys = {k for k in run.run.keys if isinstance(k, str) and "-it" in k}
     per_device = Counter(key_split(k).split("-")[0] for k in graph_keys)
     assert set(per_device) == {"dev0", "dev1", "dev2"} and max(per_device.values()) <= 2
+
+
+def _in_memory(keys, dask_scheduler=None) -> int:
+    return sum(1 for key in keys if key in dask_scheduler.tasks and dask_scheduler.tasks[key].state == "memory")
+
+
+def test_finished_steps_futures_kept_do_not_keep_their_parameters_on_the_workers(machine4):
+    """A program's result holds its device's new parameters: a finished step's future keeps only
+    its loss, so a caller holding many futures holds no more of them than the trainer needs."""
+    graph = small_lenet()
+    trainer = Trainer(graph, mixed_lenet_strategy(graph), machine4, lr=0.05, snapshot_every=None)
+    x, y = batches(graph, 1)[0]
+    futures, programs = [], []
+    for _ in range(10):  # (submit waits for the oldest step beyond 4 in flight, which finishes it)
+        futures.append(trainer.submit(x, y))
+        programs += [f.key for f in futures[-1].run.outputs["done"]]
+    losses = [f.result() for f in futures]
+    held = machine4.client.run_on_scheduler(_in_memory, programs)
+    assert held <= 3 * 3, held  # three devices, a few steps the trainer keeps (not the ten)
+    assert all(np.isfinite(losses)) and all(f.run.outputs == {} for f in futures)
+    del futures
+    assert machine4.client.run_on_scheduler(_in_memory, programs) == held
 
 
 def test_programs_equal_tasks_bit_for_bit(machine4):

@@ -217,8 +217,9 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
         monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())  # its state exported
         trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64", executor="tasks")
         futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
+        last = futures[-1].run  # (a finished step's future keeps its loss, not its outputs)
         results[executor] = [f.result() for f in futures], trainer.parameters()
-        held = {str(f.key) for f in futures[-1].run.outputs["state"].values()}
+        held = {str(f.key) for f in last.outputs["state"].values()}
     answers = machine4.client.run(_inline_tasks)
     assert all(has for has, _ in answers.values())
     ran = {key for _, keys in answers.values() for key in keys}
@@ -259,8 +260,8 @@ def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
             futures = [trainer.submit(x, y) for x, y in data[:3]]
             middle = trainer.parameters()  # read out of the runs, steps in flight
             futures += [trainer.submit(x, y) for x, y in data[3:]]
+            last = futures[-1].run  # (a finished step's future keeps its loss, not its outputs)
             results[keep] = [f.result() for f in futures], middle, trainer.parameters(), trainer.stats
-            last = futures[-1].run
             kept = [v for v in [*last.outputs["state"].values(), *last.outputs["loss"]] if isinstance(v, RunValue)]
             assert bool(kept) == (keep and strategy is not mixed_)
             if keep and strategy is one:  # one task a step; the next step's run takes this one as an input
