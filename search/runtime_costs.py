@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from ops import reuse
 from search.step_costs import robust_line, step_costs, trimmed_mean
 from taskrt.device_kinds import DEVICE_KINDS
 
@@ -250,7 +251,9 @@ def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool =
                    # CPU workers on one host send large values through shared memory, at its own rate
                    cpu_per_byte_s=c.get("program_cpu_per_byte_s", c["cpu_per_byte_s"]) if one_host
                    else c["cpu_per_byte_s"],
-                   message_bandwidth=c.get("program_bandwidth", 0.0) if one_host else 0.0)
+                   message_bandwidth=c.get("program_bandwidth", 0.0) if one_host else 0.0,
+                   # there, weights and gradients made on reused memory go without a copy
+                   lent_min_bytes=reuse.MIN_BYTES if one_host else 0)
 
 
 def data_seconds(c: dict, plan, dataset: bool) -> float:

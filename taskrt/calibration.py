@@ -207,16 +207,23 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
     return out
 
 
-def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: str = "auto") -> list:
+def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: str = "auto",
+               reused: bool = False) -> list:
     """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
     (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
-    the seconds of each round trip.  `link`: as `Mailbox.send`'s."""
+    the seconds of each round trip.  `link`: as `Mailbox.send`'s.  `reused`: the value made on
+    `ops.reuse`'s memory, as kernels make weights and gradients (on one host: lent, not copied);
+    else on the heap, as other values are."""
     from distributed import get_worker
 
+    from ops import reuse
     from taskrt.mailbox import mailbox_of
 
     box = mailbox_of(get_worker())
     payload, ack = np.ones(max(nbytes // 8, 1)), np.zeros(1, dtype=np.uint8)
+    if reused:
+        payload = reuse.empty(payload.shape, payload.dtype)
+        payload[:] = 1.0
     times = []
     for i in range(rounds):
         if role == "a":

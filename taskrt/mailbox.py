@@ -5,9 +5,10 @@ Each worker has a mailbox (`Mailbox`, a worker plugin): a handler on the worker'
 it takes it from there, waiting if it has not arrived yet.  A program sends from its own thread:
 the message is written by the worker's event loop, through the worker's pool of connections, as
 a one-way message (no answer to wait for), so the program goes on computing meanwhile.  An array
-of at least `shared_memory.MIN_BYTES` to a worker on the same host is copied once into the
-sender's shared memory and the message says where (`taskrt.shared_memory`); other values travel
-as the message's own frames, not copied into it (distributed's serialization).
+of at least `shared_memory.MIN_BYTES` to a worker on the same host goes through shared memory and
+the message says where (`taskrt.shared_memory`): in place when a kernel made it there (the large
+results on `ops.reuse`'s memory, which on a worker is shared), else copied there once; other
+values travel as the message's own frames, not copied into it (distributed's serialization).
 
 Each value that arrives is logged in the worker's `transfer_incoming_log` (and each sent in the
 sender's `transfer_outgoing_log`) in Dask's own form, under its key: the bytes a step moved are
@@ -31,6 +32,7 @@ from dask.sizeof import sizeof
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from ops import reuse
 from taskrt import local_link, shared_memory
 
 WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
@@ -67,8 +69,12 @@ class Mailbox(WorkerPlugin):
         # arrays to a worker on the same host through shared memory (taskrt.shared_memory)
         self.shm_sender = shared_memory.Sender() if shared_memory.available() else None
         self.shm_receiver = shared_memory.Receiver()
+        self.shm_blocks = None
         if self.shm_sender is not None:
             shared_memory.sweep()
+            # large results made in shared memory, lent to workers on this host without a copy
+            self.shm_blocks = shared_memory.Blocks()
+            reuse.set_source(self.shm_blocks)
         # messages over sockets of their own, past both event loops (taskrt.local_link): to workers on
         # this host over Unix sockets; to others over TCP where the cluster speaks plain TCP (not TLS)
         self.links, self.listener = None, None
@@ -88,6 +94,11 @@ class Mailbox(WorkerPlugin):
     def teardown(self, worker):
         if getattr(self, "shm_sender", None) is not None:
             self.shm_sender.close()
+        if getattr(self, "shm_blocks", None) is not None:
+            previous = reuse.set_source(None)
+            if previous is not self.shm_blocks:  # another's: left as it was
+                reuse.set_source(previous)
+            self.shm_blocks.close()
         if getattr(self, "listener", None) is not None:
             self.listener.close()
             self.links.close()
@@ -158,7 +169,8 @@ class Mailbox(WorkerPlugin):
                "sent": start}
         slot, near = None, shared_memory.same_host(self.worker.address, address)
         if self.shm_sender is not None and near and shared_memory.eligible(value):
-            slot = self.shm_sender.write(value)  # None: the pool is full, over TCP
+            # in place when it lies in this worker's shared blocks, else copied (None: no room, over TCP)
+            slot = self.shm_blocks.lend(value, address) or self.shm_sender.write(value)
         if slot is not None:
             msg["slot"] = slot.as_message()
         future = None

@@ -18,6 +18,9 @@ from ops.rect import Rect
 from taskrt.config import Part, blocks
 
 TASK, STATE, DATA, HYPER, BUFFER = "task", "state", "data", "hyper", "buffer"
+# phases whose values are a shard's weights or gradient (or a chunk of one), as large as the shard:
+# their kernels make them on `ops.reuse`'s memory
+PARAMETER_PHASES = frozenset({"wfetch", "grad", "rslice", "update", "reduce"})
 
 
 @dataclass(frozen=True)

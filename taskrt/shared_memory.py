@@ -13,11 +13,20 @@ the sender writes into it again only once it is clear.  A sender keeps at most `
 segments; beyond that (receivers holding many arrays at once) values go over TCP as before.
 Segments are the sender's: removed when its process exits, and swept at start-up when the process
 that made them is gone (a worker killed by SIGKILL).
+
+Without the copy (`Blocks`): on a worker, the large arrays kernels make on reused memory
+(`ops.reuse`: weights and velocities from the update, packed and summed gradients, fully-connected
+layers' weight gradients) are made in segments in the first place, so sending one to a worker on
+the host copies nothing: the message says where it lies (`Blocks.lend`), the receiver reads it in
+place, read-only.  Such a segment is read by many receivers at once: per receiving worker, a byte
+the sender counts up for each array it lends and one the receiver counts up as each is collected;
+`ops.reuse` hands the block out again only when every pair is equal.
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
 import ctypes
 import mmap
 import os
@@ -32,7 +41,8 @@ DIRECTORY = "/dev/shm"
 PREFIX = "taskrt-"
 MIN_BYTES = 256 * 1024  # smaller values cost less over TCP than a copy's bookkeeping
 POOL_BYTES = 4 * 2**30  # a sender's segments at most
-HEADER = 64  # the in-use byte, and the array aligned for any dtype after it
+HEADER = 64  # the in-use byte (or Blocks' pairs of counts), and the array aligned for any dtype after it
+READERS = HEADER // 2 - 1  # receiving workers a Blocks segment counts lends for (bytes 2..63, a pair each)
 GRAIN = 2**20  # segment sizes rounded up to this, so that similar values share segments
 
 
@@ -44,13 +54,17 @@ class Slot:
     size: int  # the segment's bytes
     dtype: str
     shape: tuple
+    offset: int = HEADER  # where the array starts in the segment
+    done: int = 0  # the byte the receiver marks the array's collection in (0: clears the in-use byte)
 
     def as_message(self) -> dict:  # plain values: what distributed's messages carry without pickling
-        return {"path": self.path, "size": self.size, "dtype": self.dtype, "shape": list(self.shape)}
+        return {"path": self.path, "size": self.size, "dtype": self.dtype, "shape": list(self.shape),
+                "offset": self.offset, "done": self.done}
 
     @staticmethod
     def from_message(message: dict) -> Slot:
-        return Slot(message["path"], message["size"], message["dtype"], tuple(message["shape"]))
+        return Slot(message["path"], message["size"], message["dtype"], tuple(message["shape"]),
+                    message.get("offset", HEADER), message.get("done", 0))
 
 
 def available() -> bool:
@@ -72,10 +86,15 @@ class _Segment:
     def __init__(self, path, size):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # the pages taken now: a /dev/shm too small (a container's 64 MB) fails here with
+            # ENOSPC, where a mapping of a truncated file would kill the process at its first write
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
+        except OSError:
             os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         self.path, self.size = path, size
 
     @property
@@ -95,10 +114,14 @@ class Sender:
         atexit.register(self.close)
 
     def write(self, value: np.ndarray) -> Slot | None:
-        """`value` copied into a free segment, or None when the pool is full (send it over TCP)."""
+        """`value` copied into a free segment, or None when the pool is full or /dev/shm has no
+        room (send it over TCP)."""
         nbytes = value.nbytes
         with self.lock:
-            segment = self._free(nbytes)
+            try:
+                segment = self._free(nbytes)
+            except OSError:
+                segment = None
             if segment is None:
                 return None
             segment.map[0] = 1
@@ -128,6 +151,92 @@ class Sender:
             self.segments = []
 
 
+class Blocks:
+    """Shared memory as `ops.reuse`'s source of large blocks (`ops.reuse.set_source`), and the
+    lending of arrays that lie in it to workers on this host (see the module's docstring)."""
+
+    def __init__(self, pool_bytes: int = POOL_BYTES, directory: str = DIRECTORY):
+        self.pool_bytes, self.directory = pool_bytes, directory
+        self.lock = threading.Lock()
+        self.starts: list[int] = []  # sorted addresses of the blocks' first bytes
+        self.blocks: dict[int, tuple] = {}  # address -> (segment, block's bytes)
+        self.readers: dict[str, int] = {}  # receiving worker -> its pair of bytes (2 r, 2 r + 1)
+        self.bytes, self.count = 0, 0
+        self.token = os.urandom(4).hex()
+        atexit.register(self.close)
+
+    def new(self, nbytes: int) -> np.ndarray | None:
+        """A writable block of `nbytes` in a segment of its own; None when the pool is full or
+        /dev/shm has no room (ops.reuse then takes the heap)."""
+        size = -(-(nbytes + HEADER) // GRAIN) * GRAIN
+        with self.lock:
+            if self.bytes + size > self.pool_bytes:
+                return None
+            self.count += 1
+            path = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{self.token}-b{self.count}")
+            try:
+                segment = _Segment(path, size)
+            except OSError:
+                return None
+            block = np.frombuffer(segment.map, np.uint8, count=nbytes, offset=HEADER)
+            start = block.ctypes.data
+            bisect.insort(self.starts, start)
+            self.blocks[start] = (segment, nbytes)
+            self.bytes += size
+        # ops.reuse let the block go: its file goes (a receiver's mapping of it stays valid)
+        weakref.finalize(block, self._dropped, start)
+        return block
+
+    def _dropped(self, start: int) -> None:
+        with self.lock:
+            segment, _ = self.blocks.pop(start)
+            self.starts.remove(start)
+            self.bytes -= segment.size
+        _unlink(segment.path)
+
+    def lent(self, block: np.ndarray) -> bool:
+        """Whether a receiver still reads an array it was lent from `block`."""
+        found = self.blocks.get(block.ctypes.data)
+        if found is None:
+            return False
+        header = found[0].map[2:HEADER]
+        return header[0::2] != header[1::2]
+
+    def lend(self, value, reader: str) -> Slot | None:
+        """Where `value` lies, for worker `reader` to read in place, when it lies in one of these
+        blocks (C-contiguous); None otherwise, or when `reader` would be more than READERS."""
+        if type(value) is not np.ndarray or not value.flags.c_contiguous or value.nbytes == 0:
+            return None
+        address = value.ctypes.data
+        with self.lock:
+            i = bisect.bisect_right(self.starts, address) - 1
+            if i < 0:
+                return None
+            start = self.starts[i]
+            segment, nbytes = self.blocks[start]
+            if address + value.nbytes > start + nbytes:
+                return None
+            index = self.readers.get(reader)
+            if index is None:
+                if len(self.readers) >= READERS:
+                    return None
+                index = self.readers[reader] = 2 * (len(self.readers) + 1)
+            segment.map[index] = (segment.map[index] + 1) % 256
+        return Slot(segment.path, segment.size, value.dtype.str, value.shape, HEADER + address - start, index + 1)
+
+    def close(self) -> None:
+        with self.lock:
+            for segment, _ in self.blocks.values():
+                _unlink(segment.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class Receiver:
     """The segments this process reads from, each mapped once."""
 
@@ -136,10 +245,12 @@ class Receiver:
         self.lock = threading.Lock()
 
     def read(self, slot: Slot) -> np.ndarray:
-        """The array `slot` names, in place; its segment is cleared when the array is collected."""
+        """The array `slot` names, in place; the sender learns it may write there again when the
+        array is collected.  A lent array (`Blocks.lend`) is read-only: it is the sender's value."""
         with self.lock:
             mapped = self.maps.get(slot.path)
             if mapped is None or len(mapped) != slot.size:
+                self._forget_removed()
                 fd = os.open(slot.path, os.O_RDWR)
                 try:
                     mapped = mmap.mmap(fd, slot.size, flags=mmap.MAP_SHARED)
@@ -149,17 +260,32 @@ class Receiver:
         dtype = np.dtype(slot.dtype)
         nbytes = int(np.prod(slot.shape, dtype=np.int64)) * dtype.itemsize
         # The array's memory through an object of its own, which every view of the array keeps alive:
-        # the segment is cleared only when the last of them is collected.
-        window = (ctypes.c_char * max(nbytes, 1)).from_buffer(mapped, HEADER)
-        weakref.finalize(window, _clear, mapped)
-        return np.frombuffer(window, dtype, count=nbytes // dtype.itemsize).reshape(slot.shape)
+        # the segment is marked only when the last of them is collected.
+        window = (ctypes.c_char * max(nbytes, 1)).from_buffer(mapped, slot.offset)
+        weakref.finalize(window, self._done, mapped, slot.done)
+        array = np.frombuffer(window, dtype, count=nbytes // dtype.itemsize).reshape(slot.shape)
+        if slot.done:
+            array.flags.writeable = False
+        return array
 
+    def _done(self, mapped, done: int) -> None:
+        try:
+            if done == 0:
+                mapped[0] = 0
+            else:
+                with self.lock:  # collections on two threads must not lose a count
+                    mapped[done] = (mapped[done] + 1) % 256
+        except ValueError:  # unmapped at exit
+            pass
 
-def _clear(mapped) -> None:
-    try:
-        mapped[0] = 0
-    except ValueError:  # unmapped at exit
-        pass
+    def _forget_removed(self) -> None:
+        """Unmap the segments their senders have removed and nothing here reads any more."""
+        for path in [p for p in self.maps if not os.path.exists(p)]:
+            try:
+                self.maps[path].close()
+            except BufferError:  # an array here still reads it
+                continue
+            del self.maps[path]
 
 
 def sweep(directory: str = DIRECTORY) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from taskrt.fusion import fused_plan
-from taskrt.plan import HYPER, TASK, Dep, Plan, output_keys
+from taskrt.plan import HYPER, PARAMETER_PHASES, STATE, TASK, Dep, Plan, output_keys
 from taskrt.programs import device_order
 
 
@@ -80,6 +80,10 @@ class Runtime:
     # With programs, the bytes per second of a large value between two programs where that is not
     # the link's (on one host they go through shared memory: taskrt.shared_memory); 0: the link's
     message_bandwidth: float = 0.0
+    # With programs on one host, a parameter-sized value (a shard's weights or gradient: `lent`) of
+    # at least this many bytes is lent where it lies (taskrt.shared_memory.Blocks): no bytes copied,
+    # the message's latency only; 0: none is
+    lent_min_bytes: int = 0
     # With programs, steps sent ahead as `Trainer.fit` sends them: a device's program is on its
     # worker before the one of the step before ends there (it reads that one's state on the worker:
     # taskrt.program_executor), so the client's work on a step, its graph's intake, the dispatch and
@@ -87,6 +91,15 @@ class Runtime:
     # devices' work with every program starting at once, the scheduler's time sending the step's
     # programs (`scheduler_per_task_s` each) and the client's own time on it (`start_s`).
     steps_ahead: bool = False
+
+
+def lent(plan, transfer, runtime: Runtime) -> bool:
+    """Whether a program lends `transfer`'s value in place (see `Runtime.lent_min_bytes`): a
+    shard's weights or gradient, which the kernels make on `ops.reuse`'s memory."""
+    if not runtime.programs or not runtime.lent_min_bytes or transfer.nbytes < runtime.lent_min_bytes:
+        return False
+    dep = transfer.dep
+    return dep.kind == STATE or (dep.kind == TASK and plan.by_key[dep.key].phase in PARAMETER_PHASES)
 
 
 @dataclass
@@ -155,8 +168,9 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
     # With programs, Dask sees one task per device (its program), not one per plan task.
     dask_tasks = len(program_devices(plan)) if runtime.programs else len(plan.tasks)
+    copied = sum(t.nbytes for t in plan.transfers() if not lent(plan, t, runtime))
     runtime_cpu = (runtime.cpu_per_task_s * dask_tasks + runtime.cpu_per_message_s * len(plan.transfers())
-                   + runtime.cpu_per_byte_s * plan.bytes_moved)
+                   + runtime.cpu_per_byte_s * copied)
     origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
     per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
     result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu,
@@ -225,7 +239,8 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
         reader[0] = t.reader
         same_node = node[t.src] == node[t.dst]
         message_s = runtime.message_s if same_node or runtime.remote_message_s is None else runtime.remote_message_s
-        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, t.nbytes, at, message_s,
+        nbytes = 0 if same_node and lent(plan, t, runtime) else t.nbytes
+        arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, nbytes, at, message_s,
                                            runtime.message_bandwidth if same_node else 0.0)
 
     program_start, position, sends = {}, {}, defaultdict(list)

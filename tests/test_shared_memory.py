@@ -73,3 +73,74 @@ def test_segments_of_dead_processes_are_swept(tmp_path):
     (tmp_path / "other").write_bytes(b"x")
     assert shm.sweep(str(tmp_path)) == 1
     assert sorted(os.listdir(tmp_path)) == sorted([f"{shm.PREFIX}{os.getpid()}-ab-1", "other"])
+
+
+@pytest.fixture
+def blocks(tmp_path):
+    from ops import reuse
+
+    made = shm.Blocks(pool_bytes=64 * shm.GRAIN, directory=str(tmp_path))
+    previous = reuse.set_source(made)
+    yield made
+    reuse.set_source(previous)
+    made.close()
+
+
+def test_a_result_made_in_shared_blocks_is_lent_without_a_copy_and_read_only(blocks):
+    from ops import reuse
+
+    receiver = shm.Receiver()
+    value = reuse.empty((reuse.MIN_BYTES // 4,), np.float32)
+    value[:] = 1.0
+    slot = shm.Slot.from_message(blocks.lend(value, "tcp://127.0.0.1:1").as_message())
+    got = receiver.read(slot)
+    np.testing.assert_array_equal(got, value)
+    value[0] = 5.0  # the same memory, not a copy (the sender never writes a sent value in a step)
+    assert got[0] == 5.0
+    with pytest.raises(ValueError):
+        got[1] = 2.0
+    part = value[1000:3000]  # a view inside the block is lent where it lies
+    got_part = receiver.read(blocks.lend(part, "tcp://127.0.0.1:1"))
+    np.testing.assert_array_equal(got_part, part)
+    assert blocks.lend(np.ones(reuse.MIN_BYTES // 4, np.float32), "tcp://127.0.0.1:1") is None  # not in a block
+    assert blocks.lend(value[::2], "tcp://127.0.0.1:1") is None  # not contiguous
+
+
+def test_a_lent_block_is_handed_out_again_only_once_every_receiver_is_done(blocks):
+    from ops import reuse
+
+    receiver = shm.Receiver()
+    shape = (reuse.MIN_BYTES // 4,)
+    value = reuse.empty(shape, np.float32)
+    address = value.ctypes.data
+    value[:] = 3.0
+    held = [receiver.read(blocks.lend(value, f"tcp://127.0.0.1:{port}")) for port in (1, 2, 2)]
+    del value
+    gc.collect()
+    for _ in range(len(held)):
+        fresh = reuse.empty(shape, np.float32)  # the sender's own array is gone, its receivers' not
+        assert fresh.ctypes.data != address
+        fresh[:] = 0.0
+        assert all((h == 3.0).all() for h in held)
+        del fresh, held[0]
+        gc.collect()
+    again = [reuse.empty(shape, np.float32) for _ in range(3)]
+    assert address in [a.ctypes.data for a in again]  # every receiver done: used again
+
+
+def test_blocks_beyond_the_pool_or_dev_shm_come_from_the_heap(blocks, monkeypatch):
+    from ops import reuse
+
+    blocks.pool_bytes = 0
+    assert blocks.new(reuse.MIN_BYTES) is None
+    assert reuse.empty((reuse.MIN_BYTES,), np.uint8).nbytes == reuse.MIN_BYTES
+    blocks.pool_bytes = shm.POOL_BYTES
+
+    def no_room(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    assert blocks.new(reuse.MIN_BYTES) is None
+    sender = shm.Sender(directory=blocks.directory)
+    assert sender.write(np.zeros(shm.MIN_BYTES)) is None  # the copy's segment too: over TCP instead
+    assert os.listdir(blocks.directory) == []

@@ -507,6 +507,27 @@ def test_programs_on_one_node_move_bytes_at_the_message_rate_and_between_nodes_a
     assert at(run(p, {"a": 1.0}, two_nodes, rt), "b")[0] == 1.0 + 0.5  # between nodes: the link's rate
 
 
+def test_programs_on_one_node_lend_weights_and_gradients_of_lent_size_without_copying_them():
+    """`lent_min_bytes`: on one node, a shard's weights or gradient that large goes at the message's
+    latency alone and costs no processor time per byte; an activation as large is copied, and so
+    is a smaller gradient; between nodes everything is sent."""
+    def grad(name, device, after, nbytes):
+        return Task((name,), "grad", name, device, _noop, (Dep(TASK, (after,)),), nbytes)
+
+    p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"]), task("c", 1, nbytes=500),
+                grad("g", 1, "c", 500), grad("h", 1, "c", 100),
+                task("u", 0, deps=(Dep(TASK, ("g",)), Dep(TASK, ("h",)))))
+    rt = Runtime(programs=True, message_bandwidth=1000.0, lent_min_bytes=400)
+    sim = run(p, {"a": 1.0, "c": 1.0}, LINKS, rt)
+    assert at(sim, "b")[0] == 1.0 + 0.5  # the activation: copied at the message rate
+    assert at(sim, "u")[0] == 1.0 + 0.1  # the large gradient lent; the small one (100 B) copied after it
+    costs = replace(rt, cores=2, cpu_per_byte_s=0.001)
+    # the kernels, and the bytes copied: the activation and the small gradient
+    assert run(p, {"a": 1.0, "c": 1.0}, LINKS, costs).cpu_s == pytest.approx(2.0 + 0.001 * 600)
+    two_nodes = Machine.simulated(2, 1, inter_bandwidth=1000.0, latency=0.0)
+    assert at(run(p, {"a": 1.0, "c": 1.0}, two_nodes, rt), "u")[0] == 1.0 + 0.5 + 0.1  # sent, one after another
+
+
 def test_programs_message_between_nodes_with_their_own_latency():
     """On one host programs message over a Unix socket (`message_s`), between hosts over
     distributed's comms (`remote_message_s`)."""
