@@ -67,8 +67,10 @@ def programs_verdict(record) -> str:
     worst = max(r["programs_tasks_per_device"] for r in rows)
     return (f"Dask tasks per step and device at most {worst:g} ({met(worst <= TASKS_GOAL)}, goal {TASKS_GOAL}); "
             f"a value between programs {hops['hop_s'] * 1e3:.2f} ms ({met(hops['hop_s'] <= HOP_GOAL_S)}, goal "
-            f"{HOP_GOAL_S * 1e3:g} ms); a 64 MB tile at {hops['large_rate'] / 1e9:.2f} GB/s "
-            f"({met(hops['large_rate'] >= RATE_GOAL)}, goal {RATE_GOAL / 1e9:g} GB/s); programs' step "
+            f"{HOP_GOAL_S * 1e3:g} ms); a 64 MB tile (goal {RATE_GOAL / 1e9:g} GB/s) of weights or gradients, "
+            f"lent in place, at {hops.get('lent_rate', 0.0) / 1e9:.1f} GB/s "
+            f"({met(hops.get('lent_rate', 0.0) >= RATE_GOAL)}), of activations, copied, at "
+            f"{hops['large_rate'] / 1e9:.2f} GB/s ({met(hops['large_rate'] >= RATE_GOAL)}); programs' step "
             f"{min(r['speedup'] for r in rows):.2f}x to {max(r['speedup'] for r in rows):.2f}x as fast as "
             "a Dask task per fused run (no goal)")
 
