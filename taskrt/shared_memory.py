@@ -221,6 +221,7 @@ class Blocks:
                 if len(self.readers) >= READERS:
                     return None
                 index = self.readers[reader] = 2 * (len(self.readers) + 1)
+            # counts modulo 256: up to 255 arrays of one block lent to one worker at a time
             segment.map[index] = (segment.map[index] + 1) % 256
         return Slot(segment.path, segment.size, value.dtype.str, value.shape, HEADER + address - start, index + 1)
 
