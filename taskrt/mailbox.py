@@ -228,6 +228,8 @@ class Mailbox(WorkerPlugin):
                         return value
                     raise ProgramAborted(f"step {tag}: {self.aborted[tag]}")
             if not self._alive(sender):
+                if self.shm_blocks is not None:  # what it was lent here is read by no one now
+                    self.shm_blocks.forget(sender)
                 raise PeerLost(f"the worker at {sender} is gone: its value {key} never came")
 
     def _alive(self, address: str) -> bool:

@@ -225,6 +225,18 @@ class Blocks:
             segment.map[index] = (segment.map[index] + 1) % 256
         return Slot(segment.path, segment.size, value.dtype.str, value.shape, HEADER + address - start, index + 1)
 
+    def forget(self, reader: str) -> None:
+        """Worker `reader` is gone: what it was lent is read by no one now.  (Its counts of what it
+        is done with will not move again: the sender's own counts are set to them.)"""
+        with self.lock:
+            index = self.readers.pop(reader, None)
+            if index is None:
+                return
+            for segment, _ in self.blocks.values():
+                segment.map[index] = segment.map[index + 1]
+            # the pair is given to no other worker: a late count from this one would free its arrays
+            self.readers[f"(gone) {reader}"] = index
+
     def close(self) -> None:
         with self.lock:
             for segment, _ in self.blocks.values():

@@ -128,6 +128,25 @@ def test_a_lent_block_is_handed_out_again_only_once_every_receiver_is_done(block
     assert address in [a.ctypes.data for a in again]  # every receiver done: used again
 
 
+def test_what_a_lost_worker_was_lent_is_handed_out_again(blocks):
+    from ops import reuse
+
+    shape = (reuse.MIN_BYTES // 4,)
+    value = reuse.empty(shape, np.float32)
+    address = value.ctypes.data
+    held = shm.Receiver().read(blocks.lend(value, "tcp://127.0.0.1:1"))  # never collected: its worker died
+    del value
+    gc.collect()
+    assert reuse.empty(shape, np.float32).ctypes.data != address
+    blocks.forget("tcp://127.0.0.1:1")
+    blocks.forget("tcp://127.0.0.1:9")  # never lent anything: nothing to do
+    again = [reuse.empty(shape, np.float32) for _ in range(2)]  # held: each a block of its own
+    assert address in [a.ctypes.data for a in again]
+    slot = blocks.lend(again[0], "tcp://127.0.0.1:2")
+    assert slot.done != 2 * 1 + 1  # the lost worker's pair is not given to another
+    assert held.shape == shape
+
+
 def test_blocks_beyond_the_pool_or_dev_shm_come_from_the_heap(blocks, monkeypatch):
     from ops import reuse
 
