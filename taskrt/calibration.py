@@ -220,10 +220,9 @@ def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: s
     from taskrt.mailbox import mailbox_of
 
     box = mailbox_of(get_worker())
-    payload, ack = np.ones(max(nbytes // 8, 1)), np.zeros(1, dtype=np.uint8)
-    if reused:
-        payload = reuse.empty(payload.shape, payload.dtype)
-        payload[:] = 1.0
+    shape, ack = (max(nbytes // 8, 1),), np.zeros(1, dtype=np.uint8)
+    payload = reuse.empty(shape, np.float64) if reused else np.empty(shape)
+    payload[:] = 1.0
     times = []
     for i in range(rounds):
         if role == "a":

@@ -91,11 +91,21 @@ class _Segment:
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError:
-            os.close(fd)
             os.unlink(path)
             raise
-        os.close(fd)
+        finally:
+            os.close(fd)
         self.path, self.size = path, size
+
+    @staticmethod
+    def size_for(nbytes: int) -> int:
+        """A segment's bytes for an array of `nbytes`: rounded up to GRAIN, so similar ones share."""
+        return -(-(nbytes + HEADER) // GRAIN) * GRAIN
+
+    @staticmethod
+    def path_for(directory: str, token: str, name) -> str:
+        """Segments are named after their process (`sweep`), and `token` within it."""
+        return os.path.join(directory, f"{PREFIX}{os.getpid()}-{token}-{name}")
 
     @property
     def free(self) -> bool:
@@ -133,21 +143,18 @@ class Sender:
         fits = [s for s in self.segments if s.size - HEADER >= nbytes and s.free]
         if fits:
             return min(fits, key=lambda s: s.size)
-        size = -(-(nbytes + HEADER) // GRAIN) * GRAIN
+        size = _Segment.size_for(nbytes)
         if sum(s.size for s in self.segments) + size > self.pool_bytes:
             return None
         self.count += 1
-        segment = _Segment(os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{self.token}-{self.count}"), size)
+        segment = _Segment(_Segment.path_for(self.directory, self.token, self.count), size)
         self.segments.append(segment)
         return segment
 
     def close(self) -> None:
         with self.lock:
             for segment in self.segments:
-                try:
-                    os.unlink(segment.path)
-                except FileNotFoundError:
-                    pass
+                _unlink(segment.path)
             self.segments = []
 
 
@@ -168,14 +175,13 @@ class Blocks:
     def new(self, nbytes: int) -> np.ndarray | None:
         """A writable block of `nbytes` in a segment of its own; None when the pool is full or
         /dev/shm has no room (ops.reuse then takes the heap)."""
-        size = -(-(nbytes + HEADER) // GRAIN) * GRAIN
+        size = _Segment.size_for(nbytes)
         with self.lock:
             if self.bytes + size > self.pool_bytes:
                 return None
             self.count += 1
-            path = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{self.token}-b{self.count}")
             try:
-                segment = _Segment(path, size)
+                segment = _Segment(_Segment.path_for(self.directory, self.token, f"b{self.count}"), size)
             except OSError:
                 return None
             block = np.frombuffer(segment.map, np.uint8, count=nbytes, offset=HEADER)

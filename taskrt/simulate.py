@@ -93,10 +93,13 @@ class Runtime:
     steps_ahead: bool = False
 
 
-def lent(plan, transfer, runtime: Runtime) -> bool:
+def lent(plan, transfer, runtime: Runtime, machine) -> bool:
     """Whether a program lends `transfer`'s value in place (see `Runtime.lent_min_bytes`): a
-    shard's weights or gradient, which the kernels make on `ops.reuse`'s memory."""
+    shard's weights or gradient, which the kernels make on `ops.reuse`'s memory, to a device on
+    the same node."""
     if not runtime.programs or not runtime.lent_min_bytes or transfer.nbytes < runtime.lent_min_bytes:
+        return False
+    if machine.devices[transfer.src].node != machine.devices[transfer.dst].node:
         return False
     dep = transfer.dep
     return dep.kind == STATE or (dep.kind == TASK and plan.by_key[dep.key].phase in PARAMETER_PHASES)
@@ -168,7 +171,7 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
     # With programs, Dask sees one task per device (its program), not one per plan task.
     dask_tasks = len(program_devices(plan)) if runtime.programs else len(plan.tasks)
-    copied = sum(t.nbytes for t in plan.transfers() if not lent(plan, t, runtime))
+    copied = sum(t.nbytes for t in plan.transfers() if not lent(plan, t, runtime, machine))
     runtime_cpu = (runtime.cpu_per_task_s * dask_tasks + runtime.cpu_per_message_s * len(plan.transfers())
                    + runtime.cpu_per_byte_s * copied)
     origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
@@ -239,7 +242,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
         reader[0] = t.reader
         same_node = node[t.src] == node[t.dst]
         message_s = runtime.message_s if same_node or runtime.remote_message_s is None else runtime.remote_message_s
-        nbytes = 0 if same_node and lent(plan, t, runtime) else t.nbytes
+        nbytes = 0 if lent(plan, t, runtime, machine) else t.nbytes
         arrived[(t.dep, t.dst)] = transfer(t.src, t.dst, nbytes, at, message_s,
                                            runtime.message_bandwidth if same_node else 0.0)
 
