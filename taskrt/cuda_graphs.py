@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 WARMUP_CALLS = 2  # ordinary calls of a run before it is captured
 ALIGN = 256  # bytes: where each output copy starts in the buffer the copies share
-MAX_PROGRAMS = 16  # captured runs kept per worker process (each holds its intermediates' memory)
+MAX_PROGRAMS = 256  # runs kept per worker: more than one step of a device runs (each capture holds its memory)
+INVALIDATED = 2  # cudaStreamCaptureStatusInvalidated
 
 
 class CaptureError(RuntimeError):
@@ -117,9 +118,12 @@ def call(run, inputs, backend=None):
     paths = read_order(run.steps)
     values = [_at(inputs, path) for path in paths]
     leaves, structure = flatten(values, backend.is_array)
-    if any(not backend.is_array(leaf) for leaf in leaves):  # e.g. a batch given as numpy, copied in the run
+    arrays = [leaf for leaf in leaves if backend.is_array(leaf)]
+    constants = [leaf for leaf in leaves if not backend.is_array(leaf)]
+    if any(hasattr(c, "shape") for c in constants):  # e.g. a batch given as numpy, copied in the run
         return run.run(inputs)
-    signature = (structure, tuple((leaf.shape, leaf.dtype.str) for leaf in leaves), _literals(run.steps))
+    # Values that are not arrays (a program's hyper-parameters) are constants of the capture, as literals are
+    signature = (structure, tuple((a.shape, a.dtype.str) for a in arrays), _literals(run.steps), repr(constants))
     captured = program.graphs.get(signature)
     if captured is None:
         program.calls[signature] += 1
@@ -128,10 +132,11 @@ def call(run, inputs, backend=None):
         try:
             captured = Captured.of(run, inputs, paths, leaves, structure, backend)
         except Exception as error:  # noqa: BLE001  (any failure to capture: run as before, say why once)
-            return _fall_back(program, run, inputs, f"{type(error).__name__}: {error}")
+            notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))  # the step that failed
+            return _fall_back(program, run, inputs, f"{type(error).__name__}: {error}{notes}")
         program.graphs[signature] = captured
         return captured.outputs_copied()
-    return captured.replay(leaves)
+    return captured.replay(arrays)
 
 
 @dataclass
@@ -146,9 +151,11 @@ class Captured:
 
     @classmethod
     def of(cls, run, inputs, paths, leaves, structure, backend) -> Captured:
-        static = [backend.copy(leaf) for leaf in leaves]
-        static_inputs = substitute(inputs, paths, unflatten(structure, static))
-        graph, outputs = backend.capture(lambda: run.run(static_inputs))
+        """`leaves`: the values the run reads, arrays (read from static copies) and constants."""
+        copied = [backend.copy(leaf) if backend.is_array(leaf) else leaf for leaf in leaves]
+        static = [c for c, leaf in zip(copied, leaves) if backend.is_array(leaf)]
+        static_inputs = substitute(inputs, paths, unflatten(structure, copied))
+        graph, outputs = backend.capture(lambda watch=None: run.run(static_inputs, watch))
         out_leaves, out_structure = flatten(outputs, backend.is_array)
         if any(leaf is not None and not backend.is_array(leaf) for leaf in out_leaves):
             raise CaptureError("the run returns values that are not arrays on this device")
@@ -156,8 +163,8 @@ class Captured:
         graph()  # a capture records the kernels without running them
         return captured
 
-    def replay(self, leaves):
-        self.backend.copy_all(self.static, leaves)
+    def replay(self, arrays):
+        self.backend.copy_all(self.static, arrays)
         self.replay_graph()
         return self.outputs_copied()
 
@@ -294,19 +301,39 @@ class TorchBackend:
         return self.torch.from_dlpack(x)
 
     def capture(self, fn):
+        """`fn(watch)` captured: `watch(key)`, called after each of its steps, finds the first step
+        that broke the capture (a host read, a synchronization, a copy on another stream), named in
+        the CaptureError, where CUDA's own error would only say that an earlier operation failed."""
         torch, cupy = self.torch, self.cupy
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the ordinary calls' cached blocks: the capture's pool takes their place
+        is_capturing = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
+        broken = []
+
+        def watch(key):
+            if not broken and is_capturing is not None and is_capturing(stream.cuda_stream) == INVALIDATED:
+                broken.append(key)
+
         # (As torch.cuda.graph, but the stream is restored even when the capture fails.)  thread_local:
         # the worker's event loop may touch the GPU (reading a loss) while this thread captures.
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(capture_error_mode=os.environ.get("TASKRT_CAPTURE_MODE", "thread_local"))
             try:
                 with cupy.cuda.ExternalStream(stream.cuda_stream):
-                    outputs = fn()
-            finally:
+                    outputs = fn(watch)
+            except BaseException:
+                try:  # the step's own error says more than the capture's end
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            try:
                 graph.capture_end()
+            except Exception as error:
+                if broken:
+                    raise CaptureError(f"the capture broke at step {broken[0]}: {error}") from error
+                raise
         torch.cuda.synchronize()
         return graph.replay, outputs
 

@@ -46,8 +46,9 @@ class FusedRun:
             return cuda_graphs.call(self, inputs)
         return self.run(inputs)
 
-    def run(self, inputs):
-        """The steps, one after another, on `inputs`."""
+    def run(self, inputs, watch=None):
+        """The steps, one after another, on `inputs`; `watch(key)`, when given, after each step
+        (a CUDA graph's capture checks there which step, if any, broke it)."""
         last_use = {}
         for n, (_, _, args) in enumerate(self.steps):
             for kind, ref in args:
@@ -63,6 +64,8 @@ class FusedRun:
             except Exception as error:
                 error.add_note(f"in task {key} (fused with {len(self.steps) - 1} others on its device)")
                 raise
+            if watch is not None:
+                watch(key)
             for kind, ref in args:  # an inner value no later step reads is dropped now: memory as unfused
                 if kind == "own" and last_use[ref] == n and ref not in keep:
                     del values[ref]
