@@ -9,9 +9,11 @@ static copies of its inputs.  Every later call copies its inputs in, replays the
 its outputs out: values the step returns are fresh arrays, as an ordinary call returns, so a value
 Dask still holds (a snapshot's state, a loss not yet read) is never overwritten by a later replay.
 
-A run is captured per input signature (the shapes and dtypes of the values it reads, in the order
-its steps first read them, and the literal values it was given, such as the learning rate), so a
-changed learning rate captures again.  Where the values come from does not matter: a step whose
+A capture is preceded by one ordinary call on the static copies (cuDNN's autotuner then times
+its choices for them outside the capture).  A run is captured per input signature (the shapes and
+dtypes of the arrays it reads, in the order its steps first read them, and the literal values and
+other non-array inputs it was given, such as a program's hyper-parameters), so a changed learning
+rate captures again.  Where the values come from does not matter: a step whose
 state arrives as futures (the first step, or after `Executor.cut_lineage`) replays the graph that
 steps reading the state out of the previous run captured.  A call given values that are not
 device arrays (a batch of numpy arrays, which the run copies to the device) runs as before; a run
@@ -306,6 +308,12 @@ class TorchBackend:
         the CaptureError, where CUDA's own error would only say that an earlier operation failed."""
         torch, cupy = self.torch, self.cupy
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        # One ordinary call on the static inputs, on the capturing stream, first: cuDNN's autotuner
+        # keys its choices by the arrays' alignment too, and a choice it has not made yet cannot be
+        # timed inside a capture ("FIND was unable to find an engine", seen on views of tiles)
+        with torch.cuda.stream(stream), cupy.cuda.ExternalStream(stream.cuda_stream):
+            fn(None)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the ordinary calls' cached blocks: the capture's pool takes their place
         is_capturing = getattr(cupy.cuda.runtime, "streamIsCapturing", None)

@@ -21,7 +21,7 @@ class StandInDevice:
         self.fail = fail
 
     def is_array(self, x):
-        return isinstance(x, np.ndarray)
+        return type(x) is np.ndarray  # OnHost: an array in host memory, not this device's
 
     def copy(self, x):
         return x.copy()
@@ -47,6 +47,10 @@ class StandInDevice:
                 np.copyto(target, value)
 
         return replay, outputs
+
+
+class OnHost(np.ndarray):
+    """An array the stand-in device does not hold (as a numpy batch is not a GPU's)."""
 
 
 def scale_and_shift(x, hyper):
@@ -148,12 +152,30 @@ def test_a_call_given_host_values_runs_as_before_and_does_not_stop_later_capture
     device, rng = StandInDevice(), np.random.default_rng(6)
     run = a_run("host")
     _, (a, _, b) = inputs_of(rng)
-    got = cuda_graphs.call(run, [1.5, (a, None, b)], device)  # a number: not an array of this device
-    np.testing.assert_array_equal(got[1], run.run([1.5, (a, None, b)])[1])
+    on_host = rng.standard_normal(4).view(OnHost)
+    for _ in range(cuda_graphs.WARMUP_CALLS + 1):
+        got = cuda_graphs.call(run, [on_host, (a, None, b)], device)
+        np.testing.assert_array_equal(got[1], run.run([on_host, (a, None, b)])[1])
     assert device.captures == 0 and not cuda_graphs.stats()["failed"]
     for _ in range(cuda_graphs.WARMUP_CALLS + 1):
         cuda_graphs.call(run, inputs_of(rng), device)
     assert device.captures == 1
+
+
+def test_values_that_are_not_arrays_are_constants_of_the_capture():
+    """A program gives its runs the hyper-parameters as an input (a dict): captured as constants, as
+    literals are, so a changed value captures again and an unchanged one replays."""
+    device, rng = StandInDevice(), np.random.default_rng(8)
+    steps = (("a", scale_and_shift, (("in", 0), ("in", 1))),)
+    run = FusedRun(steps, ("a",), program="hyper")
+    for lr, calls, captures in ((2.0, cuda_graphs.WARMUP_CALLS + 2, 1), (0.5, cuda_graphs.WARMUP_CALLS + 1, 2),
+                                (2.0, 1, 2)):
+        for _ in range(calls):
+            x = rng.standard_normal(4)
+            [got] = cuda_graphs.call(run, [x, {"lr": lr}], device)
+            np.testing.assert_array_equal(got, x * lr)
+        assert device.captures == captures
+    assert device.replays == 2 + 1 + 1  # each capture's own replay, then one per later call
 
 
 def test_only_the_most_recent_programs_are_kept():
@@ -178,3 +200,70 @@ def test_without_a_gpu_a_named_run_is_an_ordinary_call():
     for a, b in zip(run(*inputs), run.run(inputs)):
         np.testing.assert_array_equal(a, b)
     assert cuda_graphs.stats()["programs"] == 0
+
+
+# ---- programs on workers -----------------------------------------------------------------------------
+def _install_stand_in():
+    cuda_graphs.clear()
+    cuda_graphs._backend = StandInDevice()
+
+
+def _stand_in_counts():
+    device = cuda_graphs._backend
+    return {**cuda_graphs.stats(), "captures": device.captures, "replays": device.replays}
+
+
+def _remove_stand_in():
+    cuda_graphs.clear()
+    cuda_graphs._backend = None
+
+
+def mixed_strategy(graph):
+    """Layers in turn split over samples, over height (or channels) and kept whole on device 1: many
+    runs per device, values sent between them (as tests/test_gpu.py's)."""
+    from taskrt.config import ParallelConfig as P
+    from taskrt.strategy import Strategy
+
+    configs = {}
+    for i, layer in enumerate(lay for lay in graph if not lay.is_input):
+        dims = layer.op.dims
+        second = P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2)
+        configs[layer.name] = [P(n=2), second, P(devices=(1,))][i % 3]
+    return Strategy(configs)
+
+
+def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls_compute(machine4, monkeypatch):
+    """Programs on workers taken for GPU devices, with the stand-in device: each device's runs are all
+    captured after their ordinary calls (a run's hyper-parameters, a dict, are constants of its capture;
+    a device with more runs per step than fit in the workers' keep would capture none), and six
+    steps give bit for bit the losses and parameters of the same steps called kernel by kernel."""
+    import search
+    from taskrt import models
+    from taskrt.executor import Executor
+    from taskrt.trainer import Trainer
+
+    monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal(graph.inputs[0].shape).astype(np.float32),
+                rng.integers(0, 10, graph.inputs[0].shape[0])) for _ in range(6)]
+    try:
+        for label, strategy in {"data": search.data_parallel(graph, machine4), "mixed": mixed_strategy(graph)}.items():
+            results = {}
+            for graphs in (True, False):
+                machine4.client.run(_install_stand_in)
+                trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+                results[graphs] = [trainer.step(x, y) for x, y in batches], trainer.parameters()
+                counts = [c for c in machine4.client.run(_stand_in_counts).values() if c["programs"]]
+                if graphs:
+                    assert counts and all(c["captures"] == c["programs"] and not c["failed"] for c in counts), counts
+                    assert all(c["replays"] >= c["captures"] * (len(batches) - cuda_graphs.WARMUP_CALLS)
+                               for c in counts), counts
+                else:
+                    assert not counts, counts  # no program names: ordinary calls
+            assert results[True][0] == results[False][0], label
+            for layer, params in results[False][1].items():
+                for key, value in params.items():
+                    np.testing.assert_array_equal(results[True][1][layer][key], value, err_msg=f"{label}: {layer}")
+    finally:
+        machine4.client.run(_remove_stand_in)
