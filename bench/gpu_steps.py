@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -63,6 +64,36 @@ def graph_timings() -> dict:
     return {"timings": cuda_graphs.timings(), "failed": cuda_graphs.stats()["failed"]}
 
 
+def memory_parts(dask_worker=None) -> dict:
+    """Where a GPU worker's memory is now, in bytes: arrays allocated, the CUDA graphs' static inputs
+    and outputs and their private pools (reserved), and the device arrays Dask holds (the
+    programs' results: each step's new state until the next has read it and the client let go)."""
+    from taskrt import cuda_graphs
+
+    torch = _cuda()
+    out = {"allocated": 0, "graph_pools": 0, "held_by_dask": 0, **cuda_graphs.memory()}
+    if torch is None:
+        return out
+    torch.cuda.synchronize()
+    out["allocated"] = torch.cuda.memory_allocated()
+    out["graph_pools"] = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                             if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    cupy = sys.modules.get("cupy")
+    seen = set()
+
+    def device_bytes(value):
+        if isinstance(value, (tuple, list)):
+            return sum(device_bytes(v) for v in value)
+        if cupy is not None and isinstance(value, cupy.ndarray) and value.data.ptr not in seen:
+            seen.add(value.data.ptr)
+            return value.nbytes
+        return 0
+
+    if dask_worker is not None:
+        out["held_by_dask"] = sum(device_bytes(v) for v in list(dask_worker.data.values()))
+    return out
+
+
 # ---- taskrt ---------------------------------------------------------------------------------------
 def synthetic_for(graph, steps: int, seed: int):
     """A synthetic dataset of `steps` batches of the graph's shapes."""
@@ -101,6 +132,7 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     out["snapshots"] = trainer.snapshots_taken - snapshots  # each brings every parameter to the client
     [memory] = machine.client.run(peak_memory).values()
     out["memory"] = memory
+    [out["memory_parts"]] = machine.client.run(memory_parts).values()
     if cuda_graphs:
         [graphs] = machine.client.run(graph_timings).values()
         out["graphs"], out["graphs_failed"] = graphs["timings"], graphs["failed"]
@@ -174,6 +206,11 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
             profile = eager["profile"]
             row.update(trace=profile["trace"], **{f"profiled_{k[:-2]}_ms": profile[k] * 1e3 for k in
                                                   ("wall_s", "kernels_s", "data_s", "waiting_s")})
+    parts = runtime.get("memory_parts")
+    if parts:  # after the timed steps: where the memory is
+        row.update({f"now_{k}_gib": parts[k] / 2**30 for k in ("allocated", "static_inputs", "static_outputs",
+                                                                  "graph_pools", "held_by_dask")},
+                   graphs=parts["graphs"], graphs_most_per_run=parts["most_per_run"])
     memory, torch_memory = runtime["memory"], peer["memory"]
     row.update(memory_gib=memory["reserved"] / 2**30, memory_allocated_gib=memory["allocated"] / 2**30,
                torch_memory_gib=torch_memory["allocated"] / 2**30,
@@ -198,6 +235,12 @@ def step_summary(rows) -> list[str]:
             verdict = "met" if r["memory_of_torch"] <= MEMORY_GOAL else "missed"
             memory_line = (f"; peak memory {r['memory_gib']:.1f} GiB against PyTorch's {r['torch_memory_gib']:.1f} "
                            f"GiB = {r['memory_of_torch']:.2f}x (goal {MEMORY_GOAL}x: {verdict})")
+        if r.get("now_allocated_gib"):
+            memory_line += (f" (after the steps: arrays {r['now_allocated_gib']:.1f} GiB, of them graphs' static "
+                            f"inputs {r['now_static_inputs_gib']:.1f} and outputs {r['now_static_outputs_gib']:.1f}, "
+                            f"held by Dask {r['now_held_by_dask_gib']:.1f}; graphs' pools "
+                            f"{r['now_graph_pools_gib']:.1f} GiB reserved; {r['graphs']} graphs, at most "
+                            f"{r['graphs_most_per_run']} per run)")
         lines.append(
             f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
             f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "

@@ -76,6 +76,16 @@ def stats() -> dict:
             "failed": {name: p.failed for name, p in _programs.items() if p.failed}}
 
 
+def memory() -> dict:
+    """Bytes the captured graphs of this process hold outside their private pools: the static copies
+    of their inputs and the static outputs (those in the pools too), and the most graphs one run
+    has (more than one: captured again for another signature, each with a pool of its own)."""
+    graphs = [c for p in _programs.values() for c in p.graphs.values()]
+    return {"graphs": len(graphs), "most_per_run": max((len(p.graphs) for p in _programs.values()), default=0),
+            "static_inputs": sum(a.nbytes for c in graphs for a in c.static),
+            "static_outputs": sum(a.nbytes for c in graphs for a in c.out_leaves if a is not None)}
+
+
 def timings(repeats: int = 5) -> dict:
     """GPU milliseconds of each captured graph of this process (median of `repeats`, CUDA events):
     its replay alone, copying its inputs in and copying its outputs out.  {run name: {...}}."""

@@ -103,6 +103,12 @@ def test_step_rows_and_summary():
     assert "0.50x" in lines[0] and "graph replay 10.0 ms" in lines[0] and "the rest (Dask, data, waiting) 17.0 ms" \
         in lines[0] and "= 2.00x (goal 1.3x: missed)" in lines[0]
     assert "1.4e-05" in lines[1]
+    parts = {"allocated": 3 * 2**30, "static_inputs": 2**30, "static_outputs": 2**29, "graph_pools": 2**31,
+             "held_by_dask": 2**30, "graphs": 2, "most_per_run": 1}
+    with_parts = gpu_steps.step_row("training", "alexnet", 128, "fp32", {**measured(0.030, 6.9, 2**31, graphs),
+                                                                         "memory_parts": parts}, measured(0.016, 6.9))
+    assert ("after the steps: arrays 3.0 GiB, of them graphs' static inputs 1.0 and outputs 0.5, held by Dask 1.0; "
+            "graphs' pools 2.0 GiB reserved; 2 graphs, at most 1 per run") in gpu_steps.step_summary([with_parts])[0]
     loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
                 "loss_bf16": 0.505, "loss_rel_diff": 0.01, "loss_noise": 0.004, "last_fp32": 0.03, "last_bf16": 0.033,
                 "last_rel_diff": 0.1, "last_noise": 0.05}
