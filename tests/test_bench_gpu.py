@@ -105,8 +105,8 @@ def test_step_rows_and_summary():
     assert "1.4e-05" in lines[1]
     parts = {"allocated": 3 * 2**30, "static_inputs": 2**30, "static_outputs": 2**29, "graph_pools": 2**31,
              "held_by_dask": 2**30, "graphs": 2, "most_per_run": 1}
-    with_parts = gpu_steps.step_row("training", "alexnet", 128, "fp32", {**measured(0.030, 6.9, 2**31, graphs),
-                                                                         "memory_parts": parts}, measured(0.016, 6.9))
+    runtime = {**measured(0.030, 6.9, 2**31, graphs), "memory_parts": parts}
+    with_parts = gpu_steps.step_row("training", "alexnet", 128, "fp32", runtime, measured(0.016, 6.9, queued_s=0.015))
     assert ("after the steps: arrays 3.0 GiB, of them graphs' static inputs 1.0 and outputs 0.5, held by Dask 1.0; "
             "graphs' pools 2.0 GiB reserved; 2 graphs, at most 1 per run") in gpu_steps.step_summary([with_parts])[0]
     loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
