@@ -20,6 +20,8 @@
   peer         PyTorch on the CPU stepping the same networks, against in-process, local(1) and local(2)
   programs     one program per device and step against a Dask task per fused run: Dask tasks per step,
                a value's hop between two devices' programs, a 64 MB tile's rate, step times on local(2)
+  scaling_measured
+               strategies on local(1/2/4/8) CPU workers measured beside the simulation (needs 8+ cores)
   data         datasets read by the workers against batches sent from the client: bytes from the client
                per step (Dask's counters) and step time on 2 local devices
 
@@ -41,9 +43,9 @@ import time
 from bench.report import QUICK_VARIABLE
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "data"]
-# not in `all`: gholami is part of seeds; gpu needs a GPU; hypergraph, ist, elastic and peer take minutes
+# not in `all`: gholami is part of seeds; gpu needs a GPU; scaling_measured needs 8 cores; hypergraph, ist,
 # even with --quick (peer also needs the optional torch; ist takes hours without --quick)
-ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs"]
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs", "scaling_measured"]
 
 
 def main(argv=None):

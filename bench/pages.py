@@ -204,6 +204,26 @@ def peer_verdict(record) -> str:
     return verdict
 
 
+MEASURED_TOLERANCE = 0.05  # the searched strategy's median step may trail the best other's by this (noise)
+
+
+def scaling_measured_verdict(record) -> str:
+    rows = record["rows"]
+    ran = sorted({r["devices"] for r in rows if r["devices"] > 1})
+    behind = []
+    for model, devices in dict.fromkeys((r["model"], r["devices"]) for r in rows if r["devices"] > 1):
+        at = {r["strategy"]: r["measured_ms"] for r in rows if (r["model"], r["devices"]) == (model, devices)}
+        best = min(v for k, v in at.items() if k != "searched")
+        if at["searched"] > best * (1 + MEASURED_TOLERANCE):
+            behind.append(f"{model} on {devices} ({best / at['searched']:.2f}x of the best)")
+    missing = [n for n in (2, 4, 8) if n not in ran]
+    ok = not behind and not missing
+    return (f"{met(ok)}: measured on {', '.join(map(str, ran)) or 'no'} devices of {record['cores']} cores"
+            + (f" (not run: {', '.join(map(str, missing))})" if missing else "")
+            + "; the searched strategy " + ("within noise of the fastest everywhere" if not behind else
+                                            "slower than another on " + ", ".join(behind)))
+
+
 def data_verdict(record) -> str:
     from bench.data import GOAL_BYTES
 
@@ -413,6 +433,17 @@ PAGES = {
         "at most 2 Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
         "(moonshot 0.3 ms); a 64 MB tile between two workers on one host at at least 5 GB/s.",
         programs_verdict),
+    "scaling_measured": Page(
+        "strategies measured on 1 to 8 CPU devices beside the simulation",
+        "`Machine.local(n)` single-threaded CPU workers for n = 1, 2, 4, 8 on a host with as many cores: the "
+        "searched strategy (costs measured on that host in the same run), data parallelism and OWT on AlexNet-32 "
+        "and VGG-16-32, each step's median over interleaved rounds beside the simulator's prediction, and the "
+        "throughput against one device.",
+        f"`python -m bench scaling_measured` on a host with 8 or more cores (7 rounds; {QUICK} AlexNet-32 alone, "
+        "3 rounds).",
+        f"every device count 2, 4, 8 measured; the searched strategy within {MEASURED_TOLERANCE:.0%} of the fastest "
+        "measured at each.",
+        scaling_measured_verdict),
     "data": Page(
         "datasets read on the workers against batches sent from the client",
         "per training step, the bytes the client sends (Dask's own counters: the client's stream to the "

@@ -1,0 +1,112 @@
+"""Strategies measured on more CPU cores than two: `Machine.local(n)` single-threaded workers for n
+in 1, 2, 4 and 8 on a host with at least n cores (the GPU machine has 16), each strategy's step
+measured beside the simulator's prediction (costs measured on that machine, in the same run).
+
+Per device count: the searched strategy (`search.optimize`, which may use fewer devices), data
+parallelism and OWT, for AlexNet-32 and VGG-16-32 at the batches the two-core benchmarks use;
+rounds interleaved (`bench.measure`), medians reported.  Throughput is against `local(1)`'s
+single-device step.  The record is written after each device count, so a run stopped by a time
+limit keeps what it measured; device counts above the host's cores are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import search
+from bench.measure import LOCAL_MODELS, measure
+from bench.report import write_result
+from taskrt.machine import Machine
+
+DEVICES = (1, 2, 4, 8)
+MODELS = {name: LOCAL_MODELS[name] for name in ("alexnet32", "vgg16_32")}
+QUICK_MODELS = {"alexnet32": LOCAL_MODELS["alexnet32"]}
+STRATEGIES = ("data", "owt")  # beside the searched one
+
+
+def strategies_for(graph, machine, cost_model) -> dict:
+    if machine.num_devices == 1:
+        out = {"single device": search.data_parallel(graph, machine)}
+    else:
+        out = {name: search.BASELINES[name](graph, machine) for name in STRATEGIES}
+        out["searched"] = search.optimize(graph, machine, cost_model, check_by_simulation=True)
+    return {name: s.validated(graph, machine) for name, s in out.items()}
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """Each row's throughput against its network's single-device step (measured and simulated)."""
+    one = {r["model"]: r for r in rows if r["devices"] == 1}
+    for r in rows:
+        base = one.get(r["model"])
+        r["speedup"] = base["measured_ms"] / r["measured_ms"] if base else None
+        r["simulated_speedup"] = base["simulated_ms"] / r["simulated_ms"] if base else None
+    return rows
+
+
+def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]:
+    lines = [f"{cores} cores on this host; workers single-threaded, one per device"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        parts = []
+        for devices in sorted({r["devices"] for r in mine}):
+            at = {r["strategy"]: r for r in mine if r["devices"] == devices}
+            parts.append(f"{devices}: " + ", ".join(
+                f"{name} {r['speedup']:.2f}x (simulated {r['simulated_speedup']:.2f}x)" if r["speedup"] else
+                f"{name} {r['measured_ms']:.0f} ms" for name, r in at.items()))
+        lines.append(f"{model}, throughput against one device, measured (simulated), by device count: "
+                     + "; ".join(parts))
+        multi = [r for r in mine if r["devices"] > 1]
+        behind = []
+        for devices in sorted({r["devices"] for r in multi}):
+            at = {r["strategy"]: r["measured_ms"] for r in multi if r["devices"] == devices}
+            best_other = min(v for k, v in at.items() if k != "searched")
+            if at.get("searched", 0) > best_other:
+                behind.append(f"{devices} devices ({best_other / at['searched']:.2f}x of the best)")
+        lines.append(f"{model}: the searched strategy measured fastest at every device count"
+                     if not behind else f"{model}: the searched strategy measured slower than another at "
+                     + ", ".join(behind))
+    if rows:
+        errors = [abs(r["simulated_error"]) for r in rows]
+        lines.append(f"simulated against measured step time: median |error| {statistics.median(errors):.1%}, "
+                     f"largest {max(errors):.1%}")
+    if skipped:
+        lines.append(f"not run: {', '.join(map(str, skipped))} devices (more than the host's {cores} cores, or "
+                     "past the time limit)")
+    return lines
+
+
+COLUMNS = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"), ("measured_ms", "measured ms"),
+           ("iqr_ms", "IQR ms"), ("simulated_ms", "simulated ms"), ("simulated_error", "simulated error"),
+           ("speedup", "vs one device"), ("simulated_speedup", "simulated vs one device"),
+           ("images_per_s", "images/s"), ("bytes_per_step", "bytes per step"), ("search_pick", "search picked")]
+
+
+def run(out_dir="results", quick=False, devices=DEVICES, budget_s: float | None = None):
+    """`budget_s`: no device count is started past this many seconds (the record keeps what ran)."""
+    cores = os.cpu_count() or 1
+    chosen = QUICK_MODELS if quick else MODELS
+    rounds = 3 if quick else 7
+    started = time.perf_counter()
+    rows, skipped = [], []
+    for n in devices:
+        if n > cores or (budget_s is not None and time.perf_counter() - started > budget_s):
+            skipped.append(n)
+            continue
+        with Machine.local(n) as machine, tempfile.TemporaryDirectory() as tmp:
+            cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json", progress=False)
+            for label, make in chosen.items():
+                graph = make()
+                rows += measure(machine, graph, strategies_for(graph, machine, cost_model), cost_model, rounds,
+                                label)
+        with_speedups(rows)
+        meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
+        md = write_result(out_dir, "scaling_measured", rows, COLUMNS, meta, summary_lines(rows, skipped, cores))
+    if not rows:
+        raise RuntimeError(f"no device count of {list(devices)} fits this host's {cores} cores")
+    meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
+    md = write_result(out_dir, "scaling_measured", rows, COLUMNS, meta, summary_lines(rows, skipped, cores))
+    print(md.read_text())
+    return rows
