@@ -9,6 +9,8 @@
 # from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies).  TESTS,
 # TESTS_K: test files and pytest's -k (default: the gpu-marked tests of two files, but the search's).  TEST_S, BENCH_S: seconds for the
 # tests and the benchmark (TEST_S=0: no tests).  BENCH_ARGS: more arguments of `python -m bench.gpu`.
+# SCALING_S (default 0: not run): seconds for `bench scaling_measured` on the host's cores after the GPU
+# parts (CPU workers; SCALING_ARGS, e.g. --quick), its record and log in one archive (scaling_measured.tar.gz).
 # The traces come back as one archive (gpu_traces.tar.gz).
 # Wheels the machine lacks (dask, distributed, ...: see the GPU machine's README) are installed from
 # .whl/ when that folder is there.
@@ -38,5 +40,15 @@ echo "bench exit $?"
 grep -E "^\[bench gpu\]|Error|error" "$OUT/bench.txt" | tail -n 60
 if [ -d "$OUT/gpu_traces" ]; then
   tar -czf "$OUT/gpu_traces.tar.gz" -C "$OUT" gpu_traces && rm -r "$OUT/gpu_traces"
+fi
+if [ "${SCALING_S:-0}" != 0 ]; then
+  echo "== bench scaling_measured ($(date -u +%T))"
+  mkdir -p "$OUT/scaling_measured"
+  # shellcheck disable=SC2086
+  timeout "$SCALING_S" python3 -m bench scaling_measured --out "$OUT/scaling_measured" ${SCALING_ARGS:-} \
+    > "$OUT/scaling_measured/log.txt" 2>&1
+  echo "scaling_measured exit $?"
+  grep -E "^- " "$OUT/scaling_measured/scaling_measured.md" 2>/dev/null | head -n 20
+  tar -czf "$OUT/scaling_measured.tar.gz" -C "$OUT" scaling_measured && rm -r "$OUT/scaling_measured"
 fi
 echo "== done ($(date -u +%T))"

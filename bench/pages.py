@@ -218,10 +218,10 @@ def scaling_measured_verdict(record) -> str:
             behind.append(f"{model} on {devices} ({best / at['searched']:.2f}x of the best)")
     missing = [n for n in (2, 4, 8) if n not in ran]
     ok = not behind and not missing
+    searched = ("" if not ran else "; the searched strategy within noise of the fastest everywhere" if not behind
+                else "; the searched strategy slower than another on " + ", ".join(behind))
     return (f"{met(ok)}: measured on {', '.join(map(str, ran)) or 'no'} devices of {record['cores']} cores"
-            + (f" (not run: {', '.join(map(str, missing))})" if missing else "")
-            + "; the searched strategy " + ("within noise of the fastest everywhere" if not behind else
-                                            "slower than another on " + ", ".join(behind)))
+            + (f" (not run: {', '.join(map(str, missing))})" if missing else "") + searched)
 
 
 def data_verdict(record) -> str:

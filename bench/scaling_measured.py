@@ -65,9 +65,10 @@ def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]
             best_other = min(v for k, v in at.items() if k != "searched")
             if at.get("searched", 0) > best_other:
                 behind.append(f"{devices} devices ({best_other / at['searched']:.2f}x of the best)")
-        lines.append(f"{model}: the searched strategy measured fastest at every device count"
-                     if not behind else f"{model}: the searched strategy measured slower than another at "
-                     + ", ".join(behind))
+        if multi:
+            lines.append(f"{model}: the searched strategy measured fastest at every device count"
+                         if not behind else f"{model}: the searched strategy measured slower than another at "
+                         + ", ".join(behind))
     if rows:
         errors = [abs(r["simulated_error"]) for r in rows]
         lines.append(f"simulated against measured step time: median |error| {statistics.median(errors):.1%}, "
