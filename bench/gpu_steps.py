@@ -16,9 +16,11 @@ import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+TIMELINE_STEPS = 4  # steps of fit under torch's profiler, per network and precision
 GOAL, FLOOR = 0.8, 0.5  # taskrt's step against PyTorch eager: the goal, and no network below the floor
 MEMORY_GOAL = 1.3  # taskrt's peak GPU memory against PyTorch's
 BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
@@ -94,6 +96,50 @@ def memory_parts(dask_worker=None) -> dict:
     return out
 
 
+_profiler = []  # the worker's torch profiler between start_torch_profiler and stop_torch_profiler
+
+# CUDA runtime and driver calls that make the host wait or allocate (goal 2's categories), by name
+CALL_KINDS = {"synchronization": ("Synchronize", "cudaMemcpy ", "cudaMemcpy2D ", "cudaStreamWaitEvent"),
+              "allocation": ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost"),
+              "launches": ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
+                           "cudaMemsetAsync")}
+
+
+def start_torch_profiler() -> None:
+    """On a worker: torch's profiler (host calls and, on a GPU, CUDA activity) from now on."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if _cuda() is not None:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    _profiler[:] = [profiler]
+
+
+def stop_torch_profiler(path: str, steps: int) -> dict:
+    """On a worker: stop the profiler, write its Chrome trace to `path`, and return per step the host
+    milliseconds and counts of the CUDA calls that synchronize, allocate or launch, and the GPU's
+    kernel milliseconds."""
+    torch = _cuda()
+    if torch is not None:
+        torch.cuda.synchronize()
+    profiler = _profiler.pop()
+    profiler.stop()
+    profiler.export_chrome_trace(path)
+    out = {kind: {"ms": 0.0, "calls": 0} for kind in CALL_KINDS}
+    gpu_us = 0.0
+    for event in profiler.key_averages():
+        for kind, names in CALL_KINDS.items():
+            if any(event.key.startswith(n) or n in event.key for n in names):
+                out[kind]["ms"] += event.cpu_time_total / 1e3 / steps
+                out[kind]["calls"] += event.count / steps
+                break
+        gpu_us += getattr(event, "self_device_time_total", 0.0) or 0.0
+    out["gpu_kernels_ms"] = gpu_us / 1e3 / steps
+    return out
+
+
 # ---- taskrt ---------------------------------------------------------------------------------------
 def synthetic_for(graph, steps: int, seed: int):
     """A synthetic dataset of `steps` batches of the graph's shapes."""
@@ -114,11 +160,12 @@ def fit_seconds(trainer, graph, steps: int, seed: int) -> tuple[float, list]:
 
 
 def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps: int, lr, momentum,
-                   cuda_graphs=True, trace=None) -> dict:
+                   cuda_graphs=True, trace=None, timeline=None) -> dict:
     """First loss (on the numpy batch), seconds per step of `fit`, peak memory and graph timings;
     with `trace` (a path), two more steps profiled into a Chrome trace there (`Trainer.profile`:
-    kernels timed with CUDA events, task by task, so never replayed as graphs)."""
-    from pathlib import Path
+    kernels timed with CUDA events, task by task, so never replayed as graphs); with `timeline` (a
+    path), TIMELINE_STEPS more steps of `fit` under torch's profiler on the worker, its Chrome trace
+    there and the CUDA calls that synchronize, allocate and launch counted."""
 
     from taskrt.trainer import Trainer
 
@@ -136,6 +183,11 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     if cuda_graphs:
         [graphs] = machine.client.run(graph_timings).values()
         out["graphs"], out["graphs_failed"] = graphs["timings"], graphs["failed"]
+    if timeline is not None:  # a few more steps under torch's profiler on the worker
+        machine.client.run(start_torch_profiler)
+        fit_seconds(trainer, graph, TIMELINE_STEPS, seed=3)
+        [calls] = machine.client.run(stop_torch_profiler, str(timeline), TIMELINE_STEPS).values()
+        out["timeline"] = {"trace": Path(timeline).name, **calls}
     if trace is not None:
         profiled = trainer.profile(x, y, steps=2, path=str(trace), cost_model=False, reference=False)
         last = [r for r in profiled.rows() if r["source"] == "measured"]
@@ -206,6 +258,13 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
             profile = eager["profile"]
             row.update(trace=profile["trace"], **{f"profiled_{k[:-2]}_ms": profile[k] * 1e3 for k in
                                                   ("wall_s", "kernels_s", "data_s", "waiting_s")})
+    timeline = runtime.get("timeline")
+    if timeline:  # per step, from torch's profiler on the worker
+        row["timeline"] = timeline["trace"]
+        row["timeline_gpu_kernels_ms"] = timeline["gpu_kernels_ms"]
+        for kind in CALL_KINDS:
+            row[f"timeline_{kind}_ms"] = timeline[kind]["ms"]
+            row[f"timeline_{kind}_calls"] = timeline[kind]["calls"]
     parts = runtime.get("memory_parts")
     if parts:  # after the timed steps: where the memory is
         row.update({f"now_{k}_gib": parts[k] / 2**30 for k in ("allocated", "static_inputs", "static_outputs",
@@ -241,6 +300,10 @@ def step_summary(rows) -> list[str]:
                             f"held by Dask {r['now_held_by_dask_gib']:.1f}; graphs' pools "
                             f"{r['now_graph_pools_gib']:.1f} GiB reserved; {r['graphs']} graphs, at most "
                             f"{r['graphs_most_per_run']} per run)")
+        if "timeline" in r:
+            memory_line += ("; per step under torch's profiler: " + ", ".join(
+                f"{kind} {r[f'timeline_{kind}_ms']:.1f} ms of host time in {r[f'timeline_{kind}_calls']:.0f} calls"
+                for kind in CALL_KINDS) + f", GPU kernels {r['timeline_gpu_kernels_ms']:.1f} ms")
         lines.append(
             f"{r['part']}, {r['model']} batch {r['batch']} {r['precision']}: taskrt {r['runtime_ms']:.1f} ms "
             f"({r['runtime_images_per_s']:,.0f} images/s), PyTorch {min(r['torch_ms'], r['torch_queued_ms']):.1f} ms "
@@ -274,8 +337,6 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
     profiled step's trace written into the folder `traces`) and PyTorch.  `device` "cpu": CPU workers
     and a PyTorch on the CPU (to try the part where there is no GPU).  `on_row()`: called after each
     row (to write the report as the part goes: a machine lent for minutes may stop it)."""
-    from pathlib import Path
-
     import search
     from bench.gpu import random_batch, release_gpu_memory
     from taskrt.machine import Machine
@@ -292,7 +353,9 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
             batch = graph.inputs[0].shape[0]
             for precision in precisions:
                 log(f"{part}: {model} batch {batch}, {precision}: taskrt")
-                runtime = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, steps, lr, momentum)
+                timeline = None if traces is None else Path(traces) / f"{model}_{precision}_timeline.json"
+                runtime = measure_taskrt(machine, graph, strategy, x, y, precision, warmup, steps, lr, momentum,
+                                         timeline=timeline)
                 gc.collect()  # the trainer (in reference cycles) lets go of its state on the worker
                 machine.client.run(release_gpu_memory)
                 eager = None

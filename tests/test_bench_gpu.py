@@ -105,10 +105,15 @@ def test_step_rows_and_summary():
     assert "1.4e-05" in lines[1]
     parts = {"allocated": 3 * 2**30, "static_inputs": 2**30, "static_outputs": 2**29, "graph_pools": 2**31,
              "held_by_dask": 2**30, "graphs": 2, "most_per_run": 1}
-    runtime = {**measured(0.030, 6.9, 2**31, graphs), "memory_parts": parts}
+    timeline = {"trace": "t.json", "gpu_kernels_ms": 11.0, "synchronization": {"ms": 2.5, "calls": 3.0},
+                "allocation": {"ms": 0.5, "calls": 1.0}, "launches": {"ms": 1.0, "calls": 12.0}}
+    runtime = {**measured(0.030, 6.9, 2**31, graphs), "memory_parts": parts, "timeline": timeline}
     with_parts = gpu_steps.step_row("training", "alexnet", 128, "fp32", runtime, measured(0.016, 6.9, queued_s=0.015))
     assert ("after the steps: arrays 3.0 GiB, of them graphs' static inputs 1.0 and outputs 0.5, held by Dask 1.0; "
             "graphs' pools 2.0 GiB reserved; 2 graphs, at most 1 per run") in gpu_steps.step_summary([with_parts])[0]
+    assert ("per step under torch's profiler: synchronization 2.5 ms of host time in 3 calls, allocation 0.5 ms of "
+            "host time in 1 calls, launches 1.0 ms of host time in 12 calls, GPU kernels 11.0 ms"
+            ) in gpu_steps.step_summary([with_parts])[0]
     loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
                 "loss_bf16": 0.505, "loss_rel_diff": 0.01, "loss_noise": 0.004, "last_fp32": 0.03, "last_bf16": 0.033,
                 "last_rel_diff": 0.1, "last_noise": 0.05}
@@ -219,6 +224,9 @@ def test_the_step_part_runs_end_to_end_on_cpu_workers(tmp_path):
     assert row["graph_loss_rel_diff"] == 0.0  # the same steps from the same start (no graphs on a CPU worker)
     trace = json.loads((tmp_path / "traces" / "lenet5_fp32.json").read_text())
     assert trace["traceEvents"] and row["profiled_kernels_ms"] > 0
+    timeline = json.loads((tmp_path / "traces" / "lenet5_fp32_timeline.json").read_text())  # torch's profiler
+    assert timeline["traceEvents"] and row["timeline"] == "lenet5_fp32_timeline.json"
+    assert row["timeline_synchronization_calls"] == row["timeline_allocation_calls"] == 0  # no CUDA here
     assert "goal" in gpu_steps.step_summary(rows)[0]
 
 
