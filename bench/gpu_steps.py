@@ -98,11 +98,18 @@ def memory_parts(dask_worker=None) -> dict:
 
 _profiler = []  # the worker's torch profiler between start_torch_profiler and stop_torch_profiler
 
-# CUDA runtime and driver calls that make the host wait or allocate (goal 2's categories), by name
-CALL_KINDS = {"synchronization": ("Synchronize", "cudaMemcpy ", "cudaMemcpy2D ", "cudaStreamWaitEvent"),
-              "allocation": ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost"),
-              "launches": ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
-                           "cudaMemsetAsync")}
+# CUDA runtime and driver calls that make the host wait, allocate or launch (goal 2's categories)
+CALL_KINDS = ("synchronization", "allocation", "launches")
+
+
+def call_kind(name: str) -> str | None:
+    if "Synchronize" in name or name in ("cudaMemcpy", "cudaMemcpy2D", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"):
+        return "synchronization"  # the host waits for the GPU (a synchronous copy waits too)
+    if name.startswith(("cudaMalloc", "cudaFree", "cudaHostAlloc", "cuMemAlloc", "cuMemFree")):
+        return "allocation"
+    if name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")):
+        return "launches"
+    return None
 
 
 def start_torch_profiler() -> None:
@@ -130,11 +137,10 @@ def stop_torch_profiler(path: str, steps: int) -> dict:
     out = {kind: {"ms": 0.0, "calls": 0} for kind in CALL_KINDS}
     gpu_us = 0.0
     for event in profiler.key_averages():
-        for kind, names in CALL_KINDS.items():
-            if any(event.key.startswith(n) or n in event.key for n in names):
-                out[kind]["ms"] += event.cpu_time_total / 1e3 / steps
-                out[kind]["calls"] += event.count / steps
-                break
+        kind = call_kind(event.key)
+        if kind is not None:
+            out[kind]["ms"] += event.cpu_time_total / 1e3 / steps
+            out[kind]["calls"] += event.count / steps
         gpu_us += getattr(event, "self_device_time_total", 0.0) or 0.0
     out["gpu_kernels_ms"] = gpu_us / 1e3 / steps
     return out

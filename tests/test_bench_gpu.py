@@ -88,6 +88,13 @@ def measured(step_s, loss, memory=2**30, graphs=None, queued_s=None) -> dict:
     return out
 
 
+def test_cuda_calls_are_sorted_by_what_they_cost_the_host():
+    assert gpu_steps.call_kind("cudaStreamSynchronize") == gpu_steps.call_kind("cudaMemcpy") == "synchronization"
+    assert gpu_steps.call_kind("cudaMalloc") == gpu_steps.call_kind("cudaFree") == "allocation"
+    assert gpu_steps.call_kind("cudaGraphLaunch") == gpu_steps.call_kind("cudaMemcpyAsync") == "launches"
+    assert gpu_steps.call_kind("aten::add") is None
+
+
 def test_step_rows_and_summary():
     graphs = {"a/dev0/0": {"replay_ms": 10.0, "copy_in_ms": 1.0, "copy_out_ms": 2.0}}
     row = gpu_steps.step_row("training", "alexnet", 128, "fp32", measured(0.030, 6.9078, 2**31, graphs),
