@@ -143,3 +143,30 @@ def assert_same_parameters(actual: dict, expected: dict) -> None:
         for name, value in params.items():
             np.testing.assert_array_equal(actual[layer][name], value, err_msg=f"{layer}.{name}")
 
+
+def alternating_strategy(graph) -> Strategy:
+    """Layers in turn split over samples, over height (or channels) and kept whole on device 1: many
+    runs per device and values sent between them, on two devices."""
+    configs = {}
+    for i, layer in enumerate(lay for lay in graph if not lay.is_input):
+        dims = layer.op.dims
+        second = P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2)
+        configs[layer.name] = [P(n=2), second, P(devices=(1,))][i % 3]
+    return Strategy(configs)
+
+
+def with_and_without_graphs(machine, graph, strategy, batches, before=None, after=None) -> dict:
+    """{True: (losses, parameters) of `batches` stepped with each run replayed as a CUDA graph once
+    it can be, False: the same steps launched kernel by kernel}.  `before()` runs before each
+    trainer is made, `after(graphs)` after its steps (to count the workers' captures)."""
+    from taskrt.trainer import Trainer
+
+    results = {}
+    for graphs in (True, False):
+        if before is not None:
+            before()
+        trainer = Trainer(graph, strategy, machine, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+        results[graphs] = [trainer.step(x, y) for x, y in batches], trainer.parameters()
+        if after is not None:
+            after(graphs)
+    return results

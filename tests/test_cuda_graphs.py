@@ -218,20 +218,6 @@ def _remove_stand_in():
     cuda_graphs._backend = None
 
 
-def mixed_strategy(graph):
-    """Layers in turn split over samples, over height (or channels) and kept whole on device 1: many
-    runs per device, values sent between them (as tests/test_gpu.py's)."""
-    from taskrt.config import ParallelConfig as P
-    from taskrt.strategy import Strategy
-
-    configs = {}
-    for i, layer in enumerate(lay for lay in graph if not lay.is_input):
-        dims = layer.op.dims
-        second = P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2)
-        configs[layer.name] = [P(n=2), second, P(devices=(1,))][i % 3]
-    return Strategy(configs)
-
-
 def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls_compute(machine4, monkeypatch):
     """Programs on workers taken for GPU devices, with the stand-in device: each device's runs are all
     captured after their ordinary calls (a run's hyper-parameters, a dict, are constants of its capture;
@@ -240,27 +226,27 @@ def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls
     import search
     from taskrt import models
     from taskrt.executor import Executor
-    from taskrt.trainer import Trainer
+    from tests.graphs import alternating_strategy, with_and_without_graphs
 
     monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
     rng = np.random.default_rng(0)
     batches = [(rng.standard_normal(graph.inputs[0].shape).astype(np.float32),
                 rng.integers(0, 10, graph.inputs[0].shape[0])) for _ in range(6)]
+    def every_run_captured(graphs):
+        counts = [c for c in machine4.client.run(_stand_in_counts).values() if c["programs"]]
+        if graphs:
+            assert counts and all(c["captures"] == c["programs"] and not c["failed"] for c in counts), counts
+            assert all(c["replays"] >= c["captures"] * (len(batches) - cuda_graphs.WARMUP_CALLS)
+                       for c in counts), counts
+        else:
+            assert not counts, counts  # no program names: ordinary calls
+
     try:
-        for label, strategy in {"data": search.data_parallel(graph, machine4), "mixed": mixed_strategy(graph)}.items():
-            results = {}
-            for graphs in (True, False):
-                machine4.client.run(_install_stand_in)
-                trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, cuda_graphs=graphs)
-                results[graphs] = [trainer.step(x, y) for x, y in batches], trainer.parameters()
-                counts = [c for c in machine4.client.run(_stand_in_counts).values() if c["programs"]]
-                if graphs:
-                    assert counts and all(c["captures"] == c["programs"] and not c["failed"] for c in counts), counts
-                    assert all(c["replays"] >= c["captures"] * (len(batches) - cuda_graphs.WARMUP_CALLS)
-                               for c in counts), counts
-                else:
-                    assert not counts, counts  # no program names: ordinary calls
+        strategies = {"data": search.data_parallel(graph, machine4), "alternating": alternating_strategy(graph)}
+        for label, strategy in strategies.items():
+            results = with_and_without_graphs(machine4, graph, strategy, batches,
+                                              lambda: machine4.client.run(_install_stand_in), every_run_captured)
             assert results[True][0] == results[False][0], label
             for layer, params in results[False][1].items():
                 for key, value in params.items():

@@ -31,6 +31,7 @@ from taskrt.machine import Machine  # noqa: E402
 from taskrt.reference import SingleDeviceTrainer  # noqa: E402
 from taskrt.strategy import Strategy  # noqa: E402
 from taskrt.trainer import Trainer  # noqa: E402
+from tests.graphs import alternating_strategy, with_and_without_graphs  # noqa: E402
 from tests.strategies import random_strategies  # noqa: E402
 from tests.test_equivalence import GRAPHS, batch_for, check_equivalence  # noqa: E402
 
@@ -106,18 +107,16 @@ def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
     graph = {"lenet5": lambda: models.lenet5(batch=8, image_size=16, width=0.5),
              "inception": lambda: models.inception_v3(batch=4, image_size=75, num_classes=10, width=1 / 8)}[name]()
     batches = [batch_for(graph, seed=s) for s in range(8)]
-    strategies = {"data": search.data_parallel(graph, gpu2), "mixed": mixed_strategy(graph)}
+    strategies = {"data": search.data_parallel(graph, gpu2), "mixed": alternating_strategy(graph)}
+    def captured(graphs):
+        if graphs:
+            stats = gpu2.client.run(_graph_stats)
+            assert all(not s["failed"] for s in stats.values()), stats
+            assert sum(s["graphs"] for s in stats.values()) > 0, stats
+
     for label, strategy in strategies.items():
-        results = {}
-        for graphs in (True, False):
-            gpu2.client.run(_clear_graphs)
-            trainer = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
-            losses = [trainer.step(x, y) for x, y in batches]
-            results[graphs] = losses, trainer.parameters()
-            if graphs:
-                captured = gpu2.client.run(_graph_stats)
-                assert all(not s["failed"] for s in captured.values()), captured
-                assert sum(s["graphs"] for s in captured.values()) > 0, captured
+        results = with_and_without_graphs(gpu2, graph, strategy, batches, lambda: gpu2.client.run(_clear_graphs),
+                                          captured)
         np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5, err_msg=label)
         for layer, params in results[False][1].items():
             for k, value in params.items():
@@ -138,7 +137,7 @@ def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2,
     dataset = synthetic if source == "synthetic" else ArrayDataset(
         {"images": synthetic.read("images", every, (slice(None),) * 3), "labels": synthetic.read("labels", every, ())})
     steps = [np.random.default_rng(k).choice(40, 8) for k in range(6)]
-    strategy = mixed_strategy(graph)
+    strategy = alternating_strategy(graph)
     for graphs in (True, False):
         trainer = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
         reference = Trainer(graph, strategy, gpu2, lr=0.05, momentum=0.9, cuda_graphs=graphs)
@@ -153,22 +152,12 @@ def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2,
 
 def test_a_profiled_step_on_gpu_workers_times_kernels_with_cuda_events(gpu2, tmp_path):
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
-    trainer = Trainer(graph, mixed_strategy(graph), gpu2, lr=0.05, momentum=0.9)
+    trainer = Trainer(graph, alternating_strategy(graph), gpu2, lr=0.05, momentum=0.9)
     x, y = batch_for(graph, seed=1)
     profile = trainer.profile(x, y, steps=2, path=tmp_path / "trace.json", cost_model=False, reference=False)
     assert profile.check() == []
     rows = [r for r in profile.rows() if r["source"] == "measured"]
     assert all(r["kernels_s"] > 0 for r in rows) and (tmp_path / "trace.json").stat().st_size > 0
-
-
-def mixed_strategy(graph) -> Strategy:
-    """Layers in turn split over samples, over height (or channels) and kept whole on device 1."""
-    configs = {}
-    for i, layer in enumerate(l for l in graph if not l.is_input):
-        dims = layer.op.dims
-        second = P(h=2) if "h" in dims and layer.shape[2] > 1 else P(c=2) if "c" in dims else P(n=2)
-        configs[layer.name] = [P(n=2), second, P(devices=(1,))][i % 3]
-    return Strategy(configs)
 
 
 def _clear_graphs():
