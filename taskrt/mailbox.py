@@ -232,6 +232,22 @@ class Mailbox(WorkerPlugin):
                     self.shm_blocks.forget(sender)
                 raise PeerLost(f"the worker at {sender} is gone: its value {key} never came")
 
+    def still_coming(self, key) -> bool:
+        """Whether the scheduler still has task `key` to run here (sent to this worker but not yet
+        heard of, or not yet placed); False where it cannot say."""
+        async def ask():
+            scheduler = self.worker.scheduler
+            state = (await scheduler.get_task_status(keys=[key])).get(key)
+            if state == "processing":
+                here = await scheduler.processing(workers=[self.worker.address])
+                return key in here.get(self.worker.address, ())
+            return state in ("waiting", "queued", "no-worker")
+
+        try:
+            return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (no answer from the scheduler: the program before counts as lost)
+            return False
+
     def _alive(self, address: str) -> bool:
         ask = self.worker.scheduler.ncores(workers=[address])
         try:

@@ -71,9 +71,11 @@ def _before(worker, box, key, tag):
     The scheduler sends this program once every input of the one before is there too (it is given
     them as Dask inputs: `ProgramExecutor.submit`), so the one before came to this worker first, and
     ran first: the worker runs one program of the device at a time, by the order the steps were
-    sent.  Where that program failed, this one fails with its error, as Dask fails a task's
-    dependents; where it is not on this worker, its worker was lost (Dask may run this program again
-    on the worker that took the device's place): PeerLost, which the trainer recovers from."""
+    sent.  (Not always: where both became ready at once, the scheduler may send this one first and
+    the worker start it before it hears of the other; then it is sent again, after.)  Where that
+    program failed, this one fails with its error, as Dask fails a task's dependents; where it is
+    not on this worker, nor still to come, its worker was lost (Dask may run this program again on
+    the worker that took the device's place): PeerLost, which the trainer recovers from."""
     from distributed import Reschedule
 
     try:
@@ -89,6 +91,8 @@ def _before(worker, box, key, tag):
     if task is not None and task.state == "error":
         raise ProgramAborted(f"step {tag}: the device's program of the step before ({key}) failed")
     if task is not None and task.state in WAITING:  # here but not run yet: come again after it
+        raise Reschedule()
+    if box.still_coming(key):  # sent here after this one (both ready at once), or not yet placed
         raise Reschedule()
     raise PeerLost(f"step {tag}: the device's program of the step before ({key}) is not on its worker "
                    f"{worker.address}: the worker that ran it was lost")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -328,7 +329,8 @@ def test_a_program_reads_the_step_before_on_its_worker_fails_with_its_error_or_a
     worker = SimpleNamespace(address="tcp://w", data={"dev0-program-it1": result},
                              state=SimpleNamespace(tasks={"dev0-program-it2": SimpleNamespace(state="constrained"),
                                                           "dev0-program-it3": SimpleNamespace(state="error")}))
-    box = SimpleNamespace(aborted={"9": "given up"}, failed={"dev0-program-it4": failed})
+    box = SimpleNamespace(aborted={"9": "given up"}, failed={"dev0-program-it4": failed},
+                          still_coming=lambda key: key == "dev0-program-it6")
     assert _before(worker, box, "dev0-program-it1", "2") is result
     with pytest.raises(Reschedule):  # here, not run yet: this one comes again after it
         _before(worker, box, "dev0-program-it2", "3")
@@ -338,5 +340,26 @@ def test_a_program_reads_the_step_before_on_its_worker_fails_with_its_error_or_a
         _before(worker, box, "dev0-program-it4", "5")
     with pytest.raises(ProgramAborted, match="given up"):
         _before(worker, box, "dev0-program-it8", "9")
+    with pytest.raises(Reschedule):  # sent here after this one: this one comes again after it
+        _before(worker, box, "dev0-program-it6", "7")
     with pytest.raises(PeerLost, match="was lost"):  # never here: its worker was lost, the trainer recovers
         _before(worker, box, "dev0-program-it7", "8")
+
+
+def test_the_mailbox_asks_the_scheduler_whether_a_program_is_still_to_come():
+    import taskrt.mailbox as mailbox
+
+    worker = FakeWorker()
+    states = {"sent-here": "processing", "sent-there": "processing", "waiting": "waiting", "done": "memory"}
+
+    async def get_task_status(keys):
+        return {k: states.get(k) for k in keys}
+
+    async def processing(workers):
+        return {w: ["sent-here"] for w in workers}
+
+    worker.scheduler = SimpleNamespace(get_task_status=get_task_status, processing=processing)
+    box = mailbox.Mailbox()
+    box.setup(worker)
+    assert box.still_coming("sent-here") and box.still_coming("waiting")
+    assert not box.still_coming("sent-there") and not box.still_coming("done") and not box.still_coming("forgotten")
