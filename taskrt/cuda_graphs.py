@@ -336,7 +336,7 @@ class TorchBackend:
         # (As torch.cuda.graph, but the stream is restored even when the capture fails.)  thread_local:
         # the worker's event loop may touch the GPU (reading a loss) while this thread captures.
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode=os.environ.get("TASKRT_CAPTURE_MODE", "thread_local"))
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 with cupy.cuda.ExternalStream(stream.cuda_stream):
                     outputs = fn(watch)
