@@ -110,12 +110,17 @@ class Mailbox(WorkerPlugin):
         """This worker's TCP port for messages from workers on other hosts (None: there is none)."""
         return self.listener.port if self.listener is not None else None
 
-    def _link_port(self, address: str):  # on a program's thread, once per peer on another host
-        ask = self.worker.rpc(address).taskrt_link()
+    def _ask(self, question, otherwise):
+        """The answer of coroutine `question`, run on the worker's event loop from a program's
+        thread; `otherwise` where none comes within ASK_TIMEOUT_S or it fails."""
         try:
-            return asyncio.run_coroutine_threadsafe(ask, self.loop).result(ASK_TIMEOUT_S)
-        except Exception:  # noqa: BLE001  (an older worker, no answer: distributed's comms)
-            return None
+            return asyncio.run_coroutine_threadsafe(question, self.loop).result(ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (no answer: the caller's default)
+            return otherwise
+
+    def _link_port(self, address: str):  # on a program's thread, once per peer on another host
+        # None from an older worker, or no answer: distributed's comms
+        return self._ask(self.worker.rpc(address).taskrt_link(), None)
 
     def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None):
         if slot is not None:  # the array lies in the sender's shared memory
@@ -243,17 +248,11 @@ class Mailbox(WorkerPlugin):
                 return key in here.get(self.worker.address, ())
             return state in ("waiting", "queued", "no-worker")
 
-        try:
-            return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(ASK_TIMEOUT_S)
-        except Exception:  # noqa: BLE001  (no answer from the scheduler: the program before counts as lost)
-            return False
+        return self._ask(ask(), False)  # no answer from the scheduler: the program before counts as lost
 
     def _alive(self, address: str) -> bool:
-        ask = self.worker.scheduler.ncores(workers=[address])
-        try:
-            return address in asyncio.run_coroutine_threadsafe(ask, self.loop).result(ASK_TIMEOUT_S)
-        except Exception:  # noqa: BLE001  (no answer from the scheduler: wait on, the client decides)
-            return True
+        answer = self._ask(self.worker.scheduler.ncores(workers=[address]), None)
+        return answer is None or address in answer  # no answer from the scheduler: wait on, the client decides
 
     def program_failed(self, key, error: BaseException):
         """Keep the error of the program `key` for the device's next program, which reads its result
