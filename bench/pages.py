@@ -207,15 +207,24 @@ def peer_verdict(record) -> str:
 MEASURED_TOLERANCE = 0.05  # the searched strategy's median step may trail the best other's by this (noise)
 
 
-def scaling_measured_verdict(record) -> str:
-    rows = record["rows"]
-    ran = sorted({r["devices"] for r in rows if r["devices"] > 1})
-    behind = []
+def searched_behind(rows, tolerance: float = 0.0) -> list[tuple]:
+    """(model, devices, the fastest other's step over the searched one's) wherever, on more than
+    one device, the searched strategy's median step is above the fastest other's by more than
+    `tolerance`."""
+    out = []
     for model, devices in dict.fromkeys((r["model"], r["devices"]) for r in rows if r["devices"] > 1):
         at = {r["strategy"]: r["measured_ms"] for r in rows if (r["model"], r["devices"]) == (model, devices)}
         best = min(v for k, v in at.items() if k != "searched")
-        if at["searched"] > best * (1 + MEASURED_TOLERANCE):
-            behind.append(f"{model} on {devices} ({best / at['searched']:.2f}x of the best)")
+        if at["searched"] > best * (1 + tolerance):
+            out.append((model, devices, best / at["searched"]))
+    return out
+
+
+def scaling_measured_verdict(record) -> str:
+    rows = record["rows"]
+    ran = sorted({r["devices"] for r in rows if r["devices"] > 1})
+    behind = [f"{model} on {devices} ({ratio:.2f}x of the best)"
+              for model, devices, ratio in searched_behind(rows, MEASURED_TOLERANCE)]
     missing = [n for n in (2, 4, 8) if n not in ran]
     ok = not behind and not missing
     searched = ("" if not ran else "; the searched strategy within noise of the fastest everywhere" if not behind

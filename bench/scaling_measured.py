@@ -14,26 +14,27 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 
 import search
+from bench import measure as measured
 from bench.measure import LOCAL_MODELS, measure
+from bench.pages import searched_behind
 from bench.report import write_result
 from taskrt.machine import Machine
 
 DEVICES = (1, 2, 4, 8)
 MODELS = {name: LOCAL_MODELS[name] for name in ("alexnet32", "vgg16_32")}
 QUICK_MODELS = {"alexnet32": LOCAL_MODELS["alexnet32"]}
-STRATEGIES = ("data", "owt")  # beside the searched one
+KEPT = ("single device", "data", "owt", "searched")  # of bench.measure's strategies
 
 
 def strategies_for(graph, machine, cost_model) -> dict:
-    if machine.num_devices == 1:
-        out = {"single device": search.data_parallel(graph, machine)}
-    else:
-        out = {name: search.BASELINES[name](graph, machine) for name in STRATEGIES}
-        out["searched"] = search.optimize(graph, machine, cost_model, check_by_simulation=True)
-    return {name: s.validated(graph, machine) for name, s in out.items()}
+    """bench.measure's strategies, the searched one ("layer-wise" there) by that name, model
+    parallelism left out."""
+    out = measured.strategies_for(graph, machine, cost_model)
+    if "layer-wise" in out:
+        out["searched"] = out.pop("layer-wise")
+    return {name: s for name, s in out.items() if name in KEPT}
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
@@ -58,14 +59,8 @@ def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]
                 f"{name} {r['measured_ms']:.0f} ms" for name, r in at.items()))
         lines.append(f"{model}, throughput against one device, measured (simulated), by device count: "
                      + "; ".join(parts))
-        multi = [r for r in mine if r["devices"] > 1]
-        behind = []
-        for devices in sorted({r["devices"] for r in multi}):
-            at = {r["strategy"]: r["measured_ms"] for r in multi if r["devices"] == devices}
-            best_other = min(v for k, v in at.items() if k != "searched")
-            if at.get("searched", 0) > best_other:
-                behind.append(f"{devices} devices ({best_other / at['searched']:.2f}x of the best)")
-        if multi:
+        behind = [f"{devices} devices ({ratio:.2f}x of the best)" for _, devices, ratio in searched_behind(mine)]
+        if any(r["devices"] > 1 for r in mine):
             lines.append(f"{model}: the searched strategy measured fastest at every device count"
                          if not behind else f"{model}: the searched strategy measured slower than another at "
                          + ", ".join(behind))
@@ -74,8 +69,7 @@ def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]
         lines.append(f"simulated against measured step time: median |error| {statistics.median(errors):.1%}, "
                      f"largest {max(errors):.1%}")
     if skipped:
-        lines.append(f"not run: {', '.join(map(str, skipped))} devices (more than the host's {cores} cores, or "
-                     "past the time limit)")
+        lines.append(f"not run: {', '.join(map(str, skipped))} devices (more than the host's {cores} cores)")
     return lines
 
 
@@ -85,29 +79,25 @@ COLUMNS = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"),
            ("images_per_s", "images/s"), ("bytes_per_step", "bytes per step"), ("search_pick", "search picked")]
 
 
-def run(out_dir="results", quick=False, devices=DEVICES, budget_s: float | None = None):
-    """`budget_s`: no device count is started past this many seconds (the record keeps what ran)."""
+def run(out_dir="results", quick=False, devices=DEVICES):
     cores = os.cpu_count() or 1
     chosen = QUICK_MODELS if quick else MODELS
     rounds = 3 if quick else 7
-    started = time.perf_counter()
-    rows, skipped = [], []
-    for n in devices:
-        if n > cores or (budget_s is not None and time.perf_counter() - started > budget_s):
-            skipped.append(n)
-            continue
+    run_here = [n for n in devices if n <= cores]
+    if not run_here:
+        raise RuntimeError(f"no device count of {list(devices)} fits this host's {cores} cores")
+    skipped = [n for n in devices if n > cores]
+    meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
+    rows = []
+    for n in run_here:
         with Machine.local(n) as machine, tempfile.TemporaryDirectory() as tmp:
             cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json", progress=False)
             for label, make in chosen.items():
                 graph = make()
                 rows += measure(machine, graph, strategies_for(graph, machine, cost_model), cost_model, rounds,
                                 label)
-        with_speedups(rows)
-        meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
-        md = write_result(out_dir, "scaling_measured", rows, COLUMNS, meta, summary_lines(rows, skipped, cores))
-    if not rows:
-        raise RuntimeError(f"no device count of {list(devices)} fits this host's {cores} cores")
-    meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
-    md = write_result(out_dir, "scaling_measured", rows, COLUMNS, meta, summary_lines(rows, skipped, cores))
+        # after each device count: a run stopped by a time limit keeps what it measured
+        md = write_result(out_dir, "scaling_measured", with_speedups(rows), COLUMNS, meta,
+                          summary_lines(rows, skipped, cores))
     print(md.read_text())
     return rows
