@@ -4,6 +4,8 @@ arrays (as a CUDA graph rewrites its static outputs).  The real capture runs in 
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -12,8 +14,11 @@ from taskrt.fusion import FusedRun
 
 
 class StandInDevice:
-    """numpy arrays as device arrays; a capture records `fn` and each replay writes its results into
-    the arrays the capture returned, so a value handed out uncopied would change under its holder."""
+    """numpy arrays as device arrays, at their real addresses.  A capture records the body and the
+    copies around it; each replay copies the inputs in (at the addresses the table names now), writes
+    the body's results into the arrays the capture returned (as a CUDA graph rewrites its static
+    outputs), and copies those out: a value handed out uncopied would change under its holder, and a
+    table filled wrongly would copy the wrong bytes."""
 
     def __init__(self, fail=None):
         self.captures = 0
@@ -26,25 +31,47 @@ class StandInDevice:
     def copy(self, x):
         return x.copy()
 
-    def copy_all(self, targets, sources):
-        for target, x in zip(targets, sources):
-            np.copyto(target, x)
+    def contiguous(self, x):
+        return np.ascontiguousarray(x)
 
-    def copies(self, arrays):
-        return [a.copy() for a in arrays]
+    def address(self, x):
+        return x.__array_interface__["data"][0]
 
-    def capture(self, fn):
+    def device_table(self, n):
+        return np.zeros(n, dtype=np.uint64)
+
+    def upload(self, table, host):
+        np.copyto(table, np.asarray(host, dtype=np.uint64))
+
+    def copy_segments(self, table, m, blocks):
+        src, dst, nbytes, first = (table[i * m:(i + 1) * m].tolist() for i in range(4))
+        assert (first, blocks) == cuda_graphs.copy_layout(nbytes)
+        for s, d, n in zip(src, dst, nbytes):
+            ctypes.memmove(d, s, n)
+
+    def empty_bytes(self, n):
+        return np.full(max(n, 1), 0xAB, dtype=np.uint8)  # not zeros: bytes not copied show
+
+    def view(self, buffer, offset, shape, dtype):
+        return np.ndarray(shape, dtype, buffer=buffer, offset=offset)
+
+    def ordinary_call(self, body):
+        return body()
+
+    def capture(self, body, copy_in, copy_out):
         if self.fail:
             raise RuntimeError(self.fail)
         self.captures += 1
-        outputs = fn()
+        outputs = body()
         leaves, _ = cuda_graphs.flatten(outputs, self.is_array)
 
         def replay():
             self.replays += 1
-            fresh, _ = cuda_graphs.flatten(fn(), self.is_array)
+            copy_in()
+            fresh, _ = cuda_graphs.flatten(body(), self.is_array)
             for target, value in zip(leaves, fresh):
                 np.copyto(target, value)
+            copy_out()
 
         return replay, outputs
 
@@ -253,3 +280,87 @@ def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls
                     np.testing.assert_array_equal(results[True][1][layer][key], value, err_msg=f"{label}: {layer}")
     finally:
         machine4.client.run(_remove_stand_in)
+
+
+# ---- the copies ----------------------------------------------------------------------------------------
+def test_strided_inputs_and_outputs_are_copied_by_their_values():
+    """The copies move bytes: a strided input (a transposed tile) is made contiguous for the copy in,
+    a strided output (a transposed result) before the copy out; both compare equal to ordinary calls."""
+    device, rng = StandInDevice(), np.random.default_rng(9)
+    steps = (("t", np.transpose, (("in", 0),)), ("s", np.add, (("own", "t"), ("in", 1))))
+    run = FusedRun(steps, ("t", "s"), program="strided")
+    for i in range(cuda_graphs.WARMUP_CALLS + 4):
+        x = rng.standard_normal((3, 5))
+        inputs = [x.T.copy().T if i % 2 else x, rng.standard_normal((5, 3)).astype(np.float32)]
+        got, expected = cuda_graphs.call(run, inputs, device), run.run(inputs)
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+    assert device.captures == 1 and got[0].flags.c_contiguous  # replayed: copied out of a contiguous output
+
+
+def test_outputs_lie_aligned_in_one_fresh_buffer_per_call():
+    device, rng = StandInDevice(), np.random.default_rng(10)
+    steps = (("a", np.negative, (("in", 0),)), ("b", np.sqrt, (("in", 1),)), ("c", np.add, (("own", "a"), ("lit", 1))))
+    run = FusedRun(steps, ("a", "b", "c"), program="aligned")
+    calls = []
+    for _ in range(cuda_graphs.WARMUP_CALLS + 3):
+        inputs = [rng.standard_normal(7), rng.random(3).astype(np.float32)]
+        calls.append((cuda_graphs.call(run, inputs, device), run.run(inputs)))
+    for got, expected in calls:  # later calls wrote elsewhere
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+    replayed = calls[-1][0]
+    addresses = [device.address(a) for a in replayed]
+    assert all((p - addresses[0]) % cuda_graphs.ALIGN == 0 for p in addresses)
+    assert addresses != [device.address(a) for a in calls[-2][0]]
+
+
+def _copy_kernel_on_the_cpu(tmp_path):
+    """The copy kernel's source compiled for the host (blocks and threads run one after another: each
+    thread moves bytes no other moves), called through ctypes."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ is not installed")
+    source = tmp_path / "copy.cpp"
+    source.write_text(
+        "struct uint4 { unsigned int x, y, z, w; };\nstruct dim3 { unsigned int x; };\n"
+        "static dim3 blockIdx, threadIdx, blockDim;\n#define __global__\n"
+        + cuda_graphs.copy_kernel_source()
+        + '\nextern "C" void run(const unsigned long long* table, int m, unsigned long long blocks, int threads) {\n'
+          "    blockDim.x = threads;\n"
+          "    for (unsigned long long b = 0; b < blocks; ++b)\n"
+          "        for (int t = 0; t < threads; ++t) { blockIdx.x = b; threadIdx.x = t; copy_segments(table, m); }\n"
+          "}\n")
+    library = tmp_path / "copy.so"
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", str(source), "-o", str(library)],
+                   check=True)
+    return ctypes.CDLL(str(library)).run
+
+
+def test_the_copy_kernel_copies_every_segment_whatever_its_size_and_alignment(tmp_path):
+    run = _copy_kernel_on_the_cpu(tmp_path)
+    rng = np.random.default_rng(11)
+    block = cuda_graphs.COPY_BLOCK_BYTES
+    source = rng.integers(0, 256, 6 * block, dtype=np.uint8)
+    target = np.zeros_like(source)
+    expected = np.zeros_like(source)
+    sizes = [0, 1, 15, 16, 17, 1000, block - 1, block, block + 1, 2 * block + 48]
+    pieces, at = [], 0
+    for n in sizes:  # each piece somewhere in the source, to its own place in the target, any alignment
+        shift = int(rng.integers(0, 16))
+        pieces.append((int(rng.integers(0, len(source) - n)), at + shift, n))
+        at += shift + n
+    assert at <= len(target)
+    for s, t, n in pieces:
+        expected[t:t + n] = source[s:s + n]
+    first, blocks = cuda_graphs.copy_layout([n for _, _, n in pieces])
+    base_s, base_t = source.ctypes.data, target.ctypes.data
+    table = np.array([base_s + s for s, _, _ in pieces] + [base_t + t for _, t, _ in pieces]
+                     + [n for _, _, n in pieces] + first, dtype=np.uint64)
+    run(table.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(len(pieces)), ctypes.c_ulonglong(blocks),
+        ctypes.c_int(cuda_graphs.COPY_THREADS))
+    np.testing.assert_array_equal(target, expected)

@@ -160,6 +160,33 @@ def test_a_profiled_step_on_gpu_workers_times_kernels_with_cuda_events(gpu2, tmp
     assert all(r["kernels_s"] > 0 for r in rows) and (tmp_path / "trace.json").stat().st_size > 0
 
 
+def test_the_copy_kernel_and_a_replay_on_the_gpu():
+    """The graphs' copy kernel against cupy's copies (the check each worker runs), and a captured run
+    of strided inputs: each replay's outputs are fresh arrays equal to an ordinary call's."""
+    import cupy
+
+    from taskrt import cuda_graphs
+    from taskrt.device import share_torch_allocator
+    from taskrt.fusion import FusedRun
+
+    assert share_torch_allocator()
+    backend = cuda_graphs.TorchBackend()
+    backend.check_copies()
+    steps = (("t", cupy.transpose, (("in", 0),)), ("s", cupy.add, (("own", "t"), ("in", 1))))
+    run = FusedRun(steps, ("t", "s"), program="gpu-copies")
+    rng = np.random.default_rng(0)
+    calls = []
+    for i in range(cuda_graphs.WARMUP_CALLS + 4):
+        x = cupy.asarray(rng.standard_normal((300, 70)))
+        inputs = [x.T.copy().T if i % 2 else x, cupy.asarray(rng.standard_normal((70, 300)))]
+        calls.append((cuda_graphs.call(run, inputs, backend), run.run(inputs)))
+    for got, expected in calls:
+        for a, b in zip(got, expected):
+            cupy.testing.assert_array_equal(a, b)
+    assert cuda_graphs.stats()["graphs"] == 1
+    cuda_graphs.clear()
+
+
 def _clear_graphs():
     from taskrt import cuda_graphs
 
