@@ -20,6 +20,7 @@ unfused graph; only the group's inner values never become Dask keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from operator import getitem
 
 
@@ -49,12 +50,7 @@ class FusedRun:
     def run(self, inputs, watch=None):
         """The steps, one after another, on `inputs`; `watch(key)`, when given, after each step
         (a CUDA graph's capture checks there which step, if any, broke it)."""
-        last_use = {}
-        for n, (_, _, args) in enumerate(self.steps):
-            for kind, ref in args:
-                if kind == "own":
-                    last_use[ref] = n
-        keep = set(self.exports)
+        last_use, keep = self._last_use, self._keep
         values = {}
         for n, (key, fn, args) in enumerate(self.steps):
             resolved = [inputs[ref] if kind == "in" else values[ref] if kind == "own"
@@ -70,6 +66,23 @@ class FusedRun:
                 if kind == "own" and last_use[ref] == n and ref not in keep:
                     del values[ref]
         return tuple(values[key] for key in self.exports)
+
+    @cached_property
+    def _last_use(self) -> dict:
+        """The last step reading each inner value (once per run: a program's runs are called every step)."""
+        last_use = {}
+        for n, (_, _, args) in enumerate(self.steps):
+            for kind, ref in args:
+                if kind == "own":
+                    last_use[ref] = n
+        return last_use
+
+    @cached_property
+    def _keep(self) -> frozenset:
+        return frozenset(self.exports)
+
+    def __getstate__(self):  # sent without what it computes for itself
+        return {k: v for k, v in self.__dict__.items() if k not in ("_last_use", "_keep")}
 
     def __repr__(self):  # shown by Dask's dashboard and errors
         return f"FusedRun({len(self.steps)} tasks, {len(self.exports)} outputs)"
