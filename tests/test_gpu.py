@@ -160,7 +160,7 @@ def test_a_profiled_step_on_gpu_workers_times_kernels_with_cuda_events(gpu2, tmp
     assert all(r["kernels_s"] > 0 for r in rows) and (tmp_path / "trace.json").stat().st_size > 0
 
 
-def test_the_copy_kernel_and_a_replay_on_the_gpu():
+def test_cuda_graph_copy_kernel_and_a_replay_on_the_gpu():
     """The graphs' copy kernel against cupy's copies (the check each worker runs), and a captured run
     of strided inputs: each replay's outputs are fresh arrays equal to an ordinary call's."""
     import cupy
