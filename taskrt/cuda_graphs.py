@@ -441,6 +441,8 @@ class TorchBackend:
         host would stop running ahead of the GPU).  A buffer is filled again once its copy is done."""
         import numpy
 
+        if not host:
+            return
         runtime = self.cupy.cuda.runtime
         with self._ring_lock:
             slot = self._ring[self._next]
