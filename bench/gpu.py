@@ -1,4 +1,4 @@
-"""GPU benchmark (needs cupy, torch with CUDA and a CUDA device): four parts, each reporting on its own.
+"""GPU benchmark (needs cupy, torch with CUDA and a CUDA device): five parts, each reporting on its own.
 
   a. kernels     forward + backward of the large conv layers of AlexNet, VGG-16 and Inception-v3: taskrt's
                  kernel against cuDNN through torch and the cupy im2col path (bench.gpu_kernels)
@@ -9,6 +9,8 @@
                  LeNet-5 on the digits against fp32's
   d. strategies  data, model, OWT and the searched strategy on 2 and 4 workers sharing the one GPU:
                  loss against the single-device reference, bytes per step (plan vs workers' logs), step time
+  e. transfer    a 64 MB device array between two workers sharing the GPU, through CUDA IPC and through
+                 host memory (bench.gpu_transfer)
 
 Writes results/gpu.json, gpu.md and gpu.png after each part.  A part that fails is reported and the
 others still run; `--parts` runs some and keeps the others' rows from the last gpu.json.
@@ -31,6 +33,7 @@ import numpy as np
 
 from bench import gpu_steps
 from bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
+from bench.gpu_transfer import transfer_part, transfer_summary
 from bench.pages import header
 from bench.report import markdown_table, write_result
 from bench.torch_peer import time_steps
@@ -55,9 +58,11 @@ QUICK_STRATEGY_NETWORK = {"lenet5": lambda: models.lenet5(batch=64)}
 QUICK_NETWORK = {"alexnet_64": lambda: models.alexnet(batch=32, image_size=64)}
 
 FULL = {"networks": list(NETWORKS), "kernel_warmup": 2, "kernel_repeats": 5, "step_warmup": 3, "steps": 20,
-        "workers": (2, 4), "strategy_network": STRATEGY_NETWORK, "strategy_repeats": 5}
+        "workers": (2, 4), "strategy_network": STRATEGY_NETWORK, "strategy_repeats": 5,
+        "transfer_rounds": 12}
 QUICK = {"networks": list(QUICK_NETWORK), "kernel_warmup": 1, "kernel_repeats": 2, "step_warmup": 3, "steps": 5,
-         "workers": (2,), "strategy_network": QUICK_STRATEGY_NETWORK, "strategy_repeats": 2}
+         "workers": (2,), "strategy_network": QUICK_STRATEGY_NETWORK, "strategy_repeats": 2,
+         "transfer_rounds": 4}
 
 CAVEAT = ("the workers of part d share one GPU and move data between them over TCP through host memory: "
           "their step times show the runtime's costs, not multi-GPU scaling")
@@ -277,8 +282,12 @@ STRATEGY_COLUMNS = [("model", "model"), ("workers", "workers"), ("strategy", "st
                     ("images_per_s", "images/s"), ("planned_bytes", "bytes planned"),
                     ("measured_bytes", "bytes measured"), ("bytes_match", "equal"),
                     ("loss_rel_diff", "loss rel. diff"), ("error", "error")]
-PARTS = ("kernels", "training", "bf16", "strategies")
-RECORD_KEYS = {"kernels": "kernels", "training": "rows", "bf16": "bf16", "strategies": "strategies"}
+TRANSFER_COLUMNS = [("path", "through"), ("one_way_ms", "one way ms"), ("gb_s", "GB/s"), ("goal", "goal 10 GB/s"),
+                    ("round_trip_ms", "round trip ms"), ("hop_ms", "a small value's hop ms"),
+                    ("arrived_equal", "arrived equal"), ("through_ipc", "went through IPC")]
+PARTS = ("kernels", "training", "bf16", "strategies", "transfer")
+RECORD_KEYS = {"kernels": "kernels", "training": "rows", "bf16": "bf16", "strategies": "strategies",
+               "transfer": "transfer"}
 
 
 def whole_numbers(rows, keys) -> list[dict]:
@@ -291,10 +300,13 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
     part) and gpu.png.  `rows`: part -> its rows."""
     kernel_rows, training_rows = rows.get("kernels", []), rows.get("training", [])
     bf16_rows, strategy_rows = rows.get("bf16", []), rows.get("strategies", [])
+    transfer_rows = rows.get("transfer", [])
     summary = (kernel_summary(kernel_rows) + gpu_steps.step_summary(training_rows)
-               + gpu_steps.step_summary(bf16_rows) + strategy_summary(strategy_rows))
+               + gpu_steps.step_summary(bf16_rows) + strategy_summary(strategy_rows)
+               + transfer_summary(transfer_rows))
     summary += [f"part {name} FAILED: {error}" for name, error in errors.items()]
-    meta = {**meta, "errors": errors, "kernels": kernel_rows, "bf16": bf16_rows, "strategies": strategy_rows}
+    meta = {**meta, "errors": errors, "kernels": kernel_rows, "bf16": bf16_rows, "strategies": strategy_rows,
+            "transfer": transfer_rows}
     md = write_result(out_dir, "gpu", training_rows, STEP_COLUMNS, meta, summary)
     record = json.loads((Path(out_dir) / "gpu.json").read_text())
     steps = [r for r in bf16_rows if "runtime_ms" in r]
@@ -307,9 +319,10 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
         markdown_table(KERNEL_COLUMNS, kernel_rows), "",
         "## b. Training steps on one GPU: taskrt's `fit` against PyTorch eager", "",
         markdown_table(STEP_COLUMNS, whole_numbers(training_rows, ("runtime_images_per_s",))), "",
-        "Where taskrt's step goes: the CUDA graph's replay alone (its kernels, on the GPU), copying the "
-        "step's inputs into the graph and its outputs out, and the rest of the step (Dask, the data read, "
-        "the GPU waiting); the same steps launched kernel by kernel, and what replaying saves; a profiled step "
+        "Where taskrt's step goes: the CUDA graph's replay (its kernels, copying the step's inputs in and "
+        "its outputs out included, on the GPU), the host's time to call it, and the rest of the step (Dask, "
+        "the data read, the GPU waiting); the same steps launched kernel by kernel, and what replaying saves; "
+        "a profiled step "
         "kernel by kernel (`Trainer.profile`, CUDA events around each task: a task's kernels include the GPU "
         "waiting for its launches), whose Chrome trace is in gpu_traces/. "
         "Peak memory: what torch's caching allocator (which serves cupy too) reserved, against PyTorch's "
@@ -319,6 +332,8 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
         markdown_table(STEP_COLUMNS, whole_numbers(steps, ("runtime_images_per_s",))), "",
         "## d. Strategies on workers sharing one GPU", "",
         markdown_table(STRATEGY_COLUMNS, whole_numbers(strategy_rows, ("images_per_s",))), "",
+        "## e. A device array between two workers sharing the GPU", "",
+        markdown_table(TRANSFER_COLUMNS, transfer_rows), "",
         f"Caveat: {CAVEAT}.",
     ]
     md.write_text("\n".join(text) + "\n")
@@ -410,6 +425,7 @@ def run(out_dir="results", quick=False, parts=PARTS, steps=None, eager=True):
                      *step_args, ("fp32",) if eager else (), Path(out_dir) / "gpu_traces"),
         "bf16": (functools.partial(bf16_part, on_row=report), networks, *step_args),
         "strategies": (strategy_part, config["strategy_network"], config["workers"], config["strategy_repeats"]),
+        "transfer": (transfer_part, config["transfer_rounds"]),
     }
     meta["seconds"] = {}
     for name, (fn, *args) in steps.items():

@@ -8,7 +8,9 @@ a one-way message (no answer to wait for), so the program goes on computing mean
 of at least `shared_memory.MIN_BYTES` to a worker on the same host goes through shared memory and
 the message says where (`taskrt.shared_memory`): in place when a kernel made it there (the large
 results on `ops.reuse`'s memory, which on a worker is shared), else copied there once; other
-values travel as the message's own frames, not copied into it (distributed's serialization).
+values travel as the message's own frames, not copied into it (distributed's serialization).  A
+device array of at least that size to a GPU worker on the same host goes through CUDA IPC
+(`taskrt.gpu_ipc`): copied into a buffer of the sender's on the device, the message says which.
 
 Each value that arrives is logged in the worker's `transfer_incoming_log` (and each sent in the
 sender's `transfer_outgoing_log`) in Dask's own form, under its key: the bytes a step moved are
@@ -33,7 +35,7 @@ from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from ops import reuse
-from taskrt import local_link, shared_memory
+from taskrt import gpu_ipc, local_link, shared_memory
 
 WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
 ASK_TIMEOUT_S = 10.0  # for the scheduler's answer to that
@@ -85,7 +87,10 @@ class Mailbox(WorkerPlugin):
                 self.links = local_link.Links(resolve=self._link_port)
             except OSError:  # no socket here (a path too long, no /tmp): distributed's comms only
                 self.listener = None
+        # device arrays to a GPU worker on the same host through CUDA IPC (taskrt.gpu_ipc), made when needed
+        self.gpu_sender, self.gpu_receiver, self.gpu_peers = None, None, {}
         worker.handlers["taskrt_link"] = self.link_port
+        worker.handlers["taskrt_gpu"] = self.takes_gpu_ipc
         worker.handlers["taskrt_put"] = self.put
         worker.handlers["taskrt_abort"] = self.abort
         worker._taskrt_mailbox = self
@@ -94,6 +99,8 @@ class Mailbox(WorkerPlugin):
     def teardown(self, worker):
         if getattr(self, "shm_sender", None) is not None:
             self.shm_sender.close()
+        if getattr(self, "gpu_sender", None) is not None:
+            self.gpu_sender.close()
         if getattr(self, "shm_blocks", None) is not None:
             previous = reuse.set_source(None)
             if previous is not self.shm_blocks:  # another's: left as it was
@@ -105,6 +112,12 @@ class Mailbox(WorkerPlugin):
 
     def _delivered(self, message: dict):  # on a thread of the local link
         self.put(**message)
+
+    def takes_gpu_ipc(self) -> bool:
+        """Whether this worker takes device arrays through CUDA IPC (it computes on a GPU)."""
+        from taskrt.device import is_gpu
+
+        return is_gpu() and shared_memory.available()
 
     def link_port(self):
         """This worker's TCP port for messages from workers on other hosts (None: there is none)."""
@@ -118,13 +131,29 @@ class Mailbox(WorkerPlugin):
         except Exception:  # noqa: BLE001  (no answer: the caller's default)
             return otherwise
 
+    def _takes_gpu_ipc(self, address: str) -> bool:  # on a program's thread, once per peer on this host
+        if address not in self.gpu_peers:
+            self.gpu_peers[address] = self.takes_gpu_ipc() and self._ask(self.worker.rpc(address).taskrt_gpu(), False)
+        return self.gpu_peers[address]
+
+    def _gpu_sender(self) -> gpu_ipc.Sender:
+        with self.cond:
+            if self.gpu_sender is None:
+                self.gpu_sender = gpu_ipc.Sender()
+            return self.gpu_sender
+
     def _link_port(self, address: str):  # on a program's thread, once per peer on another host
         # None from an older worker, or no answer: distributed's comms
         return self._ask(self.worker.rpc(address).taskrt_link(), None)
 
-    def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None):
+    def put(self, key=None, tag=None, value=None, sender=None, sent=None, slot=None, gpu_slot=None):
         if slot is not None:  # the array lies in the sender's shared memory
             value = self.shm_receiver.read(shared_memory.Slot.from_message(slot))
+        elif gpu_slot is not None:  # in a buffer of the sender's on the GPU
+            with self.cond:
+                if self.gpu_receiver is None:
+                    self.gpu_receiver = gpu_ipc.Receiver()
+            value = self.gpu_receiver.read(gpu_ipc.Slot.from_message(gpu_slot))
         arrived = time.time()
         nbytes = sizeof(value)
         delay = self.worker.scheduler_delay
@@ -178,6 +207,10 @@ class Mailbox(WorkerPlugin):
             slot = self.shm_blocks.lend(value, address) or self.shm_sender.write(value)
         if slot is not None:
             msg["slot"] = slot.as_message()
+        elif near and gpu_ipc.eligible(value) and self._takes_gpu_ipc(address):
+            gpu_slot = self._gpu_sender().write(value if value.flags.c_contiguous else value.copy())
+            if gpu_slot is not None:  # else every buffer is in use: through host memory
+                msg["gpu_slot"] = gpu_slot.as_message()
         future = None
         # To another host only small values take the program's own TCP socket: a large one is written
         # by the event loop while the program computes on (it would hold the program for its bytes)
@@ -187,7 +220,7 @@ class Mailbox(WorkerPlugin):
             elif self.tcp and (link == "tcp" or nbytes < shared_memory.MIN_BYTES):
                 future = self._send_link(address, msg, value, False)
         if future is None:
-            if slot is None:
+            if "slot" not in msg and "gpu_slot" not in msg:
                 msg["value"] = to_serialize(value)
             future = asyncio.run_coroutine_threadsafe(self._write(address, msg), self.loop)
 
@@ -206,7 +239,7 @@ class Mailbox(WorkerPlugin):
         """`msg` through the link (`near`: a Unix socket, else TCP), written from this thread: a done
         future, or None where the worker at `address` has no socket to reach."""
         message = {k: v for k, v in msg.items() if k not in ("op", "reply")}
-        if "slot" not in message:
+        if "slot" not in message and "gpu_slot" not in message:
             message["value"] = value
         future = concurrent.futures.Future()
         try:

@@ -243,3 +243,15 @@ def test_the_bf16_loss_check_runs_on_a_cpu_worker():
     assert len(row["losses_fp32"]) == len(row["losses_bf16"]) == len(row["losses_fp32_again"]) == 12
     assert row["loss_rel_diff"] == row["loss_noise"] == 0.0  # CPU kernels ignore the precision, and repeat
     assert "goal 2%: met" in gpu_steps.step_summary([row])[0]
+
+
+def test_transfer_part_on_cpu_workers():
+    """The transfer part's ping-pong on CPU workers (numpy arrays, through shared memory): rows and
+    summary say the array arrived equal and did not go through CUDA IPC."""
+    from bench.gpu_transfer import transfer_part, transfer_summary
+
+    rows = []
+    transfer_part(rows, rounds=2, device="cpu", nbytes=2**20)
+    assert [r["path"] for r in rows] == ["CUDA IPC", "host memory"]
+    assert all(r["arrived_equal"] and not r["through_ipc"] and r["gb_s"] > 0 for r in rows)
+    assert "(NOT through IPC: host memory)" in transfer_summary(rows)[0]

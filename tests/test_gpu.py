@@ -187,6 +187,16 @@ def test_cuda_graph_copy_kernel_and_a_replay_on_the_gpu():
     cuda_graphs.clear()
 
 
+def test_a_large_device_array_between_workers_on_one_gpu_goes_through_ipc(gpu2):
+    """Two workers sharing the GPU: a 4 MB cupy array from one program's mailbox to the other's
+    through CUDA IPC (taskrt.gpu_ipc), arriving equal, and through host memory when told to."""
+    from bench.gpu_transfer import round_trips
+
+    for ipc in (True, False):
+        _, seen = round_trips(gpu2, 4 * 2**20, 3, ipc)
+        assert seen == {"equal": True, "ipc": ipc}, seen
+
+
 def _clear_graphs():
     from taskrt import cuda_graphs
 
