@@ -6,7 +6,7 @@
 #   OUT=/some/dir PARTS=training,bf16 bench/gpu_session.sh
 #
 # OUT (default results/gpu_logs/<date>): where logs and results go; the parts not run keep their rows
-# from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies).  TESTS,
+# from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies,transfer).  TESTS,
 # TESTS_K: test files and pytest's -k (default: the gpu-marked tests of two files, but the search's).  TEST_S, BENCH_S: seconds for the
 # tests and the benchmark (TEST_S=0: no tests).  BENCH_ARGS: more arguments of `python -m bench.gpu`.
 # SCALING_S (default 0: not run): seconds for `bench scaling_measured` on the host's cores after the GPU
@@ -32,9 +32,9 @@ if [ "${TEST_S:-180}" != 0 ]; then
     -k "${TESTS_K:-not search}" ${TESTS:-tests/test_gpu.py tests/test_torch_kernels.py} 2>&1 \
     | tee "$OUT/pytest.txt" | tail -n 25
 fi
-echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies} ($(date -u +%T))"
+echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies,transfer} ($(date -u +%T))"
 # shellcheck disable=SC2086
-timeout "${BENCH_S:-420}" python3 -m bench.gpu --parts "${PARTS:-training,bf16,strategies}" --out "$OUT" \
+timeout "${BENCH_S:-420}" python3 -m bench.gpu --parts "${PARTS:-training,bf16,strategies,transfer}" --out "$OUT" \
   ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 echo "bench exit $?"
 grep -E "^\[bench gpu\]|Error|error" "$OUT/bench.txt" | tail -n 60

@@ -87,8 +87,11 @@ class Sender:
         self.path = os.path.join(directory, f"{shared_memory.PREFIX}{os.getpid()}-{token}-gpuflags")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, FLAGS)
+            os.posix_fallocate(fd, 0, FLAGS)  # no room in /dev/shm: OSError here, not a crash at a write
             self.flags = mmap.mmap(fd, FLAGS, flags=mmap.MAP_SHARED)
+        except OSError:
+            shared_memory._unlink(self.path)
+            raise
         finally:
             os.close(fd)
         atexit.register(self.close)
@@ -112,7 +115,10 @@ class Sender:
         size = -(-nbytes // GRAIN) * GRAIN
         if sum(b.size for b in self.buffers) + size > self.pool_bytes or len(self.buffers) >= FLAGS:
             return None
-        pointer = self.device.malloc(size)
+        try:
+            pointer = self.device.malloc(size)
+        except Exception:  # noqa: BLE001  (the device's memory is full: through host memory)
+            return None
         event = self.device.ipc_event()
         buffer = _Buffer(len(self.buffers), size, pointer, self.device.memory_handle(pointer), event,
                          self.device.event_handle(event))

@@ -99,7 +99,7 @@ class Mailbox(WorkerPlugin):
     def teardown(self, worker):
         if getattr(self, "shm_sender", None) is not None:
             self.shm_sender.close()
-        if getattr(self, "gpu_sender", None) is not None:
+        if getattr(self, "gpu_sender", None):
             self.gpu_sender.close()
         if getattr(self, "shm_blocks", None) is not None:
             previous = reuse.set_source(None)
@@ -136,11 +136,14 @@ class Mailbox(WorkerPlugin):
             self.gpu_peers[address] = self.takes_gpu_ipc() and self._ask(self.worker.rpc(address).taskrt_gpu(), False)
         return self.gpu_peers[address]
 
-    def _gpu_sender(self) -> gpu_ipc.Sender:
+    def _gpu_sender(self) -> gpu_ipc.Sender | None:
         with self.cond:
             if self.gpu_sender is None:
-                self.gpu_sender = gpu_ipc.Sender()
-            return self.gpu_sender
+                try:
+                    self.gpu_sender = gpu_ipc.Sender()
+                except OSError:  # no room in /dev/shm for its flags: through host memory from now on
+                    self.gpu_sender = False
+            return self.gpu_sender or None
 
     def _link_port(self, address: str):  # on a program's thread, once per peer on another host
         # None from an older worker, or no answer: distributed's comms
@@ -208,7 +211,8 @@ class Mailbox(WorkerPlugin):
         if slot is not None:
             msg["slot"] = slot.as_message()
         elif near and gpu_ipc.eligible(value) and self._takes_gpu_ipc(address):
-            gpu_slot = self._gpu_sender().write(value if value.flags.c_contiguous else value.copy())
+            sender = self._gpu_sender()
+            gpu_slot = sender and sender.write(value if value.flags.c_contiguous else value.copy())
             if gpu_slot is not None:  # else every buffer is in use: through host memory
                 msg["gpu_slot"] = gpu_slot.as_message()
         future = None
