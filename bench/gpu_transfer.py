@@ -1,9 +1,10 @@
 """Part "transfer" of `bench gpu`: a 64 MB device array from one worker's program to another's, two
 workers sharing the GPU, through CUDA IPC (`taskrt.gpu_ipc`) and through host memory (as before).
 
-Ping-pong through the mailboxes, as `bench programs` times a tile between CPU workers: "a" sends the
-array and waits for a one-byte answer; "b" waits for it, waits for the device to have it (its copy
-is queued on the kernels' stream) and answers.  One way is a round trip less the one-way time of a
+Ping-pong through the mailboxes (`taskrt.calibration._ping_pong`, as `bench programs` times a tile
+between CPU workers and the calibration a large value): "a" sends the array and waits for a one-byte
+answer; "b" waits for it, waits for the device to have it (its copy is queued on the kernels'
+stream) and answers.  One way is a round trip less the one-way time of a
 small value (`hop`).  On CPU workers (`device="cpu"`, to try the part without a GPU) the arrays are
 numpy's and go through shared memory.
 """
@@ -21,52 +22,15 @@ def log(message: str) -> None:
     print(f"[bench gpu] {message}", flush=True)
 
 
-def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, ipc: bool) -> dict:
-    """On a worker: `rounds` round trips with the worker at `peer`; "a" returns the seconds of each,
-    "b" whether the first array arrived equal and whether every one came through CUDA IPC."""
-    from distributed import get_worker
-
-    from taskrt.device import is_gpu, synchronize
-    from taskrt.mailbox import mailbox_of
-
-    box = mailbox_of(get_worker())
-    if ipc:
-        box.gpu_peers.pop(peer, None)  # asked again
-    else:
-        box.gpu_peers[peer] = False  # through host memory, as without taskrt.gpu_ipc
-    if is_gpu():
-        import cupy as xp
-    else:
-        import numpy as xp
-    payload = xp.full(max(nbytes // 4, 1), 1.5, dtype=xp.float32)
-    ack = xp.zeros(1, dtype=xp.uint8)
-    synchronize()
-    def through_ipc() -> int:
-        return box.gpu_receiver.reads if box.gpu_receiver is not None else 0
-
-    times, equal, before = [], None, through_ipc()
-    for i in range(rounds):
-        if role == "a":
-            start = time.perf_counter()
-            box.send(peer, ("ping", tag, i), tag, payload).result()
-            box.take(("pong", tag, i), tag, peer)
-            times.append(time.perf_counter() - start)
-        else:
-            got = box.take(("ping", tag, i), tag, peer)
-            synchronize()  # the array is on this device
-            if equal is None:
-                equal = bool((got == 1.5).all()) and got.shape == payload.shape
-            box.send(peer, ("pong", tag, i), tag, ack).result()
-    return {"times": times} if role == "a" else {"equal": equal, "ipc": through_ipc() - before == rounds}
-
-
 def round_trips(machine, nbytes: int, rounds: int, ipc: bool) -> tuple[float, dict]:
     """Median seconds of a round trip of `nbytes` (the first left out), and what "b" saw."""
+    from taskrt.calibration import _ping_pong
+
     client, address = machine.client, machine.addresses()
     tag = f"bench-transfer-{time.time_ns()}"
-    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, nbytes, tag, ipc,
+    a, b = (client.submit(_ping_pong, role, address[1 - i], rounds, nbytes, tag, ipc=ipc,
                           resources={machine.tag(i): 1}, pure=False) for i, role in enumerate("ab"))
-    times = a.result()["times"]
+    times = a.result()
     return statistics.median(times[1:] if len(times) > 1 else times), b.result()
 
 

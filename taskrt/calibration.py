@@ -208,22 +208,37 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
 
 
 def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: str = "auto",
-               reused: bool = False) -> list:
+               reused: bool = False, ipc: bool = True):
     """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
-    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers; "a" returns
-    the seconds of each round trip.  `link`: as `Mailbox.send`'s.  `reused`: the value made on
-    `ops.reuse`'s memory, as kernels make weights and gradients (on one host: lent, not copied);
-    else on the heap, as other values are."""
+    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers once the value
+    is on its device; "a" returns the seconds of each round trip, "b" whether the first value
+    arrived equal and whether every one came through CUDA IPC.  `link`: as `Mailbox.send`'s.
+    `reused`: the value made on `ops.reuse`'s memory, as kernels make weights and gradients (on one
+    host: lent, not copied); else on the heap, as other values are.  On a GPU worker the value is a
+    device array, as programs exchange there (`ipc` False: through host memory, as without
+    `taskrt.gpu_ipc`)."""
     from distributed import get_worker
 
     from ops import reuse
+    from taskrt.device import is_gpu, synchronize, to_device
     from taskrt.mailbox import mailbox_of
 
     box = mailbox_of(get_worker())
+    if ipc:
+        box.gpu_peers.pop(peer, None)  # asked again
+    else:
+        box.gpu_peers[peer] = False
     shape, ack = (max(nbytes // 8, 1),), np.zeros(1, dtype=np.uint8)
     payload = reuse.empty(shape, np.float64) if reused else np.empty(shape)
     payload[:] = 1.0
-    times = []
+    if is_gpu():
+        payload = to_device(payload)
+        synchronize()
+
+    def through_ipc() -> int:
+        return box.gpu_receiver.reads if box.gpu_receiver is not None else 0
+
+    times, equal, before = [], None, through_ipc()
     for i in range(rounds):
         if role == "a":
             start = time.perf_counter()
@@ -231,9 +246,12 @@ def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: s
             box.take(("pong", tag, i), tag, peer)
             times.append(time.perf_counter() - start)
         else:
-            box.take(("ping", tag, i), tag, peer)
+            got = box.take(("ping", tag, i), tag, peer)
+            synchronize()  # a device array's copy is queued on the device: it is there now
+            if equal is None:
+                equal = bool((got == 1.0).all()) and got.shape == shape
             box.send(peer, ("pong", tag, i), tag, ack, link).result()
-    return times
+    return times if role == "a" else {"equal": equal, "ipc": through_ipc() - before == rounds}
 
 
 def _run_seconds(tasks: int, repeats: int) -> list:
