@@ -516,7 +516,13 @@ class TorchBackend:
         broken = []
 
         def watch(key):
-            if not broken and is_capturing is not None and is_capturing(stream.cuda_stream) == INVALIDATED:
+            if broken or is_capturing is None:
+                return
+            try:
+                status = is_capturing(stream.cuda_stream)
+            except RuntimeError:  # cupy's answer where the capture was invalidated
+                status = INVALIDATED
+            if status == INVALIDATED:
                 broken.append(key)
 
         # (As torch.cuda.graph, but the stream is restored even when the capture fails.)  thread_local:
