@@ -534,11 +534,13 @@ class TorchBackend:
                     copy_in()
                     outputs = body(watch)
                     copy_out()
-            except BaseException:
+            except BaseException as error:
                 try:  # the step's own error says more than the capture's end
                     graph.capture_end()
                 except Exception:  # noqa: BLE001
                     pass
+                if broken and isinstance(error, Exception):  # a later step failed for an earlier one's break
+                    raise CaptureError(f"the capture broke at step {broken[0]}: {error}") from error
                 raise
             try:
                 graph.capture_end()
