@@ -403,9 +403,10 @@ def copy_kernel_source() -> str:
 
 
 class TorchBackend:
-    """Captures with `torch.cuda.graph` (its private memory pool holds the run's intermediates), cupy
-    launching on the capturing stream; cupy allocates from torch's caching allocator
-    (`taskrt.device.share_torch_allocator`), so a capture's cupy arrays come from the same pool."""
+    """Captures with `torch.cuda.graph` (a private memory pool, shared by the worker's captures, holds
+    the runs' intermediates), cupy launching on the capturing stream; cupy allocates from torch's
+    caching allocator (`taskrt.device.share_torch_allocator`), so a capture's cupy arrays come from
+    that pool."""
 
     def __init__(self):
         import cupy
@@ -417,6 +418,7 @@ class TorchBackend:
         self.cupyx = cupyx
         self.kernel = cupy.RawKernel(copy_kernel_source(), "copy_segments")
         self._ring = [{"buffer": None, "event": None} for _ in range(UPLOAD_RING)]
+        self.pool = None  # the captures' memory pool (torch.cuda.graph_pool_handle), made at the first capture
         self._next = 0
         self._ring_lock = threading.Lock()
 
@@ -526,9 +528,14 @@ class TorchBackend:
                 broken.append(key)
 
         # (As torch.cuda.graph, but the stream is restored even when the capture fails.)  thread_local:
-        # the worker's event loop may touch the GPU (reading a loss) while this thread captures.
+        # the worker's event loop may touch the GPU (reading a loss) while this thread captures.  One
+        # memory pool for every capture of the worker: nothing a graph leaves in it is read after its
+        # replay (its static outputs are copied out inside it, its static inputs lie outside), and
+        # replays queue on one stream, so a graph's intermediates may lie where another's did.
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 with cupy.cuda.ExternalStream(stream.cuda_stream):
                     copy_in()
