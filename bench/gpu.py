@@ -64,8 +64,8 @@ QUICK = {"networks": list(QUICK_NETWORK), "kernel_warmup": 1, "kernel_repeats": 
          "workers": (2,), "strategy_network": QUICK_STRATEGY_NETWORK, "strategy_repeats": 2,
          "transfer_rounds": 4}
 
-CAVEAT = ("the workers of part d share one GPU and move data between them over TCP through host memory: "
-          "their step times show the runtime's costs, not multi-GPU scaling")
+CAVEAT = ("the workers of parts d and e share one GPU (large device arrays between them through CUDA IPC, the "
+          "rest through host memory): their step times show the runtime's costs, not multi-GPU scaling")
 
 
 def log(message: str) -> None:

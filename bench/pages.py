@@ -249,6 +249,7 @@ def data_verdict(record) -> str:
 
 def gpu_verdict(record) -> str:
     from bench.gpu_steps import BF16_LOSS_GOAL, GOAL, MEMORY_GOAL
+    from bench.gpu_transfer import RATE_GOAL
 
     steps = [r for r in record["rows"] + record.get("bf16", []) if "runtime_ms" in r]
     kernels = [r["taskrt_of_cudnn"] for r in record.get("kernels", []) if r.get("taskrt_of_cudnn") is not None]
@@ -261,8 +262,13 @@ def gpu_verdict(record) -> str:
     if bf16:
         parts.append("bf16's loss within " + f"{BF16_LOSS_GOAL:.0%} of fp32's: "
                      + met(all(r["loss_rel_diff"] <= BF16_LOSS_GOAL for r in bf16)))
+    transfers = [r for r in record.get("transfer", []) if r.get("goal")]
+    if transfers:
+        parts.append(f"a device array between workers at least {RATE_GOAL / 1e9:.0f} GB/s: "
+                     + met(all(r["goal"] == "met" for r in transfers)))
     ok = (all(r["of_torch"] >= GOAL and r.get("memory_of_torch", math.inf) <= MEMORY_GOAL for r in steps)
-          and all(v >= 0.5 for v in kernels) and all(r["loss_rel_diff"] <= BF16_LOSS_GOAL for r in bf16))
+          and all(v >= 0.5 for v in kernels) and all(r["loss_rel_diff"] <= BF16_LOSS_GOAL for r in bf16)
+          and all(r["goal"] == "met" for r in transfers))
     return f"{met(ok)}: " + "; ".join(parts)
 
 
@@ -471,11 +477,12 @@ PAGES = {
         "taskrt on one NVIDIA GPU against PyTorch eager: training steps of AlexNet, VGG-16, Inception-v3 and "
         "ResNet-50 as `trainer.fit` runs them (data generated on the worker, each device's run replayed as a CUDA "
         "graph), where their time goes, peak GPU memory, bf16 against PyTorch's autocast, conv kernels against "
-        "cuDNN, and strategies on workers sharing the GPU.",
+        "cuDNN, strategies on workers sharing the GPU, and a device array between two of them.",
         "`python -m bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` for some "
         "parts; the others keep their rows).",
         "steps at least 0.8x PyTorch's speed (none below 0.5x), peak memory at most 1.3x PyTorch's, conv kernels "
-        "at least 50% of cuDNN's rate, bf16's loss within 2% of fp32's.",
+        "at least 50% of cuDNN's rate, bf16's loss within 2% of fp32's, a 64 MB device array between two workers "
+        "at least 10 GB/s.",
         gpu_verdict, gpu_on),
     "hypergraph": Page(
         "seed 003's hypergraph partitions of VGG-16",
