@@ -170,6 +170,7 @@ def test_cuda_graph_copy_kernel_and_a_replay_on_the_gpu():
     from taskrt.fusion import FusedRun
 
     assert share_torch_allocator()
+    cuda_graphs.clear()
     backend = cuda_graphs.TorchBackend()
     backend.check_copies()
     steps = (("t", cupy.transpose, (("in", 0),)), ("s", cupy.add, (("own", "t"), ("in", 1))))
