@@ -410,12 +410,10 @@ class TorchBackend:
 
     def __init__(self):
         import cupy
+        import cupyx
         import torch
 
-        self.cupy, self.torch = cupy, torch
-        import cupyx
-
-        self.cupyx = cupyx
+        self.cupy, self.cupyx, self.torch = cupy, cupyx, torch
         self.kernel = cupy.RawKernel(copy_kernel_source(), "copy_segments")
         self._ring = [{"buffer": None, "event": None} for _ in range(UPLOAD_RING)]
         self.pool = None  # the captures' memory pool (torch.cuda.graph_pool_handle), made at the first capture
