@@ -102,3 +102,49 @@ def test_the_flags_file_is_named_for_its_process_and_removed_on_close(tmp_path):
 
 def test_only_large_device_arrays_are_eligible():
     assert not gpu_ipc.eligible(np.zeros(2**20))  # a host array: shared memory's
+
+
+def test_the_mailbox_sends_a_device_array_through_a_buffer_and_hands_over_its_copy(monkeypatch, tmp_path):
+    """The mailbox's side of IPC, with the stand-in device: a large "device array" to a worker on the
+    same host that takes IPC goes as a slot (no value in the message), and the receiving mailbox hands
+    over an equal copy; to a worker that does not take IPC, the value itself goes."""
+    import taskrt.mailbox as mailbox
+    from ops import reuse
+    from tests.test_programs import FakeWorker
+
+    device = StandInDevice()
+    monkeypatch.setattr(gpu_ipc, "eligible", lambda value: isinstance(value, np.ndarray) and value.nbytes >= 2**20)
+    real_receiver = gpu_ipc.Receiver
+    monkeypatch.setattr(gpu_ipc, "Receiver", lambda: real_receiver(device))
+    source = reuse.set_source(None)  # the mailboxes install their shared blocks: put back after
+    sender, receiver = mailbox.Mailbox(), mailbox.Mailbox()
+    sender.setup(FakeWorker())
+    receiver.setup(FakeWorker())
+    try:
+        _exchange(monkeypatch, tmp_path, device, sender, receiver)
+    finally:
+        for box in (receiver, sender):
+            box.teardown(box.worker)
+        reuse.set_source(source)
+
+
+def _exchange(monkeypatch, tmp_path, device, sender, receiver):
+    sender.shm_sender = None  # as on a GPU worker's device arrays: not host memory's to lend
+    sender.gpu_sender = gpu_ipc.Sender(device, directory=str(tmp_path))
+    sent = []
+
+    async def write(address, msg):  # the message as it would be written
+        sent.append(dict(msg))
+
+    monkeypatch.setattr(sender, "_write", write)
+    sender.links = None
+    value = np.random.default_rng(3).standard_normal(2**18)  # 2 MiB
+    for takes, peer in ((True, "tcp://here:2"), (False, "tcp://here:3")):
+        sender.gpu_peers[peer] = takes
+        sender.send(peer, ("x", peer), "1", value).result()
+    through_ipc, as_value = sent
+    assert "gpu_slot" in through_ipc and "value" not in through_ipc and "gpu_slot" not in as_value
+    receiver.put(**{k: v for k, v in through_ipc.items() if k not in ("op", "reply")})
+    got = receiver.take(("x", "tcp://here:2"), "1", "tcp://here:1")
+    np.testing.assert_array_equal(got, value)
+    assert receiver.gpu_receiver.reads == 1
