@@ -108,12 +108,12 @@ class ProfiledRun(FusedRun):
     name: object = None
 
     def __call__(self, *inputs):
-        clock = _clock()
+        clock, delay = _clock(), _scheduler_delay()
         steps = tuple((key, _Step(key, fn, clock), args) for key, fn, args in self.steps)
         try:
             return FusedRun(steps, self.exports, self.after).run(inputs)
         finally:
-            _keep(self.name, clock)
+            _keep(self.name, clock, delay)
 
     def __repr__(self):
         return f"ProfiledRun({len(self.steps)} tasks, {len(self.exports)} outputs)"
@@ -127,23 +127,24 @@ class Timed:
     name: object
 
     def __call__(self, *args):
-        clock = _clock()
+        clock, delay = _clock(), _scheduler_delay()
         try:
             return clock.call(self.name, self.fn, args)
         finally:
-            _keep(self.name, clock)
+            _keep(self.name, clock, delay)
 
     def __repr__(self):
         return f"Timed({self.fn!r})"
 
 
-def _keep(name, clock) -> None:
-    delay = _scheduler_delay()
+def _keep(name, clock, delay: float) -> None:
     RECORDS.extend((name, key, start, end, delay) for key, start, end in clock.spans())
 
 
 def _scheduler_delay() -> float:
-    """This worker's current `scheduler_delay` (0 outside a worker)."""
+    """This worker's current `scheduler_delay` (0 outside a worker): read as a task starts, as Dask
+    reads it for the task's own start and stop (a heartbeat during a long task moves it by
+    milliseconds, which put a task's last steps outside its Dask task in a profiled step)."""
     from distributed import get_worker
 
     try:
