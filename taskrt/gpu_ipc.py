@@ -21,7 +21,6 @@ slow to copy) values go through host memory as before.  The flags file is named 
 from __future__ import annotations
 
 import atexit
-import mmap
 import os
 import queue
 import sys
@@ -83,17 +82,10 @@ class Sender:
         self.pool_bytes = pool_bytes
         self.buffers: list[_Buffer] = []
         self.lock = threading.Lock()
-        token = os.urandom(4).hex()
-        self.path = os.path.join(directory, f"{shared_memory.PREFIX}{os.getpid()}-{token}-gpuflags")
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, FLAGS)  # no room in /dev/shm: OSError here, not a crash at a write
-            self.flags = mmap.mmap(fd, FLAGS, flags=mmap.MAP_SHARED)
-        except OSError:
-            shared_memory._unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
+        # named after this process, for sweeping; no room in /dev/shm: OSError here
+        path = shared_memory.Segment.path_for(directory, os.urandom(4).hex(), "gpuflags")
+        segment = shared_memory.Segment(path, FLAGS)
+        self.path, self.flags = segment.path, segment.map
         atexit.register(self.close)
 
     def write(self, array) -> Slot | None:
@@ -128,7 +120,7 @@ class Sender:
     def close(self) -> None:
         with self.lock:
             if self.path is not None:
-                shared_memory._unlink(self.path)
+                shared_memory.unlink(self.path)
                 self.path = None
 
 
@@ -159,11 +151,7 @@ class Receiver:
                 event = self.opened[slot.event] = self.device.open_event(slot.event)
             flags = self.flags.get(slot.flags)
             if flags is None:
-                fd = os.open(slot.flags, os.O_RDWR)
-                try:
-                    flags = self.flags[slot.flags] = mmap.mmap(fd, FLAGS, flags=mmap.MAP_SHARED)
-                finally:
-                    os.close(fd)
+                flags = self.flags[slot.flags] = shared_memory.mapping(slot.flags, FLAGS)
         out = self.device.empty(slot.shape, slot.dtype)
         done = self.device.copy_after(self.device.address(out), pointer, out.nbytes, event)
         self.copies.put((done, flags, slot.index))

@@ -80,7 +80,7 @@ def eligible(value) -> bool:
     return type(value) is np.ndarray and value.nbytes >= MIN_BYTES and not value.dtype.hasobject
 
 
-class _Segment:
+class Segment:
     __slots__ = ("path", "size", "map")
 
     def __init__(self, path, size):
@@ -117,7 +117,7 @@ class Sender:
 
     def __init__(self, pool_bytes: int = POOL_BYTES, directory: str = DIRECTORY):
         self.pool_bytes, self.directory = pool_bytes, directory
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
         self.lock = threading.Lock()
         self.count = 0
         self.token = os.urandom(4).hex()  # a later process with the same pid names its segments apart
@@ -139,22 +139,22 @@ class Sender:
         np.copyto(target, value)
         return Slot(segment.path, segment.size, value.dtype.str, value.shape)
 
-    def _free(self, nbytes: int) -> _Segment | None:
+    def _free(self, nbytes: int) -> Segment | None:
         fits = [s for s in self.segments if s.size - HEADER >= nbytes and s.free]
         if fits:
             return min(fits, key=lambda s: s.size)
-        size = _Segment.size_for(nbytes)
+        size = Segment.size_for(nbytes)
         if sum(s.size for s in self.segments) + size > self.pool_bytes:
             return None
         self.count += 1
-        segment = _Segment(_Segment.path_for(self.directory, self.token, self.count), size)
+        segment = Segment(Segment.path_for(self.directory, self.token, self.count), size)
         self.segments.append(segment)
         return segment
 
     def close(self) -> None:
         with self.lock:
             for segment in self.segments:
-                _unlink(segment.path)
+                unlink(segment.path)
             self.segments = []
 
 
@@ -175,13 +175,13 @@ class Blocks:
     def new(self, nbytes: int) -> np.ndarray | None:
         """A writable block of `nbytes` in a segment of its own; None when the pool is full or
         /dev/shm has no room (ops.reuse then takes the heap)."""
-        size = _Segment.size_for(nbytes)
+        size = Segment.size_for(nbytes)
         with self.lock:
             if self.bytes + size > self.pool_bytes:
                 return None
             self.count += 1
             try:
-                segment = _Segment(_Segment.path_for(self.directory, self.token, f"b{self.count}"), size)
+                segment = Segment(Segment.path_for(self.directory, self.token, f"b{self.count}"), size)
             except OSError:
                 return None
             block = np.frombuffer(segment.map, np.uint8, count=nbytes, offset=HEADER)
@@ -198,7 +198,7 @@ class Blocks:
             segment, _ = self.blocks.pop(start)
             self.starts.remove(start)
             self.bytes -= segment.size
-        _unlink(segment.path)
+        unlink(segment.path)
 
     def lent(self, block: np.ndarray) -> bool:
         """Whether a receiver still reads an array it was lent from `block`."""
@@ -246,10 +246,19 @@ class Blocks:
     def close(self) -> None:
         with self.lock:
             for segment, _ in self.blocks.values():
-                _unlink(segment.path)
+                unlink(segment.path)
 
 
-def _unlink(path: str) -> None:
+def mapping(path: str, size: int) -> mmap.mmap:
+    """Another process's segment `path` of `size` bytes, mapped here."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+def unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -270,12 +279,7 @@ class Receiver:
             mapped = self.maps.get(slot.path)
             if mapped is None or len(mapped) != slot.size:
                 self._forget_removed()
-                fd = os.open(slot.path, os.O_RDWR)
-                try:
-                    mapped = mmap.mmap(fd, slot.size, flags=mmap.MAP_SHARED)
-                finally:
-                    os.close(fd)
-                self.maps[slot.path] = mapped
+                mapped = self.maps[slot.path] = mapping(slot.path, slot.size)
         dtype = np.dtype(slot.dtype)
         nbytes = int(np.prod(slot.shape, dtype=np.int64)) * dtype.itemsize
         # The array's memory through an object of its own, which every view of the array keeps alive:
