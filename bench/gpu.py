@@ -33,6 +33,7 @@ import numpy as np
 
 from bench import gpu_steps
 from bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
+from bench.gpu_steps import log
 from bench.gpu_transfer import transfer_part, transfer_summary
 from bench.pages import header
 from bench.report import markdown_table, write_result
@@ -66,10 +67,6 @@ QUICK = {"networks": list(QUICK_NETWORK), "kernel_warmup": 1, "kernel_repeats": 
 
 CAVEAT = ("the workers of parts d and e share one GPU (large device arrays between them through CUDA IPC, the "
           "rest through host memory): their step times show the runtime's costs, not multi-GPU scaling")
-
-
-def log(message: str) -> None:
-    print(f"[bench gpu] {message}", flush=True)
 
 
 # ---- the machine -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import statistics
 
 import numpy as np
 
+from bench.gpu_steps import log
 from bench.torch_peer import time_steps
 from ops.rect import Rect
 
@@ -15,10 +16,6 @@ GOAL_KERNEL = 0.5  # each large conv layer: forward + backward at least half of 
 PRECISIONS = ("fp32", "tf32")
 LARGE_MIN_CHANNELS = 64  # as bench/kernels.py: the first layers' short reductions cannot run GEMM at full rate
 LARGE_MIN_GFLOP = 5.0  # forward GFLOP of the layer at the benchmark batch
-
-
-def log(message: str) -> None:
-    print(f"[bench gpu] {message}", flush=True)
 
 
 IMPLEMENTATIONS = ("taskrt", "cudnn", "cupy_im2col")

@@ -14,12 +14,10 @@ from __future__ import annotations
 import statistics
 import time
 
+from bench.gpu_steps import log
+
 NBYTES = 64 * 2**20
 RATE_GOAL = 10e9  # bytes/s, a 64 MB device array between two workers on one GPU
-
-
-def log(message: str) -> None:
-    print(f"[bench gpu] {message}", flush=True)
 
 
 def round_trips(machine, nbytes: int, rounds: int, ipc: bool) -> tuple[float, dict]:

@@ -39,6 +39,8 @@ import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import numpy
+
 WARMUP_CALLS = 2  # ordinary calls of a run before it is captured
 ALIGN = 256  # bytes: where each output copy starts in the buffer the copies share
 MAX_PROGRAMS = 256  # runs kept per worker: more than one step of a device runs (each capture holds its memory)
@@ -439,8 +441,6 @@ class TorchBackend:
         """The host's table into `table`, in order on the stream the graph replays on, from one of a
         ring of pinned buffers (from pageable memory the driver may wait for the stream first: the
         host would stop running ahead of the GPU).  A buffer is filled again once its copy is done."""
-        import numpy
-
         if not host:
             return
         runtime = self.cupy.cuda.runtime
@@ -461,8 +461,6 @@ class TorchBackend:
             runtime.eventRecord(slot["event"], stream)
 
     def copy_segments(self, table, m: int, blocks: int):
-        import numpy
-
         if blocks:
             self.kernel((blocks,), (COPY_THREADS,), (table, numpy.int32(m)))
 
