@@ -78,6 +78,9 @@ class StepRun:
     reads: dict | None = None  # what the client waits for on each device (taskrt.worker_reads.reads_of)
     address: dict | None = None  # the devices' worker addresses when the step was sent
     profiled: dict | None = None  # a profiled step's graph and each key's device (`Executor.profiling`)
+    window: int = 1  # steps run by the same programs (`ProgramExecutor.submit_window`)
+    position: int = 0  # this step's place among them; only the last one's outputs hold the new state
+    shared: dict | None = None  # a window's: what the client reads of all its steps at once, once read
 
     def futures(self) -> list:
         return futures_of(output_keys(self.outputs))
@@ -173,14 +176,18 @@ class Executor:
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
         its runs end (taskrt.worker_reads); TIMED_OUT if they had not ended within `timeout`; or
         None where the usual wait must tell what happened: a task failed, a worker was lost."""
-        if not run.reads or run.address is None or any(d not in run.address for d in run.reads):
+        return self._read_when_done(run.reads, run.address, len(run.outputs["loss"]), timeout)
+
+    def _read_when_done(self, reads: dict, address: dict, count: int, timeout: float):
+        """`read_when_done` of `reads` ({device: [(run, index, key, loss)]}, `count` losses)."""
+        if not reads or address is None or any(d not in address for d in reads):
             return None
 
         async def ask_every_device():
             # At once, the devices' answers coming as their runs end; the first that fails ends the
             # wait (a lost worker: the others would wait out their time for values it never sends)
-            asks = [asyncio.ensure_future(ask(self.client, run.address[d], items, timeout))
-                    for d, items in run.reads.items()]
+            asks = [asyncio.ensure_future(ask(self.client, address[d], items, timeout))
+                    for d, items in reads.items()]
             pending, deadline = set(asks), time.monotonic() + timeout + ANSWER_GRACE_S
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0),
@@ -200,9 +207,9 @@ class Executor:
         if TIMED_OUT in answers:
             return TIMED_OUT
         values = {}
-        for items, answer in zip(run.reads.values(), answers):
+        for items, answer in zip(reads.values(), answers):
             values.update(zip([loss for *_, loss in items if loss is not None], answer))
-        return [values[i] for i in range(len(run.outputs["loss"]))]
+        return [values[i] for i in range(count)]
 
     @property
     def gpu_devices(self) -> frozenset:

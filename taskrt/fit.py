@@ -131,7 +131,8 @@ def check_options(epochs, shuffle, seed, last, prefetch, progress):
 
 
 def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
-        eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None) -> History:
+        eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None,
+        steps_per_program="auto") -> History:
     """Train `trainer` on `dataset` for `epochs` epochs; returns the History.
 
     `prefetch`: steps in flight at most (submitted, result not yet taken).  A step's reads run
@@ -141,10 +142,17 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     wait (2 often sends them only after it).  `progress`: a progress bar per epoch (on a
     terminal; none in a log).  `lr_schedule(step, total)`: the learning rate of each step (from
     0 of `total`), else the trainer's.  `on_epoch(EpochStats)`: called after each epoch.
-    `eval_dataset`: evaluated after each epoch.  Everything is checked before the first step."""
+    `eval_dataset`: evaluated after each epoch.  `steps_per_program`: steps each device's program
+    runs as one Dask task ("auto": as many as take about a quarter of a second, one for long
+    steps; `Trainer.steps_per_program`).  Everything is checked before the first step."""
     from tqdm import tqdm
 
+    from taskrt.trainer import MAX_WINDOW
+
     check_options(epochs, shuffle, seed, last, prefetch, progress)
+    if steps_per_program != "auto" and (isinstance(steps_per_program, bool) or not isinstance(steps_per_program, int)
+                                        or not 1 <= steps_per_program <= MAX_WINDOW):
+        raise ValueError(f"steps_per_program must be 'auto' or an int in [1, {MAX_WINDOW}], got {steps_per_program!r}")
     if lr_schedule is not None and not callable(lr_schedule):
         raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
     batch = trainer._batch
@@ -164,7 +172,8 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
         bar = tqdm(total=count, desc=f"epoch {epoch + 1}/{epochs}", leave=False, dynamic_ncols=True,
                    disable=None if progress else True)  # None: a bar on a terminal, none in a log
         try:
-            epoch_losses = _steps(trainer, dataset, stream, count, prefetch, lr_schedule, len(losses), total, bar)
+            epoch_losses = _steps(trainer, dataset, stream, count, prefetch, lr_schedule, len(losses), total, bar,
+                                  steps_per_program)
         finally:
             bar.close()
         summary = EpochStats(epoch + 1, count, float(np.mean(epoch_losses)) if epoch_losses else float("nan"),
@@ -181,22 +190,32 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     return History(tuple(losses), tuple(summaries))
 
 
-def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, bar) -> list[float]:
-    """`count` steps of `stream` (index arrays), at most `prefetch` in flight; their losses."""
-    pending, losses = deque(), []
+def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, bar, per_program) -> list[float]:
+    """`count` steps of `stream` (index arrays), at most `prefetch` in flight, several to a program
+    where `trainer.steps_per_program` says so (then two programs in flight at most: the next one
+    already on its workers as the one before ends); their losses."""
+    pending, losses = deque(), []  # lists of StepFutures, one list per program
 
     def take():
-        losses.append(pending.popleft().result())
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        for future in pending.popleft():
+            losses.append(future.result())
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
 
-    for indices in islice(stream, count):
-        if len(pending) >= prefetch:
+    left = count
+    while left:
+        k = trainer.steps_per_program(left, per_program)
+        rows = list(islice(stream, k))
+        lrs = [None if lr_schedule is None else float(lr_schedule(step + i, total)) for i in range(k)]
+        while len(pending) >= (prefetch if k == 1 else min(prefetch, 2)):
             take()
-        if lr_schedule is not None:
-            trainer.lr = float(lr_schedule(step, total))
-        pending.append(trainer.submit_from(dataset, indices))
-        step += 1
+        if k == 1:
+            if lrs[0] is not None:
+                trainer.lr = lrs[0]
+            pending.append([trainer.submit_from(dataset, rows[0])])
+        else:
+            pending.append(trainer._submit_window(dataset, rows, lrs))
+        step, left = step + k, left - k
     while pending:
         take()
     return losses

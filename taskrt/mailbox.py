@@ -303,9 +303,9 @@ class Mailbox(WorkerPlugin):
         """Drop step `tag`'s values still here and any that come later (its program failed)."""
         self.abort([tag], "a program of the step failed")
 
-    def tell_peers(self, addresses, tag, reason: str):
-        """Abort step `tag` on the workers at `addresses` (its program here failed), without waiting."""
-        msg = {"op": "taskrt_abort", "reply": False, "tags": [tag], "reason": reason}
+    def tell_peers(self, addresses, tags, reason: str):
+        """Abort steps `tags` on the workers at `addresses` (their program here failed), without waiting."""
+        msg = {"op": "taskrt_abort", "reply": False, "tags": list(tags), "reason": reason}
         for address in addresses:
             asyncio.run_coroutine_threadsafe(self._write(address, dict(msg)), self.loop)
 

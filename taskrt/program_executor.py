@@ -37,6 +37,7 @@ from taskrt.mailbox import PeerLost, ProgramAborted, abort_on, mailbox_of
 from taskrt.plan import DATA, Plan, map_outputs
 from taskrt.programs import Compute, DeviceProgram, Recv, device_programs, value_key
 from taskrt.reading import TileRead, read_tile, tile_on_device
+from taskrt.worker_reads import TIMED_OUT
 
 KEPT_PLANS = 4  # plans whose programs stay on the workers (IST makes a plan per round)
 SENT = itertools.count()  # steps sent by this client's executors, in order
@@ -98,55 +99,75 @@ def _before(worker, box, key, tag):
                    f"{worker.address}: the worker that ran it was lost")
 
 
-def run_program(program: DeviceProgram, args: StepArgs, *inputs):
-    """On a worker: run `program` for the step `args.tag`; returns the values of its outputs."""
-    from distributed import Reschedule, get_worker, secede
+def run_program(program: DeviceProgram, steps: tuple, *inputs):
+    """On a worker: run `program` for each step of `steps` (StepArgs, in order: one step, or a window
+    of steps run by one Dask task, each reading the state the one before left, `("prev", j)`);
+    returns the values of its outputs after the last step, then, for a window, the losses of each
+    step in turn (those of `program.outputs`, in order)."""
+    from distributed import Reschedule, get_worker
 
     worker = get_worker()
     box = mailbox_of(worker)
-    tag, address = args.tag, args.address
-    sent, seceded = [], False
-    try:
-        before = _before(worker, box, args.before, tag) if args.before is not None else None
-        env = {}
-        for name, (kind, ref) in zip(program.inputs, args.refs):
-            if kind == "before":
-                value = before[ref]
-            else:
-                value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
-            env[name] = to_device(value) if program.gpu and name.kind == DATA else value
-        for instruction, drops in zip(program.code, program.drops):
-            if isinstance(instruction, Compute):
-                run = instruction.run
-                if args.profiled:
-                    from taskrt.task_timing import ProfiledRun
+    losses = [i for i, o in enumerate(program.outputs) if o.output == "loss"]
+    previous, per_step, seceded = None, [], [False]
+    for i, args in enumerate(steps):
+        try:
+            if i == 0:
+                before = _before(worker, box, args.before, args.tag) if args.before is not None else None
+            previous = _run_step(program, args, inputs, before, previous, box, seceded)
+        except Reschedule:  # the program before has not run yet (`_before`): nothing happened here
+            raise
+        except BaseException as error:
+            tags = [later.tag for later in steps[i:]]
+            box.program_failed(args.key, error)
+            for tag in tags:
+                box.forget(tag)
+            if not isinstance(error, ProgramAborted):
+                box.tell_peers([args.address[d] for d in program.peers if d in args.address], tags,
+                               f"the program of device {program.device} failed: {error!r}")
+            raise
+        if len(steps) > 1:
+            per_step += [loss_sum(previous[j]) for j in losses]
+    return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *per_step)
 
-                    run = ProfiledRun(run.steps, run.exports, (), None, args.key)
-                env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
-            elif isinstance(instruction, Recv):
-                key = value_key(instruction.name, tag)
-                if not seceded and key not in box.values:
-                    # About to wait: leave the worker's thread pool, so that its other tasks go on meanwhile
-                    secede()
-                    seceded = True
-                env[instruction.name] = box.take(key, tag, address[instruction.src])
-            else:
-                sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
-                                     env[instruction.name]))
-            for name in drops:
-                del env[name]
-        for future in sent:  # a peer that could not be reached fails the step here
-            future.result()
-    except Reschedule:  # the program before has not run yet (`_before`): nothing happened here
-        raise
-    except BaseException as error:
-        box.program_failed(args.key, error)
-        box.forget(tag)
-        if not isinstance(error, ProgramAborted):
-            box.tell_peers([address[d] for d in program.peers if d in address], tag,
-                           f"the program of device {program.device} failed: {error!r}")
-        raise
-    return tuple(_for_client(o.output, env[o.name], program.gpu) for o in program.outputs)
+
+def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, previous, box, seceded) -> tuple:
+    """One step of `program`: the values of its outputs, as they are on the device."""
+    from distributed import secede
+
+    tag, address = args.tag, args.address
+    sent, env = [], {}
+    for name, (kind, ref) in zip(program.inputs, args.refs):
+        if kind == "before":
+            value = before[ref]
+        elif kind == "prev":
+            value = previous[ref]
+        else:
+            value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
+        env[name] = to_device(value) if program.gpu and name.kind == DATA else value
+    for instruction, drops in zip(program.code, program.drops):
+        if isinstance(instruction, Compute):
+            run = instruction.run
+            if args.profiled:
+                from taskrt.task_timing import ProfiledRun
+
+                run = ProfiledRun(run.steps, run.exports, (), None, args.key)
+            env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
+        elif isinstance(instruction, Recv):
+            key = value_key(instruction.name, tag)
+            if not seceded[0] and key not in box.values:
+                # About to wait: leave the worker's thread pool, so that its other tasks go on meanwhile
+                secede()
+                seceded[0] = True
+            env[instruction.name] = box.take(key, tag, address[instruction.src])
+        else:
+            sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
+                                 env[instruction.name]))
+        for name in drops:
+            del env[name]
+    for future in sent:  # a peer that could not be reached fails the step here
+        future.result()
+    return tuple(env[o.name] for o in program.outputs)
 
 
 def _for_client(output: str, value, gpu: bool):
@@ -196,14 +217,28 @@ class ProgramExecutor(Executor):
 
     def submit(self, plan: Plan, step, tag: str, state: dict, data: dict, hyper: dict | None = None,
                buffers: dict | None = None, address: dict | None = None) -> StepRun:
+        return self.submit_window(plan, [(step, tag, data, hyper)], state, buffers, address)[0]
+
+    def submit_window(self, plan: Plan, steps: list, state: dict, buffers: dict | None = None,
+                      address: dict | None = None) -> list[StepRun]:
+        """Submit the steps `steps` ((step, tag, data, hyper) each, in order) as one Dask task per
+        device that runs them one after the other (one step: the usual program), each step after the
+        first reading the state the one before left where it lies; returns a StepRun per step.  A
+        window of several steps needs a plan whose state each device computes itself
+        (`windowable`)."""
         address = address or self.machine.addresses()
         placed = self._programs(plan, address)
         programs = device_programs(plan, self.gpu_devices, self.cuda_graphs)
-        given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
-        dsk, device_of, keys, kept_of, inputs_of, read_keys = {}, {}, set(), {}, {}, []
-        program_key = {d: f"dev{d}-program-it{tag}" for d in programs}
+        carried = carried_state(plan, programs) if len(steps) > 1 else {}
+        if carried is None:
+            raise ValueError(f"plan {plan.mode!r} cannot run several steps per program: a device reads state "
+                             "another device computes, or the step has outputs other than its state and losses")
+        dsk, device_of, kept_of, inputs_of, read_keys = {}, {}, {}, {}, []
+        first_tag = steps[0][1]
+        window = "" if len(steps) == 1 else f"+{len(steps) - 1}"
+        program_key = {d: f"dev{d}-program-it{first_tag}{window}" for d in programs}
         for device, program in programs.items():
-            inputs, slots, refs = [], {}, []
+            inputs, slots = [], {}
 
             def slot(value, inputs=inputs, slots=slots):
                 name = value if isinstance(value, str) else getattr(value, "key", None) or id(value)
@@ -217,41 +252,49 @@ class ProgramExecutor(Executor):
             before, at, before_inputs = self._last.get(device, (None, None, ()))
             if before is None or before.status in ("error", "cancelled", "lost") or at != address[device]:
                 before = None
-            reads = []
-            for name in program.inputs:
-                value = _given(name, given)
-                if isinstance(value, RunValue) and before is not None and value.run.key == before.key:
-                    refs.append(("before", value.index))
-                elif isinstance(value, RunValue):
-                    refs.append(("item", (slot(value.run), value.index)))
-                elif isinstance(value, TileRead):
-                    reads.append((name, value))
-                    refs.append(None)
-                elif isinstance(value, (np.ndarray, dict)) or name.kind not in ("state", "data", "buffer"):
-                    refs.append(("lit", value))
-                else:
-                    refs.append(("in", slot(value)))
-            if reads:  # one task reads all the device's tiles, ahead of the program
-                read_key = f"dev{device}-read-it{tag}"
-                dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for _, r in reads),
-                                 device in self.gpu_devices, *[r.source for _, r in reads])
+            reads, all_refs = [], []
+            for k, (_, _, data, hyper) in enumerate(steps):
+                given = {"state": state or {}, "buffers": buffers or {}, "data": data, "hyper": hyper or {}}
+                refs = []
+                for name in program.inputs:
+                    if k and name in carried.get(device, {}):  # the state the step before left here
+                        refs.append(("prev", carried[device][name]))
+                        continue
+                    value = _given(name, given)
+                    if isinstance(value, RunValue) and before is not None and value.run.key == before.key:
+                        refs.append(("before", value.index))
+                    elif isinstance(value, RunValue):
+                        refs.append(("item", (slot(value.run), value.index)))
+                    elif isinstance(value, TileRead):
+                        reads.append(value)
+                        refs.append(None)
+                    elif isinstance(value, (np.ndarray, dict)) or name.kind not in ("state", "data", "buffer"):
+                        refs.append(("lit", value))
+                    else:
+                        refs.append(("in", slot(value)))
+                all_refs.append(refs)
+            if reads:  # one task reads all the device's tiles of the steps, ahead of the program
+                read_key = f"dev{device}-read-it{first_tag}{window}"
+                dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for r in reads),
+                                 device in self.gpu_devices, *[r.source for r in reads])
                 device_of[read_key] = device
                 read_keys.append(read_key)
                 at = slot(read_key)
                 it = iter(range(len(reads)))
-                refs = [("item", (at, next(it))) if r is None else r for r in refs]
+                all_refs = [[("item", (at, next(it))) if r is None else r for r in refs] for refs in all_refs]
             inputs_of[device] = list(inputs)
             if before is not None:  # sent once the inputs of the program before are there: after it
                 for value in before_inputs:
                     slot(value)
             key = program_key[device]
-            args = StepArgs(key, tag, address, tuple(refs), self.profiling,
-                            before.key if before is not None else None)
+            args = tuple(StepArgs(key, tag, address, tuple(refs), self.profiling,
+                                  before.key if before is not None else None)
+                         for (_, tag, _, _), refs in zip(steps, all_refs))
             if before is not None:
                 kept_of[device] = before
             dsk[key] = (run_program, placed[device], args, *inputs)
             device_of[key] = device
-        outputs, exports = self._outputs(plan, programs, program_key, tag, dsk, device_of)
+        outputs, exports = self._outputs(plan, programs, program_key, first_tag, dsk, device_of)
         wanted = list(dict.fromkeys([*program_key.values(), *exports, *read_keys]))
         restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
         # A worker runs the tasks it holds by priority: reads first, then programs in the order their
@@ -260,7 +303,7 @@ class ProgramExecutor(Executor):
         priority = {key: READ_PRIORITY if key in read_keys else sent for key in dsk}
         submitted = time.perf_counter()
         with dask.annotate(resources=lambda key: restriction[key], priority=lambda key: priority[key]):
-            futures = self.client.get(_named_graph(dsk, tag), wanted, sync=False)
+            futures = self.client.get(_named_graph(dsk, first_tag + window), wanted, sync=False)
         by_key = dict(zip(wanted, futures))
         # The programs before are held here till these have run (a step's run may be dropped before:
         # a recovery's replayed steps that no one waits for), or the worker would let their results go.
@@ -271,18 +314,37 @@ class ProgramExecutor(Executor):
                                   [by_key[v] if isinstance(v, str) else v for v in inputs_of[device]])
         out = map_outputs(outputs, lambda v: RunValue(None, by_key[v.run], v.index) if isinstance(v, RunValue)
                           else by_key[v])
-        out["done"] = [by_key[k] for k in program_key.values()]
-        keys = set(dsk) | {value_key(t.dep, tag) for t in plan.transfers()} | {
-            f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))}
-        reads = {}
-        for i, value in enumerate(outputs.get("loss", [])):
-            reads.setdefault(device_of[value.run], []).append((value.run, value.index, None, i))
-        for device, key in program_key.items():
-            reads.setdefault(device, [(key, None, None, None)])
+        done = [by_key[k] for k in program_key.values()]
         profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
-        run = StepRun(step, tag, plan, out, keys, submitted, reads=reads, profiled=profiled)
-        run.address = address
-        return run
+        runs, shared = [], None
+        if len(steps) > 1:  # every step's losses read at once, when the client first waits for one
+            shared = {"reads": {}, "count": 0}
+            for k in range(len(steps)):
+                for device, index in window_losses(plan, programs, k):
+                    shared["reads"].setdefault(device, []).append((program_key[device], index, None, shared["count"]))
+                    shared["count"] += 1
+            for device, key in program_key.items():
+                shared["reads"].setdefault(device, [(key, None, None, None)])
+        for k, (step, tag, data, _) in enumerate(steps):
+            last = k == len(steps) - 1
+            if len(steps) == 1:
+                outputs_k = {**out, "done": done}
+            else:  # each step's losses come after the last step's outputs in its program's result
+                outputs_k = {**(out if last else {name: {} for name in ("state", "buffers")}), "done": done,
+                             "loss": [RunValue(None, by_key[program_key[d]], i)
+                                      for d, i in window_losses(plan, programs, k)]}
+            keys = ({value_key(t.dep, tag) for t in plan.transfers()} | set(dsk) | {
+                f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))})
+            reads = {}
+            for i, value in enumerate(outputs_k.get("loss", [])):
+                reads.setdefault(device_of[value.run.key], []).append((value.run.key, value.index, None, i))
+            for device, key in program_key.items():
+                reads.setdefault(device, [(key, None, None, None)])
+            run = StepRun(step, tag, plan, outputs_k, keys, submitted, reads=reads, profiled=profiled,
+                          window=len(steps), position=k, shared=shared)
+            run.address = address
+            runs.append(run)
+        return runs
 
     @staticmethod
     def _outputs(plan, programs, program_key, tag, dsk, device_of) -> tuple[dict, list]:
@@ -307,6 +369,19 @@ class ProgramExecutor(Executor):
                    else [named(name, key) for key in value] for name, value in plan.outputs.items()}
         return outputs, exports
 
+    def read_when_done(self, run: StepRun, timeout: float):
+        """As `Executor.read_when_done`; a window's steps are read all at once, as its first is
+        waited for (one question to each worker rather than one per step)."""
+        if run.shared is None:
+            return super().read_when_done(run, timeout)
+        if "values" not in run.shared:
+            values = self._read_when_done(run.shared["reads"], run.address, run.shared["count"], timeout)
+            if values is None or values is TIMED_OUT:
+                return values
+            run.shared["values"] = values
+        count = len(run.outputs["loss"])
+        return run.shared["values"][run.position * count:(run.position + 1) * count]
+
     def abort(self, runs, reason: str) -> None:
         """Give up the steps `runs` (StepRuns): their programs still waiting for values fail."""
         tags = [run.tag for run in runs]
@@ -328,6 +403,44 @@ def _given(name, given: dict):
     if name.kind == "data":
         return given["data"][name.key]
     return dict(given["hyper"])
+
+
+def carried_state(plan: Plan, programs: dict) -> dict | None:
+    """{device: {state or buffer input of its program: the output of the same program that is its
+    next value}}, for a program that runs several steps (`submit_window`); None where a device reads
+    state another device computes, or the step has outputs other than state, buffers and losses."""
+    if set(plan.outputs) - set(HELD):
+        return None
+    where = {}
+    for device, program in programs.items():
+        for index, output in enumerate(program.outputs):
+            where[output.key] = (device, index)
+    carried = {}
+    for device, program in programs.items():
+        for name in program.inputs:
+            if name.kind not in ("state", "buffer"):
+                continue
+            source = plan.outputs["state" if name.kind == "state" else "buffers"].get(name.key)
+            if source is None or where[source][0] != device:
+                return None
+            carried.setdefault(device, {})[name] = where[source][1]
+    return carried
+
+
+def window_losses(plan: Plan, programs: dict, k: int) -> list[tuple[int, int]]:
+    """Where step `k` of a window's losses lie: (device, index in its program's result), in the
+    order of the plan's losses (`run_program`: each step's losses after the last step's outputs)."""
+    at = {}
+    for device, program in programs.items():
+        mine = [o.key for o in program.outputs if o.output == "loss"]
+        for j, key in enumerate(mine):
+            at[key] = (device, len(program.outputs) + k * len(mine) + j)
+    return [at[key] for key in plan.outputs.get("loss", [])]
+
+
+def windowable(plan: Plan, gpu_devices=frozenset(), cuda_graphs: bool = True) -> bool:
+    """Whether `plan`'s steps can run several per program (`ProgramExecutor.submit_window`)."""
+    return carried_state(plan, device_programs(plan, gpu_devices, cuda_graphs)) is not None
 
 
 def make_executor(machine, executor: str = "programs", fused: bool = True, cuda_graphs: bool = True) -> Executor:

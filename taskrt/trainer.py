@@ -62,6 +62,8 @@ CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; worke
 POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
 NOTICE_S = 5.0  # how long a connection error sending a step may wait for the scheduler to drop the worker
 RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
+WINDOW_S = 0.25  # automatic steps per program: about this long (`Trainer.steps_per_program`)
+MAX_WINDOW = 16  # steps per program at most, automatic or asked for
 MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
 LOST_STATUSES = ("error", "cancelled", "lost")
 
@@ -208,6 +210,7 @@ class Trainer:
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
         self._in_flight: list[StepFuture] = []
         self._last_finished = 0.0
+        self._window_wall = 0.0  # seconds per step of the window last finished (see _finished)
         self._heaps_frozen = False  # see _finished
         self._cut_at = 0  # the step whose state was last given fresh keys
         self._aux_runs = 0
@@ -429,14 +432,51 @@ class Trainer:
     def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None, started=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
         checked the devices: a check here could recover, and the recovery replays the log.)"""
-        # replays need new keys, and so do steps numbered again after a roll-back (_roll_back)
-        tag = f"{entry.step}-{self._token}" + (f"-b{self._rollbacks}" if self._rollbacks else "") + (
-            f"-r{replay}" if replay else "")
         data = entry.arrays if entry.batch is None else entry.batch
-        run = self._run("train", data, entry.step, entry.hyper, tag, check=False, address=address, started=started)
+        run = self._run("train", data, entry.step, entry.hyper, self._tag(entry, replay), check=False,
+                        address=address, started=started)
         self._state = run.outputs["state"]  # the next step reads these, wherever they are
         self._buffers = run.outputs["buffers"]
         return run
+
+    def _tag(self, entry: LoggedStep, replay: int = 0) -> str:
+        # replays need new keys, and so do steps numbered again after a roll-back (_roll_back)
+        return f"{entry.step}-{self._token}" + (f"-b{self._rollbacks}" if self._rollbacks else "") + (
+            f"-r{replay}" if replay else "")
+
+    def _run_window(self, entries: list, address: dict, started: float) -> list[StepRun]:
+        """Submit logged steps read from a dataset as one program per device running them all
+        (`ProgramExecutor.submit_window`); the last one's new state becomes the current state."""
+        plan = self._plan("train")
+        steps = [(e.step, self._tag(e), self._reads(plan, e.batch, address), e.hyper) for e in entries]
+        runs = self.executor.submit_window(plan, steps, self._state, self._buffers, address)
+        for run in runs:
+            run.submitted, run.address = started, address
+        self._state, self._buffers = runs[-1].outputs["state"], runs[-1].outputs["buffers"]
+        return runs
+
+    def steps_per_program(self, left: int, asked="auto") -> int:
+        """How many of the next `left` steps read from a dataset one program per device runs
+        (`fit`): each program is one Dask task per device, so a short step pays the scheduler,
+        the worker's task handling and the client's bookkeeping once per program, not per step.
+        `asked`: "auto" (as many as take about WINDOW_S, once three steps have been timed; one
+        for longer steps) or an int.  Always one with executor "tasks", while profiling, or
+        where a device reads state another computes; a program never runs past a checkpoint
+        that is due."""
+        from taskrt.program_executor import windowable
+
+        if left <= 1 or not hasattr(self.executor, "submit_window") or self.executor.profiling:
+            return 1
+        if asked == "auto":
+            if len(self._walls) < 3:
+                return 1
+            asked = int(WINDOW_S / max(statistics.median(self._walls), 1e-6))
+        count = max(1, min(int(asked), left, MAX_WINDOW))
+        if self.checkpoints is not None:  # end the program at the step whose checkpoint is due
+            count = next((k for k in range(1, count + 1) if self.checkpoints.due(self.steps_done + k)), count)
+        if count > 1 and not windowable(self.plan, self.executor.gpu_devices, self.executor.cuda_graphs):
+            return 1
+        return count
 
     def submit(self, *data) -> StepFuture:
         """Start one training step without waiting for it; returns a StepFuture."""
@@ -450,14 +490,18 @@ class Trainer:
         return self._submit(batch=batch)
 
     def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
-            eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None):
+            eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None,
+            steps_per_program="auto"):
         """Train on `dataset` (taskrt.datasets) for `epochs` epochs of seeded shuffled batches read
         by the workers, at most `prefetch` steps in flight; returns a taskrt.fit.History (loss per
         step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
-        `last`: "drop" or "wrap" the last partial batch of an epoch.  See taskrt.fit.fit."""
+        `last`: "drop" or "wrap" the last partial batch of an epoch.  `steps_per_program`: steps
+        each device's program runs as one Dask task ("auto": short steps several at a time).
+        See taskrt.fit.fit."""
         from taskrt.fit import fit
 
-        return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch)
+        return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch,
+                   steps_per_program)
 
     def evaluate(self, dataset, prefetch: int = 2):
         """Mean loss and accuracy over every sample of `dataset` (taskrt.fit.Evaluation), read by
@@ -506,21 +550,55 @@ class Trainer:
         try:
             run = self._run_logged(entry, address=address, started=started)
         except Exception as error:
-            # a device lost while the step was being sent: recover, which replays it from the log
-            if not self.elastic:
-                raise
-            missing = self._missing_devices()
-            deadline = time.monotonic() + NOTICE_S
-            while not missing and isinstance(error, OSError) and time.monotonic() < deadline:
-                time.sleep(0.05)  # a closed connection to a worker the scheduler has yet to drop
-                missing = self._missing_devices()
-            if not missing:
-                raise
-            run = self._recover(DeviceLost(missing, f"step {entry.step} was being sent"))[entry.step]
+            run = self._recover_sending(error, [entry])[0]
         future = StepFuture(self, run)
         self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
         self._plan_snapshot(run)
         return future
+
+    def _recover_sending(self, error: Exception, entries: list) -> list[StepRun]:
+        """The logged steps `entries` failed to be sent with `error`: where a device was lost
+        meanwhile, recover (which replays them from the log) and return their runs; else raise."""
+        if not self.elastic:
+            raise error
+        missing = self._missing_devices()
+        deadline = time.monotonic() + NOTICE_S
+        while not missing and isinstance(error, OSError) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a closed connection to a worker the scheduler has yet to drop
+            missing = self._missing_devices()
+        if not missing:
+            raise error
+        steps = f"step {entries[0].step}" if len(entries) == 1 else f"steps {entries[0].step}..{entries[-1].step}"
+        replayed = self._recover(DeviceLost(missing, f"{steps} was being sent" if len(entries) == 1 else
+                                            f"{steps} were being sent"))
+        return [replayed[e.step] for e in entries]
+
+    def _submit_window(self, dataset, indices: list, lrs: list) -> list[StepFuture]:
+        """Start one training step per index array of `indices` (on samples of `dataset`, with the
+        learning rates `lrs`, None: the trainer's), all run by one program per device
+        (`steps_per_program`); their StepFutures, in order."""
+        binding = self._bind(dataset)
+        while len({id(f.run.outputs.get("done")) for f in self._in_flight if not f.finished}) >= MAX_IN_FLIGHT:
+            next(f for f in self._in_flight if not f.finished).result()
+        started = time.perf_counter()
+        address = self._check_state(self.steps_done + 1)
+        entries = []
+        for rows, lr in zip(indices, lrs):
+            if lr is not None:
+                self.lr = float(lr)
+            self.steps_done += 1
+            entries.append(LoggedStep(self.steps_done, None, self._hyper(),
+                                      Batch(binding, batch_indices(dataset, rows, self._batch))))
+        if self.elastic:
+            self._log += entries
+        try:
+            runs = self._run_window(entries, address, started)
+        except Exception as error:
+            runs = self._recover_sending(error, entries)
+        futures = [StepFuture(self, run) for run in runs]
+        self._in_flight = [f for f in self._in_flight if not f.finished] + futures
+        self._plan_snapshot(runs[-1])
+        return futures
 
     def step(self, *data) -> float:
         """One SGD step on a batch; returns the mean loss over the batch."""
@@ -540,7 +618,7 @@ class Trainer:
     def _cut_lineage(self, run: StepRun):
         """Every CUT_LINEAGE_EVERY steps, give the current state fresh keys once its step is done
         (see Executor.cut_lineage)."""
-        if run.step - self._cut_at < CUT_LINEAGE_EVERY:
+        if run.step - self._cut_at < CUT_LINEAGE_EVERY or run.position < run.window - 1:
             return
         self._cut_at = run.step
         # The step was done when the runs that computed its state ended; the tasks naming each
@@ -552,8 +630,9 @@ class Trainer:
             self._buffers = self.executor.cut_lineage(self._buffers, f"{run.tag}.running")
 
     def _keep_good(self, run: StepRun):
-        """Remember the state step `run.step` computed, the last finished step's (see _roll_back)."""
-        if run.step <= self._good[0]:
+        """Remember the state step `run.step` computed, the last finished step's (see _roll_back).
+        (A step inside a window has no state of its own: its window's last step comes with it.)"""
+        if run.step <= self._good[0] or run.position < run.window - 1:
             return
         if self.steps_done == run.step:  # the current state, perhaps under fresh keys (_cut_lineage)
             self._good = (run.step, self._state, self._buffers)
@@ -582,11 +661,13 @@ class Trainer:
         run.finished = time.perf_counter()
         if self.stats is not None and self.stats.step > run.step:
             return
-        # With steps in flight, a step's own time starts when the one before it finished.
-        started = max(run.submitted, self._last_finished)
+        # With steps in flight, a step's own time starts when the one before it finished; the
+        # steps of one window (`_submit_window`) share its time
+        if run.position == 0:
+            self._window_wall = (run.finished - max(run.submitted, self._last_finished)) / run.window
         self._last_finished = run.finished
         self.stats = StepStats(
-            run.step, run.finished - started, len(run.plan.tasks), run.plan.phase_counts(),
+            run.step, self._window_wall, len(run.plan.tasks), run.plan.phase_counts(),
             run.plan.bytes_by_pair(), self.memory(),
             _measure=lambda keys=run.keys, executor=self.executor: executor.measured_bytes(keys),
         )

@@ -231,10 +231,11 @@ def test_losing_the_last_worker_is_a_clear_error_with_a_checkpoint_on_disk(tmp_p
 
 @pytest.mark.timeout(1200)
 @pytest.mark.slow  # SIGKILLs a worker and waits for its restart: minutes on 2 cores
-def test_kill_during_fit_reads_the_logged_samples_again(machine3):
+@pytest.mark.parametrize("per_program", [1, 3])
+def test_kill_during_fit_reads_the_logged_samples_again(machine3, per_program):
     """A step read from a dataset is logged as its sample indices alone; a worker killed while
-    `fit` has steps in flight (the dataset's copy on it lost too) ends with the parameters of an
-    uninterrupted run."""
+    `fit` has steps in flight (the dataset's copy on it lost too), one or several to a program,
+    ends with the parameters of an uninterrupted run."""
     from taskrt.datasets import ArrayDataset
 
     wait_for_all(machine3)
@@ -242,20 +243,20 @@ def test_kill_during_fit_reads_the_logged_samples_again(machine3):
     rng = np.random.default_rng(4)
     dataset = ArrayDataset({"images": rng.standard_normal((24, 1, 16, 16)).astype(np.float32),
                             "labels": rng.integers(0, 10, 24)})
-    options = {"epochs": 2, "seed": 1, "progress": False, "prefetch": 3}
+    options = {"epochs": 2, "seed": 1, "progress": False, "prefetch": 3, "steps_per_program": per_program}
     reference = Trainer(graph, mixed(graph), machine3, **HYPER)
     expected = reference.fit(dataset, **options).losses
     trainer = Trainer(graph, mixed(graph), machine3, snapshot_every=4, **HYPER)
     logged = []
 
-    def kill_at_step_eight(step, total):
-        if step == 7:  # submitting step 8, steps 6 and 7 in flight
+    def kill_at_step_ten(step, total):
+        if step == 9:  # submitting step 10 (or the program of steps 10 to 12), steps before it in flight
             logged.extend(trainer._log)
             kill(machine3, 1)
         return HYPER["lr"]
 
     with pytest.warns(WorkerLostWarning, match="lost"):
-        history = trainer.fit(dataset, lr_schedule=kill_at_step_eight, **options)
+        history = trainer.fit(dataset, lr_schedule=kill_at_step_ten, **options)
     assert logged and all(entry.arrays is None and entry.nbytes == 4 * 8 for entry in logged)  # indices only
     assert history.losses == pytest.approx(expected, rel=RTOL)
     assert trainer.recoveries[0]["replayed"]  # steps read from the dataset again

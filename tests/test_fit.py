@@ -162,9 +162,11 @@ def test_fit_refuses_bad_input_before_any_step(machine4, tmp_path):
     assert trainer.steps_done == 0 and not trainer._log
 
 
-def test_a_file_cut_short_while_training_loses_no_finished_step(machine4, tmp_path):
+@pytest.mark.parametrize("per_program, snapshot", [(1, 3), (2, 4)])
+def test_a_file_cut_short_while_training_loses_no_finished_step(machine4, tmp_path, per_program, snapshot):
     """The read fails on its device naming the file and the input; the steps in flight never
-    happen, the parameters are those of the last finished step, and training goes on from there."""
+    happen, the parameters are those of the last finished step, and training goes on from there.
+    Two steps to a program: the snapshot due at step 3 is taken at the end of its program."""
     graph = small_lenet()
     strategy = mixed_lenet_strategy(graph)
     rng = np.random.default_rng(1)
@@ -181,8 +183,8 @@ def test_a_file_cut_short_while_training_loses_no_finished_step(machine4, tmp_pa
 
     with pytest.raises(DataReadError, match=rf"input 'image', samples .*file {tmp_path / 'x.npy'} .*is truncated: "
                                             rf"it holds {size - 2048:,} bytes, .* needs {size:,}"):
-        trainer.fit(dataset, epochs=2, prefetch=3, progress=False, on_epoch=cut_short)
-    assert trainer.steps_done == 4 and trainer.snapshot.step == 3  # the first epoch's steps finished
+        trainer.fit(dataset, epochs=2, prefetch=3, progress=False, on_epoch=cut_short, steps_per_program=per_program)
+    assert trainer.steps_done == 4 and trainer.snapshot.step == snapshot  # the first epoch's steps finished
     reference = Trainer(graph, strategy, machine4, **HYPER)
     for _, i in batches(16, 4, 1, 0, True, "drop"):
         reference.step(x[i], y[i])
