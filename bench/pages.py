@@ -72,7 +72,18 @@ def programs_verdict(record) -> str:
             f"({met(hops.get('lent_rate', 0.0) >= RATE_GOAL)}), of activations, copied, at "
             f"{hops['large_rate'] / 1e9:.2f} GB/s ({met(hops['large_rate'] >= RATE_GOAL)}); programs' step "
             f"{min(r['speedup'] for r in rows):.2f}x to {max(r['speedup'] for r in rows):.2f}x as fast as "
-            "a Dask task per fused run (no goal)")
+            "a Dask task per fused run (no goal)" + _fit_verdict(record.get("fit")))
+
+
+def _fit_verdict(fits) -> str:
+    if not fits:
+        return ""
+    fewest = max(f["auto_tasks"] for f in fits)
+    return (f"; `fit` with several steps to a program: at most {fewest:.2g} Dask tasks per step and device "
+            f"(moonshot: almost none in the steady state), a whole fit's step "
+            + ", ".join(f"{f['speedup']:.2f}x" for f in fits)
+            + " as fast as with one step to a program (LeNet-5, " + ", ".join(
+                f"batch {f['batch']} on local({f['devices']})" for f in fits) + ")")
 
 
 def kernels_verdict(record) -> str:
@@ -443,8 +454,10 @@ PAGES = {
         "`Trainer(executor=\"programs\")` (the default) and `executor=\"tasks\"`; a small value's one-way time "
         "between two programs (half a ping-pong's round trip through the workers' mailboxes) beside Dask's "
         "dependent hop between the two devices; a 64 MB tile between two programs; the step times of both "
-        "executors, medians of interleaved rounds.",
-        f"`python -m bench programs` (7 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
+        "executors, medians of interleaved rounds; and a whole `fit` of short steps (LeNet-5 on local(1) and "
+        "local(2)) with one step to each device's program against several (`steps_per_program=\"auto\"`).",
+        f"`python -m bench programs` (7 rounds, fits 5 rounds of 120 steps; {QUICK} LeNet-5 alone, 3 rounds, "
+        "fits of 48 steps).",
         "at most 2 Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
         "(moonshot 0.3 ms); a 64 MB tile between two workers on one host at at least 5 GB/s.",
         programs_verdict),

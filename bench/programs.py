@@ -12,6 +12,10 @@
 - Step times of both executors, interleaved rounds, on local(2); and the programs' step with steps
   sent ahead, as `Trainer.fit` sends them (a device's program reads the step before on its worker,
   so it starts as that one ends: `taskrt.program_executor`).
+- `fit` end to end with one step to a program against several (`steps_per_program="auto"`): seconds
+  per step of a whole `fit` (what a user waits for) and the Dask tasks per step and device, for
+  short steps (LeNet-5) on local(1) and local(2), beside the same steps in-process (moonshot of
+  goal 1: the scheduler sees almost none in the steady state).
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from bench.measure import LOCAL_MODELS, interleaved
 from bench.overhead import data_parallel
-from bench.report import write_result
+from bench.report import markdown_table, write_result
 from search.baselines import model_parallel, owt
 from search.measured import random_batch
+from taskrt import models
 from taskrt.calibration import _ping_pong
+from taskrt.datasets import Synthetic
 from taskrt.machine import Machine
+from taskrt.reference import SingleDeviceTrainer
 from taskrt.trainer import Trainer
 
 TASKS_GOAL = 2  # Dask tasks per step and device
@@ -73,6 +80,42 @@ def ahead_step_s(trainer, x, y, rounds: int, steps: int = 4) -> float:
             future.result()
         times.append((time.perf_counter() - start) / steps)
     return statistics.median(times)
+
+
+FIT_CASES = [(1, 8), (1, 64), (2, 64)]  # (devices, LeNet-5 batch), data parallel
+
+
+def fit_rows(rounds: int, steps: int) -> list[dict]:
+    """`fit` of `steps` steps (a Synthetic dataset read on the workers) with one step to a program
+    and with `steps_per_program="auto"`, interleaved, per case of FIT_CASES; seconds per step (the
+    whole `fit`, medians), Dask tasks per step and device, the steps per program `auto` chose."""
+    rows = []
+    for devices, batch in FIT_CASES:
+        graph = models.lenet5(batch=batch)
+        x, y = random_batch(graph)
+        reference = SingleDeviceTrainer(graph, **HYPER)
+        inprocess = interleaved({"in-process": reference.step}, x, y, rounds, "in-process")["in-process"]
+        with Machine.local(devices) as machine:
+            machine.client.register_plugin(TaskCounter())
+            strategy = data_parallel(graph, devices)
+            trainers = {per: Trainer(graph, strategy, machine, **HYPER) for per in (1, "auto")}
+            times, tasks, chosen = {per: [] for per in trainers}, {per: [] for per in trainers}, []
+            for trainer in trainers.values():  # warm-up: compiled kernels, placed datasets, timed steps
+                trainer.fit(Synthetic(batch * 8, shape=graph.inputs[0].shape[1:], classes=10), progress=False)
+            for r in range(rounds):
+                dataset = Synthetic(batch * steps, shape=graph.inputs[0].shape[1:], classes=10, seed=r)
+                for per, trainer in trainers.items():
+                    before, start = machine.client.run_on_scheduler(_count), time.perf_counter()
+                    trainer.fit(dataset, progress=False, steps_per_program=per)
+                    times[per].append((time.perf_counter() - start) / steps)
+                    tasks[per].append((machine.client.run_on_scheduler(_count) - before) / steps / devices)
+                chosen.append(trainers["auto"].steps_per_program(steps))
+        one, auto = statistics.median(times[1]), statistics.median(times["auto"])
+        rows.append({"devices": devices, "batch": batch, "steps": steps, "inprocess_ms": inprocess * 1e3,
+                     "one_ms": one * 1e3, "auto_ms": auto * 1e3, "speedup": one / auto,
+                     "one_tasks": statistics.median(tasks[1]), "auto_tasks": statistics.median(tasks["auto"]),
+                     "auto_steps_per_program": statistics.median(chosen)})
+    return rows
 
 
 def hop_rows(machine, rounds: int, large_rounds: int) -> dict:
@@ -126,6 +169,7 @@ def run(out_dir="results", quick=False):
                              "programs_ms": times["programs"] * 1e3, "tasks_ms": times["tasks"] * 1e3,
                              "speedup": times["tasks"] / times["programs"]})
                 del trainers
+    fits = fit_rows(3 if quick else 5, 48 if quick else 120)
     worst = max(r["programs_tasks_per_device"] for r in rows)
     summary = [
         f"Dask tasks per step and device, executor 'programs': at most {worst:g} over {len(rows)} cases "
@@ -144,6 +188,11 @@ def run(out_dir="results", quick=False):
         "step times: medians of interleaved rounds on Machine.local(2), each executor's own trainer, one step "
         "at a time; 'sent ahead': the programs' trainer with 4 steps submitted before the first is waited for "
         "(as `Trainer.fit` runs), seconds per step",
+        *[f"fit, LeNet-5 batch {f['batch']} on local({f['devices']}) (data parallel, {f['steps']} steps a fit): "
+          f"{f['auto_ms']:.1f} ms a step with steps_per_program='auto' ({f['auto_steps_per_program']:g} steps to a "
+          f"program, {f['auto_tasks']:.2g} Dask tasks per step and device) against {f['one_ms']:.1f} ms with one "
+          f"({f['one_tasks']:.2g} tasks) = {f['speedup']:.2f}x; the same step in-process {f['inprocess_ms']:.1f} ms"
+          for f in fits],
     ]
     columns = [("model", "model"), ("strategy", "strategy"),
                ("programs_tasks_per_device", "programs: Dask tasks/step/device"),
@@ -151,7 +200,13 @@ def run(out_dir="results", quick=False):
                ("programs_ms", "programs: step ms"), ("programs_ahead_ms", "programs, sent ahead: step ms"),
                ("tasks_ms", "tasks: step ms"),
                ("speedup", "tasks / programs step time")]
-    md = write_result(out_dir, "programs", rows, columns, {"hops": hops}, summary)
+    fit_columns = [("devices", "devices"), ("batch", "batch"), ("inprocess_ms", "in-process ms"),
+                   ("one_ms", "fit, one step a program: ms/step"), ("one_tasks", "Dask tasks/step/device"),
+                   ("auto_ms", "fit, steps_per_program='auto': ms/step"), ("auto_tasks", "Dask tasks/step/device "),
+                   ("auto_steps_per_program", "steps a program"), ("speedup", "one / auto step time")]
+    md = write_result(out_dir, "programs", rows, columns, {"hops": hops, "fit": fits}, summary)
+    with open(md, "a") as f:
+        f.write("\n## fit: LeNet-5, data parallel, a whole fit timed\n\n" + markdown_table(fit_columns, fits) + "\n")
     print(md.read_text())
     return rows
 

@@ -51,7 +51,9 @@ class StepArgs:
     program before it (run on the same worker), and `refs`, where each of the program's inputs is:
     ("in", i) the i-th Dask input, ("item", (i, j)) value j of it (a result of another program),
     ("before", j) value j of the result of the program before, read on the worker, not through
-    Dask, ("lit", value) given here (the hyper-parameters, small data tiles)."""
+    Dask, ("lit", value) given here (the hyper-parameters, small data tiles); in a window of
+    steps, ("prev", j) value j of the step before's outputs, ("read", (TileRead, i)) a data tile
+    read from the i-th Dask input as the step starts."""
 
     __slots__ = ("key", "tag", "address", "refs", "profiled", "before")
 
@@ -142,6 +144,9 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, previous, 
             value = before[ref]
         elif kind == "prev":
             value = previous[ref]
+        elif kind == "read":  # a window's tile, read as its step starts: one step's tiles at a time here
+            tile, at = ref
+            value = (tile_on_device if program.gpu else read_tile)(inputs[at], *tile.args[1:])
         else:
             value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
         env[name] = to_device(value) if program.gpu and name.kind == DATA else value
@@ -265,6 +270,8 @@ class ProgramExecutor(Executor):
                         refs.append(("before", value.index))
                     elif isinstance(value, RunValue):
                         refs.append(("item", (slot(value.run), value.index)))
+                    elif isinstance(value, TileRead) and len(steps) > 1:  # read as its step starts
+                        refs.append(("read", (replace(value, source=None), slot(value.source))))
                     elif isinstance(value, TileRead):
                         reads.append(value)
                         refs.append(None)
@@ -273,8 +280,8 @@ class ProgramExecutor(Executor):
                     else:
                         refs.append(("in", slot(value)))
                 all_refs.append(refs)
-            if reads:  # one task reads all the device's tiles of the steps, ahead of the program
-                read_key = f"dev{device}-read-it{first_tag}{window}"
+            if reads:  # one task reads the device's tiles of the step, ahead of the program
+                read_key = f"dev{device}-read-it{first_tag}"
                 dsk[read_key] = (read_tiles, tuple(replace(r, source=None) for r in reads),
                                  device in self.gpu_devices, *[r.source for r in reads])
                 device_of[read_key] = device

@@ -357,6 +357,9 @@ class Trainer:
             self._lost(missing, f"step {step} lost values its tasks need" + (
                 f" with the worker(s) of device(s) {missing}" if missing else " (a worker died and was restarted)"),
                 step)
+        for error in errors:  # a window's read failed in its program, which aborted its peers' programs
+            if isinstance(error, DataReadError):
+                raise error
         self._gather(failed, step)  # raises the task's error
 
     def _lost(self, devices, reason, step):

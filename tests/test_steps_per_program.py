@@ -68,7 +68,8 @@ def test_several_steps_to_a_program_compute_what_one_step_at_a_time_computes(mac
 
 def test_programs_of_several_steps_are_one_dask_task_per_device(machine4):
     """Six steps of a strategy with values between three devices, three to a program: two programs
-    and two reads per device, where one step at a time has six of each."""
+    per device, each reading its steps' tiles as they start, where one step at a time has six
+    programs and six reads."""
     graph = small_lenet()
     strategy = mixed_lenet_strategy(graph)
     dataset = Synthetic(24, shape=(1, 16, 16), classes=10, seed=0)
@@ -83,7 +84,8 @@ def test_programs_of_several_steps_are_one_dask_task_per_device(machine4):
         assert trainer.stats.wall_s > 0 and trainer.stats.measured_bytes == trainer.stats.planned_bytes
         counts[per_program, "losses"] = history.losses
     assert {"dev0-program", "dev1-program", "dev2-program", "dev0-read"} <= set(counts[1])
-    assert counts[1] == {name: 6 for name in counts[1]} and counts[3] == {name: 2 for name in counts[1]}
+    assert counts[1] == {name: 6 for name in counts[1]}
+    assert counts[3] == {name: 2 for name in counts[1] if name.endswith("-program")}  # reads inside them
     assert counts[3, "losses"] == counts[1, "losses"]
 
 
