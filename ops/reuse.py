@@ -18,6 +18,7 @@ block another process still reads is then not handed out until it is done.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import weakref
 
@@ -47,7 +48,8 @@ def set_source(source):
 def empty(shape, dtype) -> numpy.ndarray:
     """numpy.empty(shape, dtype), from reused memory when the array is large."""
     dtype = numpy.dtype(dtype)
-    nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+    # math.prod: numpy's takes microseconds, and this runs for every kernel's output
+    nbytes = (int(shape) if isinstance(shape, (int, numpy.integer)) else math.prod(shape)) * dtype.itemsize
     if nbytes < MIN_BYTES:
         return numpy.empty(shape, dtype)
     global _kept

@@ -10,6 +10,7 @@ in place here, without a task of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -34,12 +35,17 @@ class Piece:
     src: Rect  # the Rect the (element) array covers
     rect: Rect  # the Rect this piece contributes
 
+    @cached_property
+    def window(self) -> tuple[slice, ...]:
+        """The slices that cut this piece out of its array (found once: a step cuts every piece)."""
+        return self.rect.relative_to(self.src)
+
 
 def cut(values, piece: Piece):
     value = values[piece.dep]
     if piece.element is not None:
         value = value[piece.element]
-    return value[piece.rect.relative_to(piece.src)]
+    return value[piece.window]
 
 
 def assemble(values, rect: Rect, pieces: tuple[Piece, ...]):

@@ -282,6 +282,40 @@ def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls
         machine4.client.run(_remove_stand_in)
 
 
+def test_several_steps_to_a_program_replay_their_runs_and_compute_what_one_step_at_a_time_computes(
+        machine4, monkeypatch):
+    """`fit` with three steps to each program on workers taken for GPU devices (the stand-in device):
+    the runs of every step in a program replay as graphs, each step's tiles read on its device as
+    it starts, and the losses and parameters are bit for bit those of one step at a time launched
+    kernel by kernel."""
+    from taskrt import models
+    from taskrt.datasets import Synthetic
+    from taskrt.executor import Executor
+    from taskrt.trainer import Trainer
+    from tests.graphs import alternating_strategy
+
+    monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    dataset = Synthetic(8 * 9, shape=graph.inputs[0].shape[1:], classes=10, seed=4)
+    results = {}
+    try:
+        for per_program, graphs in ((3, True), (1, False)):
+            machine4.client.run(_install_stand_in)
+            trainer = Trainer(graph, alternating_strategy(graph), machine4, lr=0.05, momentum=0.9, cuda_graphs=graphs)
+            history = trainer.fit(dataset, seed=1, progress=False, steps_per_program=per_program)
+            results[per_program] = history.losses, trainer.parameters()
+            counts = [c for c in machine4.client.run(_stand_in_counts).values() if c["programs"]]
+            if graphs:  # 9 steps, the first WARMUP_CALLS of each run called as usual
+                assert counts and all(c["captures"] == c["programs"] and not c["failed"] for c in counts), counts
+                assert all(c["replays"] >= c["captures"] * (9 - cuda_graphs.WARMUP_CALLS) for c in counts), counts
+    finally:
+        machine4.client.run(_remove_stand_in)
+    assert results[3][0] == results[1][0]
+    for layer, params in results[1][1].items():
+        for key, value in params.items():
+            np.testing.assert_array_equal(results[3][1][layer][key], value, err_msg=layer)
+
+
 # ---- the copies ----------------------------------------------------------------------------------------
 def test_strided_inputs_and_outputs_are_copied_by_their_values():
     """The copies move bytes: a strided input (a transposed tile) is made contiguous for the copy in,
