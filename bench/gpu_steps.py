@@ -183,6 +183,7 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     snapshots = trainer.snapshots_taken
     out["step_s"], out["losses"] = fit_seconds(trainer, graph, steps, seed=2)
     out["snapshots"] = trainer.snapshots_taken - snapshots  # each brings every parameter to the client
+    out["steps_per_program"] = trainer.steps_per_program(steps)  # what fit's "auto" runs in one program now
     [memory] = machine.client.run(peak_memory).values()
     out["memory"] = memory
     [out["memory_parts"]] = machine.client.run(memory_parts).values()
@@ -245,8 +246,9 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
            "first_loss_runtime": runtime["first_loss"], "first_loss_torch": peer["first_loss"],
            "first_loss_rel_diff": abs(runtime["first_loss"] - peer["first_loss"]) / max(abs(peer["first_loss"]), 1e-30)}
     graphs = runtime.get("graphs") or {}
-    if "snapshots" in runtime:
-        row["snapshots"] = runtime["snapshots"]
+    for key in ("snapshots", "steps_per_program"):
+        if key in runtime:
+            row[key] = runtime[key]
     if runtime.get("graphs_failed"):  # runs that fell back to launching kernel by kernel, and why
         row["graphs_failed"] = runtime["graphs_failed"]
     if graphs:
