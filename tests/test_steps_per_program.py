@@ -11,7 +11,7 @@ from distributed import get_task_stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taskrt.checkpoint import Checkpoints
+from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.datasets import Synthetic
 from taskrt.fit import batches
 from taskrt.program_executor import windowable
@@ -104,3 +104,25 @@ def test_steps_per_program_ends_a_program_where_a_checkpoint_is_due_and_checks_i
         with pytest.raises(ValueError, match=rf"steps_per_program must be 'auto' or an int in \[1, {MAX_WINDOW}\]"):
             trainer.fit(dataset, steps_per_program=bad, progress=False)
     assert trainer.steps_done == 0
+
+
+def test_checkpoints_due_inside_a_window_are_written_at_their_step(machine4, tmp_path):
+    """Nine steps, three to a program, a checkpoint every four: programs of steps 1-3, 4, 5-7, 8
+    and 9, and the checkpoints of steps 4 and 8 hold the parameters one step at a time reaches there."""
+    graph = small_lenet()
+    strategy = mixed_lenet_strategy(graph)
+    dataset = Synthetic(36, shape=(1, 16, 16), classes=10, seed=7)
+    trainer = Trainer(graph, strategy, machine4, checkpoints=Checkpoints(tmp_path, every=4, keep=5), **HYPER)
+    trainer.fit(dataset, seed=3, progress=False, steps_per_program=3)
+    saved = trainer.checkpoints.saved()
+    assert [read_checkpoint(p)[0]["steps_done"] for p in saved] == [4, 8]
+    reference = Trainer(graph, strategy, machine4, **HYPER)
+    order = [i for _, i in batches(36, 4, 1, 3, True, "drop")]
+    for step, indices in enumerate(order[:8], start=1):
+        reference.submit_from(dataset, indices).result()
+        if step in (4, 8):
+            _, params, _ = read_checkpoint(saved[step // 4 - 1])
+            expected = reference.parameters()
+            for layer in expected:
+                for name in expected[layer]:
+                    np.testing.assert_array_equal(params[layer][name], expected[layer][name], err_msg=f"{layer}.{name}")
