@@ -16,6 +16,8 @@ is then the simulator's.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tqdm import tqdm
 
 import search
@@ -24,6 +26,7 @@ from search.runtime_costs import EXECUTORS, STEP_FITTED, runtime
 from taskrt import models
 from taskrt.lowering import lower
 from taskrt.machine import Machine
+from taskrt.program_executor import auto_steps_per_program
 
 SHAPES = {1: (1, 1), 2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (4, 4)}
 STRATEGIES = ["data", "model", "owt", "layer-wise"]
@@ -39,8 +42,9 @@ SOURCES = [
     "their TCP sockets (on loopback here; a TLS cluster's go over distributed's comms), in place of the link's "
     "latency; bytes at the simulated links' bandwidth",
     "steps sent ahead, as `Trainer.fit` sends them: with programs, the client's and the scheduler's work on a step "
-    "happens while the steps before run, bounding the step only where it is longer (`Runtime.steps_ahead`); the "
-    "tasks executor's steps wait for the scheduler between runs",
+    "happens while the steps before run, bounding the step only where it is longer (`Runtime.steps_ahead`), and "
+    "short steps run several to a program as `fit` runs them (`auto_steps_per_program`: about a quarter of a "
+    "second's worth), sharing that work; the tasks executor's steps wait for the scheduler between runs",
     "a program's own time per task: a run of no-op tasks on a worker of this host; a GPU task's launch cost "
     "is not measured here (a GPU worker replays a run's kernels as one CUDA graph)",
     "kernels: the P100 roofline; data read on the devices from a dataset, ahead of the step (nothing sent "
@@ -87,6 +91,9 @@ def run(out_dir="results", quick=False):
                 costs = runtime(machine, calibration, plan, executor=executor, dataset=True,
                                 steps_ahead=executor == "programs")
                 step = cost_model.simulate(plan, runtime=costs).step_s
+                if executor == "programs":  # as fit runs them: several short steps to a program
+                    costs, step = fit_steps_per_program(cost_model, plan, costs, step)
+                    row["programs_steps_per_program"] = costs.steps_per_program
                 row[f"{executor}_step_s"] = step
                 row[f"{executor}_images_per_s"] = 32 * devices / step
             rows.append(row)
@@ -94,7 +101,8 @@ def run(out_dir="results", quick=False):
     summary = _summary(rows, names, device_counts) + _runtime_summary(ratios, calibration)
     columns = [("model", "model"), ("devices", "devices"), ("strategy", "strategy"),
                ("images_per_s", "images/s (simulated, free runtime)"), ("step_s", "step s"),
-               ("programs_images_per_s", "images/s, taskrt programs"), ("tasks_images_per_s", "images/s, taskrt tasks"),
+               ("programs_images_per_s", "images/s, taskrt programs"),
+               ("programs_steps_per_program", "steps a program (fit)"), ("tasks_images_per_s", "images/s, taskrt tasks"),
                ("additive_s", "eq. 1 s"), ("bytes_per_step", "bytes/step"), ("tasks", "tasks")]
     md = write_result(out_dir, "scaling", rows, columns,
                       {"simulated": "P100 (9.3 TFLOP/s, 732 GB/s), NVLink 20 GB/s, 100 Gb/s between nodes, "
@@ -104,6 +112,18 @@ def run(out_dir="results", quick=False):
     _plot(rows, names, device_counts, out_dir)
     print(md.read_text())
     return rows
+
+
+def fit_steps_per_program(cost_model, plan, costs, step_s: float):
+    """(costs, step seconds) with the steps per program `fit` settles on ("auto": from the steps'
+    time, which shortens as a program takes more of them; `auto_steps_per_program`)."""
+    for _ in range(4):
+        k = auto_steps_per_program(step_s)
+        if k == costs.steps_per_program:
+            break
+        costs = replace(costs, steps_per_program=k)
+        step_s = cost_model.simulate(plan, runtime=costs).step_s
+    return costs, step_s
 
 
 def runtime_ratios(rows, names, devices) -> dict:

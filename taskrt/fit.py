@@ -147,7 +147,7 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     steps; `Trainer.steps_per_program`).  Everything is checked before the first step."""
     from tqdm import tqdm
 
-    from taskrt.trainer import MAX_WINDOW
+    from taskrt.program_executor import MAX_WINDOW
 
     check_options(epochs, shuffle, seed, last, prefetch, progress)
     if steps_per_program != "auto" and (isinstance(steps_per_program, bool) or not isinstance(steps_per_program, int)

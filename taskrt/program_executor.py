@@ -40,6 +40,8 @@ from taskrt.reading import TileRead, read_tile, tile_on_device
 from taskrt.worker_reads import TIMED_OUT
 
 KEPT_PLANS = 4  # plans whose programs stay on the workers (IST makes a plan per round)
+WINDOW_S = 0.25  # `fit`'s automatic steps per program: about this long (`auto_steps_per_program`)
+MAX_WINDOW = 16  # steps per program at most, automatic or asked for
 SENT = itertools.count()  # steps sent by this client's executors, in order
 READ_PRIORITY = 1  # over every program's (0, -1, -2, ...)
 HELD = ("state", "buffers", "loss")  # outputs the client keeps as values of their program's result
@@ -443,6 +445,13 @@ def window_losses(plan: Plan, programs: dict, k: int) -> list[tuple[int, int]]:
         for j, key in enumerate(mine):
             at[key] = (device, len(program.outputs) + k * len(mine) + j)
     return [at[key] for key in plan.outputs.get("loss", [])]
+
+
+def auto_steps_per_program(step_s: float) -> int:
+    """The steps `fit` runs to a program ("auto") where a step takes `step_s` seconds: as many as
+    take about WINDOW_S, at most MAX_WINDOW, one for steps longer than that (a program per step
+    costs them little: the next is already on its worker as the one before ends)."""
+    return max(1, min(int(WINDOW_S / max(step_s, 1e-6)), MAX_WINDOW))
 
 
 def windowable(plan: Plan, gpu_devices=frozenset(), cuda_graphs: bool = True) -> bool:

@@ -91,6 +91,9 @@ class Runtime:
     # devices' work with every program starting at once, the scheduler's time sending the step's
     # programs (`scheduler_per_task_s` each) and the client's own time on it (`start_s`).
     steps_ahead: bool = False
+    # With steps sent ahead, the steps each program runs (`Trainer.fit`'s steps_per_program): the
+    # client's, the scheduler's and the runtime's work per program is shared by that many steps
+    steps_per_program: int = 1
 
 
 def lent(plan, transfer, runtime: Runtime, machine) -> bool:
@@ -147,6 +150,9 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
         raise ValueError("Runtime: programs run a device's plan tasks themselves; fused is the other executor's")
     if runtime.steps_ahead and not runtime.programs:
         raise ValueError("Runtime: steps_ahead models programs (the tasks executor's steps wait for the scheduler)")
+    if runtime.steps_per_program != 1 and not (runtime.steps_ahead and runtime.steps_per_program > 1):
+        raise ValueError(f"Runtime: steps_per_program must be 1, or more with steps_ahead (several steps to a program "
+                         f"are sent ahead by Trainer.fit), got {runtime.steps_per_program!r}")
     if runtime.fused:
         plan, members = fused_plan(plan)
         kernel, kernel_corun = task_time, corun_time or task_time
@@ -170,11 +176,13 @@ def simulate(plan: Plan, task_time, machine, runtime: Runtime = Runtime(), corun
     # The runtime's processor time while tasks run: scheduling them and moving bytes between devices.
     # (Sending the data and submitting the graph happen before the first task: not counted here.)
     # With programs, Dask sees one task per device (its program), not one per plan task.
-    dask_tasks = len(program_devices(plan)) if runtime.programs else len(plan.tasks)
+    # (Several steps to a program share its Dask task: its share per step.)
+    dask_tasks = (len(program_devices(plan)) / runtime.steps_per_program) if runtime.programs else len(plan.tasks)
     copied = sum(t.nbytes for t in plan.transfers() if not lent(plan, t, runtime, machine))
     runtime_cpu = (runtime.cpu_per_task_s * dask_tasks + runtime.cpu_per_message_s * len(plan.transfers())
                    + runtime.cpu_per_byte_s * copied)
-    origin = runtime.start_s + runtime.per_task_submit_s * dask_tasks  # the step sent
+    # the step sent (the client's work on a program shared by its steps)
+    origin = runtime.start_s / runtime.steps_per_program + runtime.per_task_submit_s * dask_tasks
     per_task_cpu = runtime_cpu / len(plan.tasks) if runtime.cores and plan.tasks else 0.0
     result = _schedule(plan, task_time, corun_time or task_time, machine, runtime, per_task_cpu,
                        0.0 if runtime.steps_ahead else origin)

@@ -52,7 +52,7 @@ from taskrt.machine import MachineError
 from taskrt.mailbox import PeerLost
 from taskrt.memory import plan_memory
 from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
-from taskrt.program_executor import make_executor
+from taskrt.program_executor import MAX_WINDOW, make_executor
 from taskrt.reading import TileRead
 from taskrt.strategy import Strategy
 from taskrt.worker_reads import TIMED_OUT
@@ -62,8 +62,6 @@ CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; worke
 POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
 NOTICE_S = 5.0  # how long a connection error sending a step may wait for the scheduler to drop the worker
 RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
-WINDOW_S = 0.25  # automatic steps per program: about this long (`Trainer.steps_per_program`)
-MAX_WINDOW = 16  # steps per program at most, automatic or asked for
 MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
 LOST_STATUSES = ("error", "cancelled", "lost")
 
@@ -462,18 +460,18 @@ class Trainer:
         """How many of the next `left` steps read from a dataset one program per device runs
         (`fit`): each program is one Dask task per device, so a short step pays the scheduler,
         the worker's task handling and the client's bookkeeping once per program, not per step.
-        `asked`: "auto" (as many as take about WINDOW_S, once three steps have been timed; one
-        for longer steps) or an int.  Always one with executor "tasks", while profiling, or
+        `asked`: "auto" (`program_executor.auto_steps_per_program` of the recent steps' median,
+        once three have been timed) or an int.  Always one with executor "tasks", while profiling, or
         where a device reads state another computes; a program never runs past a checkpoint
         that is due."""
-        from taskrt.program_executor import windowable
+        from taskrt.program_executor import auto_steps_per_program, windowable
 
         if left <= 1 or not hasattr(self.executor, "submit_window") or self.executor.profiling:
             return 1
         if asked == "auto":
             if len(self._walls) < 3:
                 return 1
-            asked = int(WINDOW_S / max(statistics.median(self._walls), 1e-6))
+            asked = auto_steps_per_program(statistics.median(self._walls))
         count = max(1, min(int(asked), left, MAX_WINDOW))
         if self.checkpoints is not None:  # end the program at the step whose checkpoint is due
             count = next((k for k in range(1, count + 1) if self.checkpoints.due(self.steps_done + k)), count)

@@ -556,7 +556,7 @@ def test_programs_dispatch_once_per_device_through_the_shared_scheduler():
 def test_programs_sent_ahead_overlap_the_client_and_the_scheduler_with_earlier_steps():
     """Steps sent ahead (`fit`): the programs are there as the step before ends, so the step is the
     devices' work from a common start, unless the client's time on a step or the scheduler's on its
-    programs is longer (then that is the step)."""
+    programs is longer (then that is the step); several steps to a program share those."""
     rt = Runtime(programs=True, dispatch_s=0.125, message_s=0.0625, start_s=0.25, per_task_submit_s=0.5,
                  answer_s=0.1875, scheduler_per_task_s=0.25)
     p = plan_of(task("a", 0, nbytes=500), task("b", 1, ["a"], nbytes=250), task("c", 0, ["b"]))
@@ -572,6 +572,16 @@ def test_programs_sent_ahead_overlap_the_client_and_the_scheduler_with_earlier_s
     assert busy_scheduler.step_s == 2 * 9.0
     with pytest.raises(ValueError, match="steps_ahead"):
         run(p, times, LINKS, Runtime(steps_ahead=True))
+    # four steps to a program (fit's windows): the client's and the scheduler's work per program
+    # is shared by them; the devices' work per step stays
+    shared_client = run(p, times, LINKS, replace(rt, steps_ahead=True, start_s=40.0, steps_per_program=4))
+    assert shared_client.step_s == 40.0 / 4 + 2 * 0.5 / 4
+    shared_scheduler = run(p, times, LINKS, replace(rt, steps_ahead=True, scheduler_per_task_s=9.0,
+                                                    steps_per_program=4))
+    assert shared_scheduler.step_s == ahead.step_s  # 2 * 9 / 4 = 4.5, shorter than the devices' work
+    for bad in (Runtime(programs=True, steps_per_program=2), replace(rt, steps_ahead=True, steps_per_program=0)):
+        with pytest.raises(ValueError, match="steps_per_program must be 1, or more with steps_ahead"):
+            run(p, times, LINKS, bad)
 
 
 def test_a_program_runs_its_tasks_in_its_order():

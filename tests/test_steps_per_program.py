@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.datasets import Synthetic
 from taskrt.fit import batches
-from taskrt.program_executor import windowable
-from taskrt.trainer import MAX_WINDOW, Trainer
+from taskrt.program_executor import MAX_WINDOW, windowable
+from taskrt.trainer import Trainer
 from tests.graphs import inception_block, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
 
