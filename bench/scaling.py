@@ -102,7 +102,8 @@ def run(out_dir="results", quick=False):
     columns = [("model", "model"), ("devices", "devices"), ("strategy", "strategy"),
                ("images_per_s", "images/s (simulated, free runtime)"), ("step_s", "step s"),
                ("programs_images_per_s", "images/s, taskrt programs"),
-               ("programs_steps_per_program", "steps a program (fit)"), ("tasks_images_per_s", "images/s, taskrt tasks"),
+               ("programs_steps_per_program", "steps a program (fit)"),
+               ("tasks_images_per_s", "images/s, taskrt tasks"),
                ("additive_s", "eq. 1 s"), ("bytes_per_step", "bytes/step"), ("tasks", "tasks")]
     md = write_result(out_dir, "scaling", rows, columns,
                       {"simulated": "P100 (9.3 TFLOP/s, 732 GB/s), NVLink 20 GB/s, 100 Gb/s between nodes, "

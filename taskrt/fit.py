@@ -150,9 +150,7 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     from taskrt.program_executor import MAX_WINDOW
 
     check_options(epochs, shuffle, seed, last, prefetch, progress)
-    if steps_per_program != "auto" and (isinstance(steps_per_program, bool) or not isinstance(steps_per_program, int)
-                                        or not 1 <= steps_per_program <= MAX_WINDOW):
-        raise ValueError(f"steps_per_program must be 'auto' or an int in [1, {MAX_WINDOW}], got {steps_per_program!r}")
+    _check_steps_per_program(steps_per_program, MAX_WINDOW)
     if lr_schedule is not None and not callable(lr_schedule):
         raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
     batch = trainer._batch
@@ -181,7 +179,7 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
         losses += epoch_losses
         if eval_dataset is not None:
             started = time.perf_counter()
-            result = evaluate(trainer, eval_dataset, prefetch)
+            result = evaluate(trainer, eval_dataset, prefetch, steps_per_program)
             summary = EpochStats(summary.epoch, summary.steps, summary.loss, summary.seconds, result.loss,
                                  result.accuracy, time.perf_counter() - started)
         summaries.append(summary)
@@ -221,36 +219,66 @@ def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, 
     return losses
 
 
-def evaluate(trainer, dataset, prefetch: int = 2) -> Evaluation:
+def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> Evaluation:
     """Mean cross-entropy and accuracy of `trainer`'s network over every sample of `dataset`: the
     workers read the images in batches (the last one filled with sample 0, its rows unused), the
-    client reads the labels."""
+    client reads the labels.  `steps_per_program`: batches each device's program predicts as one
+    Dask task ("auto": one until three are timed, then as many as take about a quarter of a second,
+    `taskrt.program_executor.auto_steps_per_program`); then two programs in flight at most."""
     from taskrt.data import data_inputs
     from taskrt.datasets import Batch
+    from taskrt.program_executor import MAX_WINDOW, auto_steps_per_program
 
     binding = trainer._bind(dataset)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= MAX_PREFETCH:
         raise ValueError(f"prefetch must be an int in [1, {MAX_PREFETCH}], got {prefetch!r}")
+    _check_steps_per_program(steps_per_program, MAX_WINDOW)
     (label_layer,) = [l.name for l in data_inputs(trainer.graph) if l.op.dtype == "int64"]
     labels = np.asarray(dataset.read(binding.field_of(label_layer), np.arange(len(dataset)), ()), dtype=np.int64)
     batch, length = trainer._batch, len(dataset)
-    losses, correct, runs = [], 0, deque()
+    losses, correct, pending = [], 0, deque()  # lists of (run, used, rows), one list per program
+    windows = trainer._windows("predict")
+    started, taken = time.perf_counter(), 0
 
     def take():
-        run, used, rows = runs.popleft()
-        logits = trainer._logits(run)[:used].astype(np.float64)
-        top = logits.max(axis=1, keepdims=True)
-        log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
-        losses.append(log_z - logits[np.arange(used), labels[rows]])
-        return int((logits.argmax(axis=1) == labels[rows]).sum())
+        nonlocal taken
+        count = 0
+        for run, used, rows in pending.popleft():
+            logits = trainer._logits(run)[:used].astype(np.float64)
+            top = logits.max(axis=1, keepdims=True)
+            log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+            losses.append(log_z - logits[np.arange(used), labels[rows]])
+            count += int((logits.argmax(axis=1) == labels[rows]).sum())
+            taken += 1
+        return count
 
-    for start in range(0, length, batch):
-        rows = np.arange(start, min(start + batch, length))
-        indices = np.zeros(batch, dtype=np.int64)
-        indices[:len(rows)] = rows
-        if len(runs) >= prefetch:
+    starts = list(range(0, length, batch))
+    while starts:
+        k = 1
+        if windows and len(starts) > 1:
+            k = steps_per_program if steps_per_program != "auto" else (
+                auto_steps_per_program((time.perf_counter() - started) / taken) if taken >= 3 else 1)
+            k = min(k, len(starts))
+        batches = []
+        for start in starts[:k]:
+            rows = np.arange(start, min(start + batch, length))
+            indices = np.zeros(batch, dtype=np.int64)
+            indices[:len(rows)] = rows
+            batches.append((Batch(binding, indices), len(rows), rows))
+        starts = starts[k:]
+        while len(pending) >= (prefetch if k == 1 else min(prefetch, 2)):
             correct += take()
-        runs.append((trainer._run("predict", Batch(binding, indices), trainer._aux_tag("eval")), len(rows), rows))
-    while runs:
+        if k == 1:
+            [(data, used, rows)] = batches
+            pending.append([(trainer._run("predict", data, trainer._aux_tag("eval")), used, rows)])
+        else:
+            runs = trainer._predict_window([data for data, _, _ in batches])
+            pending.append([(run, used, rows) for run, (_, used, rows) in zip(runs, batches)])
+    while pending:
         correct += take()
     return Evaluation(float(np.concatenate(losses).mean()), correct / length, length)
+
+
+def _check_steps_per_program(value, most: int):
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+        raise ValueError(f"steps_per_program must be 'auto' or an int in [1, {most}], got {value!r}")

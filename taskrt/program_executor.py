@@ -45,6 +45,7 @@ MAX_WINDOW = 16  # steps per program at most, automatic or asked for
 SENT = itertools.count()  # steps sent by this client's executors, in order
 READ_PRIORITY = 1  # over every program's (0, -1, -2, ...)
 HELD = ("state", "buffers", "loss")  # outputs the client keeps as values of their program's result
+PER_STEP = ("loss", "logits")  # outputs a window of steps gives for each of its steps
 
 
 class StepArgs:
@@ -106,14 +107,14 @@ def _before(worker, box, key, tag):
 def run_program(program: DeviceProgram, steps: tuple, *inputs):
     """On a worker: run `program` for each step of `steps` (StepArgs, in order: one step, or a window
     of steps run by one Dask task, each reading the state the one before left, `("prev", j)`);
-    returns the values of its outputs after the last step, then, for a window, the losses of each
-    step in turn (those of `program.outputs`, in order)."""
+    returns the values of its outputs after the last step, then, for a window, the losses (or the
+    logits) of each step in turn (those of `program.outputs`, in order)."""
     from distributed import Reschedule, get_worker
 
     worker = get_worker()
     box = mailbox_of(worker)
-    losses = [i for i, o in enumerate(program.outputs) if o.output == "loss"]
-    previous, per_step, seceded = None, [], [False]
+    per_step = [i for i, o in enumerate(program.outputs) if o.output in PER_STEP]
+    previous, each, seceded = None, [], [False]
     for i, args in enumerate(steps):
         try:
             if i == 0:
@@ -130,9 +131,9 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
                 box.tell_peers([args.address[d] for d in program.peers if d in args.address], tags,
                                f"the program of device {program.device} failed: {error!r}")
             raise
-        if len(steps) > 1:
-            per_step += [loss_sum(previous[j]) for j in losses]
-    return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *per_step)
+        if len(steps) > 1:  # a loss part's sum; logits as they are (brought to the host as they are read)
+            each += [loss_sum(previous[j]) if program.outputs[j].output == "loss" else previous[j] for j in per_step]
+    return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *each)
 
 
 def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, previous, box, seceded) -> tuple:
@@ -303,7 +304,9 @@ class ProgramExecutor(Executor):
                 kept_of[device] = before
             dsk[key] = (run_program, placed[device], args, *inputs)
             device_of[key] = device
-        outputs, exports = self._outputs(plan, programs, program_key, first_tag, dsk, device_of)
+        # (a window's values other than its state are read out of its result: no task takes them out)
+        outputs, exports = self._outputs(plan, programs, program_key, first_tag, dsk, device_of,
+                                         held_only=len(steps) > 1)
         wanted = list(dict.fromkeys([*program_key.values(), *exports, *read_keys]))
         restriction = {key: {self.machine.tag(d): 1} for key, d in device_of.items()}
         # A worker runs the tasks it holds by priority: reads first, then programs in the order their
@@ -326,10 +329,11 @@ class ProgramExecutor(Executor):
         done = [by_key[k] for k in program_key.values()]
         profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
         runs, shared = [], None
-        if len(steps) > 1:  # every step's losses read at once, when the client first waits for one
-            shared = {"reads": {}, "count": 0}
+        each = next((name for name in PER_STEP if name in plan.outputs), None)
+        if len(steps) > 1 and each is not None:  # every step's values read at once, as the first is waited for
+            shared = {"reads": {}, "count": 0, "name": each}
             for k in range(len(steps)):
-                for device, index in window_losses(plan, programs, k):
+                for device, index in window_values(plan, programs, k, each):
                     shared["reads"].setdefault(device, []).append((program_key[device], index, None, shared["count"]))
                     shared["count"] += 1
             for device, key in program_key.items():
@@ -338,10 +342,11 @@ class ProgramExecutor(Executor):
             last = k == len(steps) - 1
             if len(steps) == 1:
                 outputs_k = {**out, "done": done}
-            else:  # each step's losses come after the last step's outputs in its program's result
-                outputs_k = {**(out if last else {name: {} for name in ("state", "buffers")}), "done": done,
-                             "loss": [RunValue(None, by_key[program_key[d]], i)
-                                      for d, i in window_losses(plan, programs, k)]}
+            else:  # each step's losses (logits) come after the last step's outputs in its program's result
+                outputs_k = {**(out if last else {name: {} for name in out}), "done": done}
+                if each is not None:
+                    outputs_k[each] = [RunValue(None, by_key[program_key[d]], i)
+                                       for d, i in window_values(plan, programs, k, each)]
             keys = ({value_key(t.dep, tag) for t in plan.transfers()} | set(dsk) | {
                 f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))})
             reads = {}
@@ -356,9 +361,10 @@ class ProgramExecutor(Executor):
         return runs
 
     @staticmethod
-    def _outputs(plan, programs, program_key, tag, dsk, device_of) -> tuple[dict, list]:
+    def _outputs(plan, programs, program_key, tag, dsk, device_of, held_only=False) -> tuple[dict, list]:
         """The step's outputs: values the client keeps in their program's result (RunValues of its
-        key), and the others (gradients, logits) each taken out of it by a task of its own."""
+        key), and the others (gradients, logits) each taken out of it by a task of its own (none
+        with `held_only`: those left out)."""
         where = {}
         for device, program in programs.items():
             for index, output in enumerate(program.outputs):
@@ -375,7 +381,8 @@ class ProgramExecutor(Executor):
             return export
 
         outputs = {name: {k: named(name, key) for k, key in value.items()} if isinstance(value, dict)
-                   else [named(name, key) for key in value] for name, value in plan.outputs.items()}
+                   else [named(name, key) for key in value] for name, value in plan.outputs.items()
+                   if name in HELD or not held_only}
         return outputs, exports
 
     def read_when_done(self, run: StepRun, timeout: float):
@@ -388,7 +395,7 @@ class ProgramExecutor(Executor):
             if values is None or values is TIMED_OUT:
                 return values
             run.shared["values"] = values
-        count = len(run.outputs["loss"])
+        count = len(run.outputs[run.shared["name"]])
         return run.shared["values"][run.position * count:(run.position + 1) * count]
 
     def abort(self, runs, reason: str) -> None:
@@ -416,9 +423,11 @@ def _given(name, given: dict):
 
 def carried_state(plan: Plan, programs: dict) -> dict | None:
     """{device: {state or buffer input of its program: the output of the same program that is its
-    next value}}, for a program that runs several steps (`submit_window`); None where a device reads
-    state another device computes, or the step has outputs other than state, buffers and losses."""
-    if set(plan.outputs) - set(HELD):
+    next value}}, for a program that runs several steps (`submit_window`): state a step updates
+    (training) is carried from step to step, state it only reads (predicting) is the same for all;
+    None where a device reads state another device computes, or the step has outputs other than
+    state, buffers, losses and logits."""
+    if set(plan.outputs) - set(HELD) - set(PER_STEP):
         return None
     where = {}
     for device, program in programs.items():
@@ -429,22 +438,26 @@ def carried_state(plan: Plan, programs: dict) -> dict | None:
         for name in program.inputs:
             if name.kind not in ("state", "buffer"):
                 continue
-            source = plan.outputs["state" if name.kind == "state" else "buffers"].get(name.key)
+            updated = plan.outputs.get("state" if name.kind == "state" else "buffers")
+            if updated is None:  # read, not updated: every step reads the value given
+                continue
+            source = updated.get(name.key)
             if source is None or where[source][0] != device:
                 return None
             carried.setdefault(device, {})[name] = where[source][1]
     return carried
 
 
-def window_losses(plan: Plan, programs: dict, k: int) -> list[tuple[int, int]]:
-    """Where step `k` of a window's losses lie: (device, index in its program's result), in the
-    order of the plan's losses (`run_program`: each step's losses after the last step's outputs)."""
+def window_values(plan: Plan, programs: dict, k: int, name: str = "loss") -> list[tuple[int, int]]:
+    """Where step `k` of a window's values of output `name` ("loss" or "logits") lie: (device, index in
+    its program's result), in the plan's order (`run_program`: each step's after the last step's
+    outputs)."""
     at = {}
     for device, program in programs.items():
-        mine = [o.key for o in program.outputs if o.output == "loss"]
+        mine = [o.key for o in program.outputs if o.output in PER_STEP]
         for j, key in enumerate(mine):
             at[key] = (device, len(program.outputs) + k * len(mine) + j)
-    return [at[key] for key in plan.outputs.get("loss", [])]
+    return [at[key] for key in plan.outputs.get(name, [])]
 
 
 def auto_steps_per_program(step_s: float) -> int:

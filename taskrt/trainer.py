@@ -305,10 +305,11 @@ class Trainer:
             self._check_devices(step, error)
             raise
 
-    def _collect(self, run: StepRun) -> list:
+    def _collect(self, run: StepRun, name: str = "loss") -> list:
         """Wait for a training step (its losses and the runs that computed its new state:
-        `taskrt.fusion.step_done_keys`) and return the loss values; raises DeviceLost when a
-        device it runs on is lost (and the trainer recovers)."""
+        `taskrt.fusion.step_done_keys`) and return the loss values (or those of output `name`, of a
+        window of predict runs); raises DeviceLost when a device it runs on is lost (and the
+        trainer recovers)."""
         values = self.executor.read_when_done(run, POLL_S)
         while values is TIMED_OUT:  # a long step: ask again while its devices are there and nothing failed
             if self._missing_devices() or any(f.status in LOST_STATUSES for f in run.futures()):
@@ -317,8 +318,8 @@ class Trainer:
         if values is not None and values is not TIMED_OUT:
             return values
         self._await(run.outputs["done"], run.step)
-        devices = [run.plan.by_key[key].device for key in run.plan.outputs["loss"]]
-        return self._gather(self.executor.host_futures(run.outputs["loss"], devices), run.step)
+        devices = [run.plan.by_key[key].device for key in run.plan.outputs[name]]
+        return self._gather(self.executor.host_futures(run.outputs[name], devices), run.step)
 
     def _await(self, futures, step):
         """Wait for `futures`, checking every POLL_S that the devices are still there."""
@@ -464,9 +465,9 @@ class Trainer:
         once three have been timed) or an int.  Always one with executor "tasks", while profiling, or
         where a device reads state another computes; a program never runs past a checkpoint
         that is due."""
-        from taskrt.program_executor import auto_steps_per_program, windowable
+        from taskrt.program_executor import auto_steps_per_program
 
-        if left <= 1 or not hasattr(self.executor, "submit_window") or self.executor.profiling:
+        if left <= 1 or not self._windows("train"):
             return 1
         if asked == "auto":
             if len(self._walls) < 3:
@@ -475,9 +476,28 @@ class Trainer:
         count = max(1, min(int(asked), left, MAX_WINDOW))
         if self.checkpoints is not None:  # end the program at the step whose checkpoint is due
             count = next((k for k in range(1, count + 1) if self.checkpoints.due(self.steps_done + k)), count)
-        if count > 1 and not windowable(self.plan, self.executor.gpu_devices, self.executor.cuda_graphs):
-            return 1
         return count
+
+    def _windows(self, mode: str) -> bool:
+        """Whether steps of `mode` ("train", "predict") can run several to a program here."""
+        from taskrt.program_executor import windowable
+
+        return (hasattr(self.executor, "submit_window") and not self.executor.profiling
+                and windowable(self._plan(mode), self.executor.gpu_devices, self.executor.cuda_graphs))
+
+    def _predict_window(self, batches: list) -> list[StepRun]:
+        """Predict runs of `batches` (taskrt.datasets.Batch each), all run by one program per device
+        (`evaluate`); their StepRuns, in order, each read with `_logits`."""
+        address = self._check_state(self.steps_done)
+        plan = self._plan("predict")
+        steps = []
+        for batch in batches:
+            step = self._aux_tag("eval")
+            steps.append((step, f"{step}-{self._token}", self._reads(plan, batch, address), self._hyper()))
+        runs = self.executor.submit_window(plan, steps, self._state, self._buffers, address)
+        for run in runs:
+            run.address = address
+        return runs
 
     def submit(self, *data) -> StepFuture:
         """Start one training step without waiting for it; returns a StepFuture."""
@@ -504,12 +524,13 @@ class Trainer:
         return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch,
                    steps_per_program)
 
-    def evaluate(self, dataset, prefetch: int = 2):
+    def evaluate(self, dataset, prefetch: int = 2, steps_per_program="auto"):
         """Mean loss and accuracy over every sample of `dataset` (taskrt.fit.Evaluation), read by
-        the workers in batches of the graph's batch size."""
+        the workers in batches of the graph's batch size (several to a program where they are short:
+        `steps_per_program`, as in `fit`)."""
         from taskrt.fit import evaluate
 
-        return evaluate(self, dataset, prefetch)
+        return evaluate(self, dataset, prefetch, steps_per_program)
 
     def _bind(self, dataset, with_labels: bool = True):
         """`dataset` checked against the graph once (taskrt.datasets.bind_dataset)."""
@@ -737,7 +758,13 @@ class Trainer:
         """The logits a predict run computed, as one numpy array of the batch."""
         target = logits_layer(self.graph)
         shape = self.graph[target].shape
-        tiles = self._gather(run.outputs["logits"], run.step)
+        if run.shared is None:
+            tiles = self._gather(run.outputs["logits"], run.step)
+        else:  # a window's logits lie in its programs' results, read from their workers (`_predict_window`)
+            try:
+                tiles = self._collect(run, "logits")
+            except DeviceLost as lost:  # as a predict run's gather reports it: nothing to recover
+                raise MachineError(f"{run.step} failed: {lost.reason}") from None
         logits = np.empty(shape, dtype=self.dtype)
         for part, tile in zip(self.strategy[target].parts(shape), tiles):
             logits[part.rect.relative_to(Rect.full(shape))] = tile

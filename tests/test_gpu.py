@@ -154,7 +154,8 @@ def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2,
 def test_several_steps_to_a_program_on_gpu_workers_compute_what_one_step_at_a_time_computes(gpu2, source):
     """`fit` with four steps to each program (each step's tiles read on the GPU as it starts, its runs
     replayed as graphs, the state left on the GPU from step to step) against the same steps one to
-    a program, a layer-wise split over two workers on the GPU."""
+    a program, a layer-wise split over two workers on the GPU; then `evaluate` three batches to a
+    program."""
     from taskrt.datasets import ArrayDataset, Synthetic
 
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
@@ -167,10 +168,12 @@ def test_several_steps_to_a_program_on_gpu_workers_compute_what_one_step_at_a_ti
         gpu2.client.run(_clear_graphs)
         trainer = Trainer(graph, alternating_strategy(graph), gpu2, lr=0.05, momentum=0.9)
         history = trainer.fit(dataset, seed=2, progress=False, steps_per_program=per_program)
-        results[per_program] = history.losses, trainer.parameters()
+        results[per_program] = history.losses, trainer.parameters(), trainer.evaluate(dataset, steps_per_program=3)
         stats = gpu2.client.run(_graph_stats)
         assert all(not s["failed"] for s in stats.values()) and sum(s["graphs"] for s in stats.values()), stats
     np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
+    assert results[4][2].accuracy == results[1][2].accuracy  # batches predicted three to a program
+    assert results[4][2].loss == pytest.approx(results[1][2].loss, rel=1e-4)
     for layer, params in results[1][1].items():
         for k, value in params.items():
             np.testing.assert_allclose(results[4][1][layer][k], value, rtol=1e-4, atol=1e-6, err_msg=f"{layer}.{k}")

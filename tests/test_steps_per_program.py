@@ -11,6 +11,7 @@ from distributed import get_task_stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import search
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.datasets import Synthetic
 from taskrt.fit import batches
@@ -126,3 +127,25 @@ def test_checkpoints_due_inside_a_window_are_written_at_their_step(machine4, tmp
             for layer in expected:
                 for name in expected[layer]:
                     np.testing.assert_array_equal(params[layer][name], expected[layer][name], err_msg=f"{layer}.{name}")
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_evaluate_with_several_batches_to_a_program_gives_what_one_at_a_time_gives(machine4, name):
+    """30 samples in batches of 4 (the last one partly filled), three to a program: the same mean loss
+    and accuracy, bit for bit, as one batch to a program, the batch norms' running statistics read
+    by every batch; three programs per device instead of eight."""
+    graph = GRAPHS[name]()
+    image = graph.inputs[0]
+    classes = graph[graph.losses[0].inputs[0]].shape[1]
+    strategy = mixed_lenet_strategy(graph) if name == "lenet5" else search.data_parallel(graph, machine4)
+    trainer = Trainer(graph, strategy, machine4, **HYPER)
+    trainer.fit(Synthetic(8, shape=image.shape[1:], classes=classes, seed=1), progress=False)  # running stats move
+    test = Synthetic(30, shape=image.shape[1:], classes=classes, seed=2)
+    results, programs = {}, {}
+    for per_program in (3, 1):
+        with get_task_stream(machine4.client) as stream:
+            results[per_program] = trainer.evaluate(test, steps_per_program=per_program)
+        names = [key_split(task["key"]) for task in stream.data]
+        programs[per_program] = {n: names.count(n) for n in set(names) if n.endswith("-program")}
+    assert results[3] == results[1] and results[3].samples == 30
+    assert set(programs[3].values()) == {3} and set(programs[1].values()) == {8}
