@@ -590,9 +590,9 @@ class Trainer:
             missing = self._missing_devices()
         if not missing:
             raise error
-        steps = f"step {entries[0].step}" if len(entries) == 1 else f"steps {entries[0].step}..{entries[-1].step}"
-        replayed = self._recover(DeviceLost(missing, f"{steps} was being sent" if len(entries) == 1 else
-                                            f"{steps} were being sent"))
+        what = (f"step {entries[0].step} was" if len(entries) == 1 else
+                f"steps {entries[0].step}..{entries[-1].step} were")
+        replayed = self._recover(DeviceLost(missing, f"{what} being sent"))
         return [replayed[e.step] for e in entries]
 
     def _submit_window(self, dataset, indices: list, lrs: list) -> list[StepFuture]:
