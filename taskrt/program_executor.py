@@ -119,7 +119,8 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
         try:
             if i == 0:
                 before = _before(worker, box, args.before, args.tag) if args.before is not None else None
-            previous = _run_step(program, args, inputs, before, previous, box, seceded)
+            carried, previous = [previous], None  # _run_step lets the step before's outputs go once read
+            previous = _run_step(program, args, inputs, before, carried, box, seceded)
         except Reschedule:  # the program before has not run yet (`_before`): nothing happened here
             raise
         except BaseException as error:
@@ -136,12 +137,14 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
     return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *each)
 
 
-def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, previous, box, seceded) -> tuple:
-    """One step of `program`: the values of its outputs, as they are on the device."""
+def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: list, box, seceded) -> tuple:
+    """One step of `program`: the values of its outputs, as they are on the device.  `carried`: [the
+    outputs of the step before in the window, or None], emptied here, so that each of those values
+    is let go as soon as the step has read it for the last time (one copy of the state fewer)."""
     from distributed import secede
 
     tag, address = args.tag, args.address
-    sent, env = [], {}
+    sent, env, previous = [], {}, carried.pop()
     for name, (kind, ref) in zip(program.inputs, args.refs):
         if kind == "before":
             value = before[ref]
@@ -153,6 +156,7 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, previous, 
         else:
             value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
         env[name] = to_device(value) if program.gpu and name.kind == DATA else value
+    previous = value = None
     for instruction, drops in zip(program.code, program.drops):
         if isinstance(instruction, Compute):
             run = instruction.run
