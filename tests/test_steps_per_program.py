@@ -15,7 +15,7 @@ import search
 from taskrt.checkpoint import Checkpoints, read_checkpoint
 from taskrt.datasets import Synthetic
 from taskrt.fit import batches
-from taskrt.program_executor import MAX_WINDOW, windowable
+from taskrt.program_executor import MAX_WINDOW, WINDOW_S, auto_steps_per_program, windowable
 from taskrt.trainer import Trainer
 from tests.graphs import inception_block, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
@@ -149,3 +149,10 @@ def test_evaluate_with_several_batches_to_a_program_gives_what_one_at_a_time_giv
         programs[per_program] = {n: names.count(n) for n in set(names) if n.endswith("-program")}
     assert results[3] == results[1] and results[3].samples == 30
     assert set(programs[3].values()) == {3} and set(programs[1].values()) == {8}
+
+
+def test_auto_takes_about_a_quarter_of_a_second_of_steps_and_one_of_long_steps():
+    assert auto_steps_per_program(WINDOW_S / 5) == 5
+    assert auto_steps_per_program(WINDOW_S / 5 * 1.01) == 4  # never more than WINDOW_S's worth
+    assert auto_steps_per_program(0.0) == auto_steps_per_program(1e-4) == MAX_WINDOW
+    assert auto_steps_per_program(WINDOW_S * 0.9) == auto_steps_per_program(5.0) == 1
