@@ -271,6 +271,7 @@ STEP_COLUMNS = [("model", "model"), ("batch", "batch"), ("precision", "precision
 PARTS_COLUMNS = [("model", "model"), ("precision", "precision"), ("runtime_ms", "taskrt step ms"),
                  ("replay_ms", "graph replay ms (copies in it)"), ("host_ms", "host's call of it ms"),
                  ("rest_ms", "the rest ms"), ("steps_per_program", "steps a program"),
+                 ("one_step_ms", "one step a program ms"),
                  ("snapshots", "snapshots taken"), ("eager_ms", "kernel by kernel ms"),
                  ("launches_ms", "saved by graphs ms"), ("profiled_kernels_ms", "profiled: kernels ms"),
                  ("profiled_waiting_ms", "profiled: waiting ms"), ("memory_gib", "peak GiB (reserved)"),

@@ -156,12 +156,12 @@ def synthetic_for(graph, steps: int, seed: int):
     return Synthetic(image.shape[0] * steps, shape=image.shape[1:], classes=classes, seed=seed)
 
 
-def fit_seconds(trainer, graph, steps: int, seed: int) -> tuple[float, list]:
+def fit_seconds(trainer, graph, steps: int, seed: int, steps_per_program="auto") -> tuple[float, list]:
     """Seconds per step of `trainer.fit` over `steps` batches, as the user waits for them (from the
     call to its return: the first step's start and the last one's end included), and the losses."""
     data = synthetic_for(graph, steps, seed)
     started = time.perf_counter()
-    history = trainer.fit(data, epochs=1, shuffle=False, progress=False)
+    history = trainer.fit(data, epochs=1, shuffle=False, progress=False, steps_per_program=steps_per_program)
     return (time.perf_counter() - started) / steps, list(history.losses)
 
 
@@ -190,6 +190,8 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     if cuda_graphs:
         [graphs] = machine.client.run(graph_timings).values()
         out["graphs"], out["graphs_failed"] = graphs["timings"], graphs["failed"]
+    if out["steps_per_program"] > 1:  # the same steps one to a program, as before windows: their share
+        out["one_step_s"], _ = fit_seconds(trainer, graph, steps, seed=2, steps_per_program=1)
     if timeline is not None:  # a few more steps under torch's profiler on the worker
         machine.client.run(start_torch_profiler)
         fit_seconds(trainer, graph, TIMELINE_STEPS, seed=3)
@@ -249,6 +251,8 @@ def step_row(part, model, batch, precision, runtime: dict, peer: dict, eager: di
     for key in ("snapshots", "steps_per_program"):
         if key in runtime:
             row[key] = runtime[key]
+    if "one_step_s" in runtime:
+        row["one_step_ms"] = runtime["one_step_s"] * 1e3
     if runtime.get("graphs_failed"):  # runs that fell back to launching kernel by kernel, and why
         row["graphs_failed"] = runtime["graphs_failed"]
     if graphs:
@@ -297,6 +301,9 @@ def step_summary(rows) -> list[str]:
                  f" waiting) {r['rest_ms']:.1f} ms; the host's call of the replays {r['host_ms']:.1f} ms"
                  if "host_ms" in r else "")
         eager = f"; kernel by kernel {r['eager_ms']:.0f} ms" if "eager_ms" in r else ""
+        if "one_step_ms" in r:  # fit ran several steps to a program: the same steps one to a program
+            eager += (f"; {r['steps_per_program']} steps to a program, against {r['one_step_ms']:.1f} ms with one "
+                      "step to a program")
         if r["memory_of_torch"] is None:
             memory_line = ""
         else:

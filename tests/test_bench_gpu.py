@@ -121,6 +121,11 @@ def test_step_rows_and_summary():
     assert ("per step under torch's profiler: synchronization 2.5 ms of host time in 3 calls, allocation 0.5 ms of "
             "host time in 1 calls, launches 1.0 ms of host time in 12 calls, GPU kernels 11.0 ms"
             ) in gpu_steps.step_summary([with_parts])[0]
+    windowed = gpu_steps.step_row("training", "alexnet", 128, "fp32",
+                                  {**measured(0.030, 6.9, 2**31, graphs), "steps_per_program": 12, "one_step_s": 0.04},
+                                  measured(0.016, 6.9, queued_s=0.015))
+    assert windowed["steps_per_program"] == 12 and windowed["one_step_ms"] == pytest.approx(40.0)
+    assert "12 steps to a program, against 40.0 ms with one step to a program" in gpu_steps.step_summary([windowed])[0]
     loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
                 "loss_bf16": 0.505, "loss_rel_diff": 0.01, "loss_noise": 0.004, "last_fp32": 0.03, "last_bf16": 0.033,
                 "last_rel_diff": 0.1, "last_noise": 0.05}
