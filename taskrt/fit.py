@@ -150,7 +150,7 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     from taskrt.program_executor import MAX_WINDOW
 
     check_options(epochs, shuffle, seed, last, prefetch, progress)
-    _check_steps_per_program(steps_per_program, MAX_WINDOW)
+    _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "train")
     if lr_schedule is not None and not callable(lr_schedule):
         raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
     batch = trainer._batch
@@ -232,7 +232,7 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
     binding = trainer._bind(dataset)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= MAX_PREFETCH:
         raise ValueError(f"prefetch must be an int in [1, {MAX_PREFETCH}], got {prefetch!r}")
-    _check_steps_per_program(steps_per_program, MAX_WINDOW)
+    _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "predict")
     (label_layer,) = [l.name for l in data_inputs(trainer.graph) if l.op.dtype == "int64"]
     labels = np.asarray(dataset.read(binding.field_of(label_layer), np.arange(len(dataset)), ()), dtype=np.int64)
     batch, length = trainer._batch, len(dataset)
@@ -279,6 +279,10 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
     return Evaluation(float(np.concatenate(losses).mean()), correct / length, length)
 
 
-def _check_steps_per_program(value, most: int):
+def _check_steps_per_program(value, most: int, trainer, mode: str):
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
         raise ValueError(f"steps_per_program must be 'auto' or an int in [1, {most}], got {value!r}")
+    if value not in ("auto", 1) and not trainer._windows(mode):
+        raise ValueError(f"steps_per_program={value} needs the trainer's executor 'programs' (the default; this one "
+                         f"is {trainer.executor_kind!r}, which runs a Dask task per run), and a strategy whose "
+                         "devices each compute the state they hold; pass 'auto' or 1")

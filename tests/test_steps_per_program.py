@@ -105,6 +105,12 @@ def test_steps_per_program_ends_a_program_where_a_checkpoint_is_due_and_checks_i
         with pytest.raises(ValueError, match=rf"steps_per_program must be 'auto' or an int in \[1, {MAX_WINDOW}\]"):
             trainer.fit(dataset, steps_per_program=bad, progress=False)
     assert trainer.steps_done == 0
+    by_task = Trainer(graph, mixed_lenet_strategy(graph), machine4, executor="tasks", **HYPER)
+    with pytest.raises(ValueError, match="steps_per_program=3 needs the trainer's executor 'programs'.*'tasks'"):
+        by_task.fit(dataset, steps_per_program=3, progress=False)
+    with pytest.raises(ValueError, match="steps_per_program=2 needs"):
+        by_task.evaluate(dataset, steps_per_program=2)
+    assert by_task.steps_done == 0 and by_task.fit(dataset, progress=False).losses  # "auto": one step a program
 
 
 def test_checkpoints_due_inside_a_window_are_written_at_their_step(machine4, tmp_path):
