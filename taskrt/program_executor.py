@@ -244,7 +244,8 @@ class ProgramExecutor(Executor):
         carried = carried_state(plan, programs) if len(steps) > 1 else {}
         if carried is None:
             raise ValueError(f"plan {plan.mode!r} cannot run several steps per program: a device reads state "
-                             "another device computes, or the step has outputs other than its state and losses")
+                             "another device computes, or the step has outputs other than its state, losses and "
+                             "logits")
         dsk, device_of, kept_of, inputs_of, read_keys = {}, {}, {}, {}, []
         first_tag = steps[0][1]
         window = "" if len(steps) == 1 else f"+{len(steps) - 1}"
@@ -332,16 +333,19 @@ class ProgramExecutor(Executor):
                           else by_key[v])
         done = [by_key[k] for k in program_key.values()]
         profiled = {"graph": dsk, "device": dict(device_of)} if self.profiling else None
-        runs, shared = [], None
+        runs, shared, reads = [], None, {}
         each = next((name for name in PER_STEP if name in plan.outputs), None)
-        if len(steps) > 1 and each is not None:  # every step's values read at once, as the first is waited for
-            shared = {"reads": {}, "count": 0, "name": each}
-            for k in range(len(steps)):
-                for device, index in window_values(plan, programs, k, each):
-                    shared["reads"].setdefault(device, []).append((program_key[device], index, None, shared["count"]))
-                    shared["count"] += 1
-            for device, key in program_key.items():
-                shared["reads"].setdefault(device, [(key, None, None, None)])
+        if len(steps) == 1:  # what the client waits for on each device
+            for i, value in enumerate(out.get("loss", [])):
+                reads.setdefault(device_of[value.run.key], []).append((value.run.key, value.index, None, i))
+        elif each is not None:  # every step's values read at once, as the first is waited for
+            places = [window_values(plan, programs, k, each) for k in range(len(steps))]
+            shared = {"reads": reads, "count": 0, "name": each}
+            for device, index in (place for step_places in places for place in step_places):
+                reads.setdefault(device, []).append((program_key[device], index, None, shared["count"]))
+                shared["count"] += 1
+        for device, key in program_key.items():
+            reads.setdefault(device, [(key, None, None, None)])
         for k, (step, tag, data, _) in enumerate(steps):
             last = k == len(steps) - 1
             if len(steps) == 1:
@@ -349,17 +353,11 @@ class ProgramExecutor(Executor):
             else:  # each step's losses (logits) come after the last step's outputs in its program's result
                 outputs_k = {**(out if last else {name: {} for name in out}), "done": done}
                 if each is not None:
-                    outputs_k[each] = [RunValue(None, by_key[program_key[d]], i)
-                                       for d, i in window_values(plan, programs, k, each)]
+                    outputs_k[each] = [RunValue(None, by_key[program_key[d]], i) for d, i in places[k]]
             keys = ({value_key(t.dep, tag) for t in plan.transfers()} | set(dsk) | {
                 f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))})
-            reads = {}
-            for i, value in enumerate(outputs_k.get("loss", [])):
-                reads.setdefault(device_of[value.run.key], []).append((value.run.key, value.index, None, i))
-            for device, key in program_key.items():
-                reads.setdefault(device, [(key, None, None, None)])
-            run = StepRun(step, tag, plan, outputs_k, keys, submitted, reads=reads, profiled=profiled,
-                          window=len(steps), position=k, shared=shared)
+            run = StepRun(step, tag, plan, outputs_k, keys, submitted, reads=reads if shared is None else None,
+                          profiled=profiled, window=len(steps), position=k, shared=shared)
             run.address = address
             runs.append(run)
         return runs
@@ -369,10 +367,7 @@ class ProgramExecutor(Executor):
         """The step's outputs: values the client keeps in their program's result (RunValues of its
         key), and the others (gradients, logits) each taken out of it by a task of its own (none
         with `held_only`: those left out)."""
-        where = {}
-        for device, program in programs.items():
-            for index, output in enumerate(program.outputs):
-                where[output.key] = (device, index)
+        where = output_places(programs)
         exports = []
 
         def named(name, key):
@@ -431,12 +426,16 @@ def carried_state(plan: Plan, programs: dict) -> dict | None:
     (training) is carried from step to step, state it only reads (predicting) is the same for all;
     None where a device reads state another device computes, or the step has outputs other than
     state, buffers, losses and logits."""
+    cache_key = ("carried", id(programs))  # `programs` is kept in plan.derived too: its id stays its own
+    if cache_key not in plan.derived:  # asked before every window (`windowable`)
+        plan.derived[cache_key] = _carried_state(plan, programs)
+    return plan.derived[cache_key]
+
+
+def _carried_state(plan: Plan, programs: dict) -> dict | None:
     if set(plan.outputs) - set(HELD) - set(PER_STEP):
         return None
-    where = {}
-    for device, program in programs.items():
-        for index, output in enumerate(program.outputs):
-            where[output.key] = (device, index)
+    where = output_places(programs)
     carried = {}
     for device, program in programs.items():
         for name in program.inputs:
@@ -450,6 +449,12 @@ def carried_state(plan: Plan, programs: dict) -> dict | None:
                 return None
             carried.setdefault(device, {})[name] = where[source][1]
     return carried
+
+
+def output_places(programs: dict) -> dict:
+    """{plan task key of a program output: (device, its index in the program's result)}."""
+    return {output.key: (device, index) for device, program in programs.items()
+            for index, output in enumerate(program.outputs)}
 
 
 def window_values(plan: Plan, programs: dict, k: int, name: str = "loss") -> list[tuple[int, int]]:
