@@ -205,7 +205,7 @@ def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, 
         k = trainer.steps_per_program(left, per_program)
         rows = list(islice(stream, k))
         lrs = [None if lr_schedule is None else float(lr_schedule(step + i, total)) for i in range(k)]
-        while len(pending) >= (prefetch if k == 1 else min(prefetch, 2)):
+        while len(pending) >= programs_in_flight(prefetch, k):
             take()
         if k == 1:
             if lrs[0] is not None:
@@ -266,7 +266,7 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
             indices[:len(rows)] = rows
             batches.append((Batch(binding, indices), len(rows), rows))
         starts = starts[k:]
-        while len(pending) >= (prefetch if k == 1 else min(prefetch, 2)):
+        while len(pending) >= programs_in_flight(prefetch, k):
             correct += take()
         if k == 1:
             [(data, used, rows)] = batches
@@ -277,6 +277,12 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
     while pending:
         correct += take()
     return Evaluation(float(np.concatenate(losses).mean()), correct / length, length)
+
+
+def programs_in_flight(prefetch: int, steps_per_program: int) -> int:
+    """Programs `fit` and `evaluate` keep in flight: `prefetch` of one step each; of several steps,
+    two at most (the next one already on its workers as the one before ends)."""
+    return prefetch if steps_per_program == 1 else min(prefetch, 2)
 
 
 def _check_steps_per_program(value, most: int, trainer, mode: str):
