@@ -78,8 +78,8 @@ def programs_verdict(record) -> str:
 def _fit_verdict(fits) -> str:
     if not fits:
         return ""
-    fewest = max(f["auto_tasks"] for f in fits)
-    return (f"; `fit` with several steps to a program: at most {fewest:.2g} Dask tasks per step and device "
+    most = max(f["auto_tasks"] for f in fits)
+    return (f"; `fit` with several steps to a program: at most {most:.2g} Dask tasks per step and device "
             f"(moonshot: almost none in the steady state), a whole fit's step "
             + ", ".join(f"{f['speedup']:.2f}x" for f in fits)
             + " as fast as with one step to a program (LeNet-5, " + ", ".join(

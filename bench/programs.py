@@ -201,8 +201,9 @@ def run(out_dir="results", quick=False):
                ("tasks_ms", "tasks: step ms"),
                ("speedup", "tasks / programs step time")]
     fit_columns = [("devices", "devices"), ("batch", "batch"), ("inprocess_ms", "in-process ms"),
-                   ("one_ms", "fit, one step a program: ms/step"), ("one_tasks", "Dask tasks/step/device"),
-                   ("auto_ms", "fit, steps_per_program='auto': ms/step"), ("auto_tasks", "Dask tasks/step/device "),
+                   ("one_ms", "fit, one step a program: ms/step"), ("one_tasks", "one: Dask tasks/step/device"),
+                   ("auto_ms", "fit, steps_per_program='auto': ms/step"),
+                   ("auto_tasks", "auto: Dask tasks/step/device"),
                    ("auto_steps_per_program", "steps a program"), ("speedup", "one / auto step time")]
     md = write_result(out_dir, "programs", rows, columns, {"hops": hops, "fit": fits}, summary)
     with open(md, "a") as f:
