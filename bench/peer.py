@@ -8,6 +8,10 @@ Every runner takes two steps per round, the second timed (bench.measure.interlea
 interleaved, medians reported; throughput is images per second.  The goal (issue 14) is local(1)
 at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32.
 
+Two devices beat one (issue 39): a Machine.local(1) beside the local(2) runs in the same
+interleaved rounds, so the searched strategy's throughput against local(1)'s and PyTorch's
+two-thread throughput (TWO_DEVICE_GOALS) are ratios of one run.
+
 Never slower than one device (issue 39): on local(2) the searched strategy (which may use one
 device of the two) runs interleaved with the single-device strategy on the same machine; the
 check is met where the search chose that strategy, or its median step is at most
@@ -35,6 +39,10 @@ GOALS = {"alexnet32": 0.8, "vgg16_32": 0.8}  # local(1) / PyTorch one-thread thr
 # "never slower than one device": how far above the single device's median the searched strategy's
 # may be (the same strategy measured twice in interleaved rounds differs by a few percent here)
 ONE_DEVICE_TOLERANCE = 0.05
+# two devices beat one (issue 39, goal 3): the searched strategy on local(2) against local(1) and
+# against PyTorch on two threads, throughput ratios measured in the same interleaved rounds
+TWO_DEVICE_GOALS = {"vs_local1": 1.3, "vs_pytorch": 0.8}
+TWO_DEVICE_MODELS = ("alexnet32", "vgg16_32")
 HYPER = {"lr": 1e-4, "momentum": 0.9}
 
 
@@ -79,7 +87,7 @@ def one_thread_rows(chosen: dict, rounds: int) -> list[dict]:
 
 def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
     rows = []
-    with Machine.local(2) as machine, tempfile.TemporaryDirectory() as tmp:
+    with Machine.local(2) as machine, Machine.local(1, probe=False) as single, tempfile.TemporaryDirectory() as tmp:
         cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json")
         for name, make in chosen.items():
             graph = make()
@@ -89,6 +97,7 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
             search_s = time.perf_counter() - start
             one_device = data_parallel(graph, 1).validated(graph, machine)  # every layer on device 0
             runners = {"pytorch": torch_step(graph, 2),
+                       "local(1)": Trainer(graph, data_parallel(graph, 1), single, **HYPER).step,
                        "local(2) data parallel": Trainer(graph, data_parallel(graph, 2), machine, **HYPER).step,
                        "local(2) one device": Trainer(graph, one_device, machine, **HYPER).step,
                        "local(2) searched": Trainer(graph, searched, machine, **HYPER).step}
@@ -101,9 +110,21 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
                          "taskrt_ms": med[best] * 1e3, "taskrt_runner": best,
                          "pytorch_img_s": batch / med["pytorch"], "taskrt_img_s": batch / med[best],
                          "taskrt_vs_pytorch": med["pytorch"] / med[best],
+                       **two_device_check(name, med["local(2) searched"], med["local(1)"], med["pytorch"]),
                          **one_device_check(graph, searched, one_device, med["local(2) searched"],
                                             med["local(2) one device"])})
     return rows
+
+
+def two_device_check(model: str, searched_s: float, local1_s: float, pytorch_s: float) -> dict:
+    """The row's "two devices beat one" entries: the searched strategy's throughput against
+    local(1)'s and PyTorch's (two threads), and whether both meet TWO_DEVICE_GOALS (None for a
+    network the goal does not name)."""
+    vs_local1, vs_pytorch = local1_s / searched_s, pytorch_s / searched_s
+    judged = model in TWO_DEVICE_MODELS
+    return {"local1_ms": local1_s * 1e3, "searched_vs_local1": vs_local1, "searched_vs_pytorch": vs_pytorch,
+            "beats_one": (vs_local1 >= TWO_DEVICE_GOALS["vs_local1"]
+                          and vs_pytorch >= TWO_DEVICE_GOALS["vs_pytorch"]) if judged else None}
 
 
 def one_device_check(graph, searched, one_device, searched_s: float, one_device_s: float) -> dict:
@@ -140,6 +161,13 @@ def run(out_dir="results", quick=False):
                        f"{row['taskrt_img_s']:.0f} img/s vs PyTorch {row['pytorch_img_s']:.0f} img/s = "
                        f"{row['taskrt_vs_pytorch']:.2f}x")
     for row in two:
+        if row["beats_one"] is not None:
+            goal = TWO_DEVICE_GOALS
+            summary.append(f"{row['model']}, two devices beat one: searched on local(2) {row['searched_ms']:.0f} ms vs "
+                           f"local(1) {row['local1_ms']:.0f} ms = {row['searched_vs_local1']:.2f}x (goal >= "
+                           f"{goal['vs_local1']}x), vs PyTorch on two threads {row['searched_vs_pytorch']:.2f}x "
+                           f"(goal >= {goal['vs_pytorch']}x): {'met' if row['beats_one'] else 'MISSED'}")
+    for row in two:
         counts = ", ".join(f"{k}: {v:.0f} ms" for k, v in row["simulated_ms_per_count"].items())
         summary.append(f"{row['model']}, never slower than one device: the search kept {row['device_count']} of 2 "
                        f"devices (simulated {counts}); searched {row['searched_ms']:.0f} ms vs one device of "
@@ -156,11 +184,15 @@ def run(out_dir="results", quick=False):
                       {"rounds": rounds, "torch": torch.__version__, "goals": GOALS}, summary)
     detail_one = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("in_process_ms", "in-process ms"),
                   ("taskrt_ms", "local(1) ms"), ("in_process_vs_pytorch", "in-process / PyTorch throughput")]
-    detail_two = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("data_parallel_ms", "data parallel ms"),
+    detail_two = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("local1_ms", "local(1) ms"),
+                  ("data_parallel_ms", "data parallel ms"),
                   ("one_device_ms", "one device ms"), ("searched_ms", "searched ms"),
                   ("device_count", "devices kept by the search"), ("searched_vs_one_device",
                                                                   "searched / one device throughput"),
-                  ("never_slower", "never slower than one device"), ("search_s", "search s (costs measured)")]
+                  ("never_slower", "never slower than one device"),
+                  ("searched_vs_local1", "searched / local(1) throughput"),
+                  ("searched_vs_pytorch", "searched / PyTorch throughput"), ("beats_one", "two devices beat one"),
+                  ("search_s", "search s (costs measured)")]
     with md.open("a") as f:
         f.write("\n## One thread\n\n" + markdown_table(detail_one, one) + "\n")
         f.write("\n## Two threads, local(2)\n\n" + markdown_table(detail_two, two) + "\n")

@@ -57,7 +57,7 @@ def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
 
     assert f"{kernels.GOAL:.0%}" in PAGES["kernels"].goal and f"{kernels.MOONSHOT:.0%}" in PAGES["kernels"].goal
     assert all(f"{v:g}x" in PAGES["overhead"].goal for v in {*overhead.GOALS.values(), overhead.HOP_GOAL})
-    assert all(f"{v:g}x" in PAGES["peer"].goal for v in peer.GOALS.values())
+    assert all(f"{v:g}x" in PAGES["peer"].goal for v in {*peer.GOALS.values(), *peer.TWO_DEVICE_GOALS.values()})
     assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
     assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
     from bench import accuracy, scaling
@@ -110,3 +110,17 @@ def test_the_peer_page_judges_never_slower_than_one_device():
     lines = header("peer", {"rows": rows})
     verdict = next(line for line in lines if "This run:" in line)
     assert "met: local(1) at 1.10x" in verdict and "never slower than one device: NOT met" in verdict
+    assert "two devices beat one" not in verdict  # a record without the check says nothing of it
+
+
+def test_the_peer_page_judges_two_devices_against_one_and_pytorch():
+    from bench.peer import TWO_DEVICE_GOALS, two_device_check
+
+    assert two_device_check("lenet5", 1.0, 2.0, 1.0)["beats_one"] is None  # no goal for LeNet-5
+    fast = two_device_check("alexnet32", 0.4, 0.6, 0.35)
+    assert fast["searched_vs_local1"] == 0.6 / 0.4 and fast["beats_one"]
+    slow_vs_torch = two_device_check("vgg16_32", 0.4, 0.6, 0.3)  # 1.5x local(1), 0.75x PyTorch
+    assert not slow_vs_torch["beats_one"] and slow_vs_torch["searched_vs_pytorch"] < TWO_DEVICE_GOALS["vs_pytorch"]
+    rows = [{"model": "alexnet32", **fast}, {"model": "vgg16_32", **slow_vs_torch}]
+    verdict = next(line for line in header("peer", {"rows": rows}) if "This run:" in line)
+    assert "two devices beat one: NOT met" in verdict and "alexnet32: searched on local(2) at 1.50x local(1)" in verdict
