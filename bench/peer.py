@@ -110,7 +110,7 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
                          "taskrt_ms": med[best] * 1e3, "taskrt_runner": best,
                          "pytorch_img_s": batch / med["pytorch"], "taskrt_img_s": batch / med[best],
                          "taskrt_vs_pytorch": med["pytorch"] / med[best],
-                       **two_device_check(name, med["local(2) searched"], med["local(1)"], med["pytorch"]),
+                         **two_device_check(name, med["local(2) searched"], med["local(1)"], med["pytorch"]),
                          **one_device_check(graph, searched, one_device, med["local(2) searched"],
                                             med["local(2) one device"])})
     return rows
@@ -181,7 +181,8 @@ def run(out_dir="results", quick=False):
                ("taskrt_runner", "taskrt runner"), ("taskrt_ms", "taskrt ms"),
                ("taskrt_vs_pytorch", "taskrt / PyTorch throughput"), ("goal", "goal")]
     md = write_result(out_dir, "peer", one + two, columns,
-                      {"rounds": rounds, "torch": torch.__version__, "goals": GOALS}, summary)
+                      {"rounds": rounds, "torch": torch.__version__, "goals": GOALS,
+                       "two_device_goals": TWO_DEVICE_GOALS}, summary)
     detail_one = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("in_process_ms", "in-process ms"),
                   ("taskrt_ms", "local(1) ms"), ("in_process_vs_pytorch", "in-process / PyTorch throughput")]
     detail_two = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("local1_ms", "local(1) ms"),
