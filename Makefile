@@ -22,7 +22,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) -m bench all --quick
+	$(PY) -m taskrt.bench all --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,5 @@
-"""python -m bench <name>|all [--quick] [--out DIR] [--budget S]: benchmarks writing results/<name>.json, .md and .png.
+"""python -m taskrt.bench <name>|all [--quick] [--out DIR] [--budget S]: benchmarks writing
+results/<name>.json, .md and .png.
 
   kernels      conv forward+backward GFLOP/s next to GEMM (one thread)
   overhead     Dask scheduling overhead per training step
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 
-from bench.report import QUICK_VARIABLE
+from taskrt.bench.report import QUICK_VARIABLE
 
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "data"]
 # not in `all`: gholami is part of seeds; gpu needs a GPU; scaling_measured needs 8 cores; hypergraph, ist,
@@ -49,7 +50,7 @@ ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "program
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m taskrt.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHMARKS + ON_REQUEST + ["all"], help="which benchmark, or all of them")
     parser.add_argument("--quick", action="store_true", help="a short version (CI)")
@@ -65,7 +66,7 @@ def main(argv=None):
         for name in names:
             start = time.perf_counter()
             print(f"== bench {name}{' (quick)' if args.quick else ''}", flush=True)
-            importlib.import_module(f"bench.{name}").run(args.out, args.quick)
+            importlib.import_module(f"taskrt.bench.{name}").run(args.out, args.quick)
             print(f"== bench {name}: {time.perf_counter() - start:.0f} s\n", flush=True)
         return 0
     return _within_budget(names, args)

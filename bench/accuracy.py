@@ -8,10 +8,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-import search
-from bench.measure import LOCAL_MODELS, QUICK_MODELS, measure, strategies_for
-from bench.report import write_result
-from taskrt.machine import Machine
+from taskrt import search
+from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, measure, strategies_for
+from taskrt.bench.report import write_result
+from taskrt.machines.machine import Machine
 
 GOAL = 0.10
 GOAL_CASES = 12  # of the 15 cases within GOAL

@@ -10,13 +10,12 @@ import tempfile
 import numpy as np
 from tqdm import tqdm
 
-import search
-from bench.report import write_result
-from taskrt import models
-from taskrt.data import epoch_batches, load_digits
-from taskrt.machine import Machine
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.trainer import Trainer
+from taskrt import models, search
+from taskrt.bench.report import write_result
+from taskrt.data.arrays import epoch_batches, load_digits
+from taskrt.machines.machine import Machine
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 HYPER = {"lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4, "seed": 0}
 

@@ -16,7 +16,7 @@ Bytes come from Dask's own counters: `Client.scheduler_comm.byte_count` (the cli
 stream to the scheduler: each step's graph, with the tiles or indices it carries) and the
 scheduler's `stream_comms[worker].byte_count` (its batched streams to the workers), read before
 and after the timed steps; tiles too large to ride in the graph go straight to their workers
-(`taskrt.executor.INLINE_DATA_BYTES`), which no Dask counter counts: those are the sizes the
+(`taskrt.execution.executor.INLINE_DATA_BYTES`), which no Dask counter counts: those are the sizes the
 scheduler records for the scattered keys (`TaskState.nbytes`).
 """
 
@@ -29,12 +29,12 @@ from collections import deque
 import numpy as np
 from tqdm import tqdm
 
-import search
-from bench.report import markdown_table, write_result
-from taskrt import models
-from taskrt.datasets import ArrayDataset, Synthetic
-from taskrt.machine import Machine
-from taskrt.trainer import Trainer
+from taskrt import models, search
+from taskrt.bench.goals import GOAL_BYTES
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.data.datasets import ArrayDataset, Synthetic
+from taskrt.machines.machine import Machine
+from taskrt.training.trainer import Trainer
 
 MODELS = {
     "lenet5": lambda: models.lenet5(batch=64),
@@ -43,7 +43,7 @@ MODELS = {
 }
 QUICK = ("lenet5",)
 HYPER = {"lr": 1e-4, "momentum": 0.9}  # small: random data stays finite
-GOAL_BYTES = 1024  # sample data from the client per step on the dataset path
+
 STEPS, PREFETCH = 8, 3  # as fit's default
 POOL = 8  # distinct batches, used in turn
 SAMPLES = 512

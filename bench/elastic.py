@@ -14,11 +14,11 @@ import warnings
 
 import numpy as np
 
-from bench.report import write_result
 from taskrt import models
+from taskrt.bench.report import write_result
 from taskrt.cli import lenet_mixed_strategy
-from taskrt.machine import Machine
-from taskrt.trainer import Trainer, WorkerLostWarning
+from taskrt.machines.machine import Machine
+from taskrt.training.trainer import Trainer, WorkerLostWarning
 
 HYPER = {"lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4}
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.report import markdown_table, write_result
-from search.analytic import (
+from taskrt import models
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.search.analytic import (
     ACTIVATION_TERMS,
     ALLREDUCE_DW,
     KNL_7250_PEAK_FLOPS,
@@ -30,7 +31,6 @@ from search.analytic import (
     layer_dims,
     training_flops,
 )
-from taskrt import models
 
 BATCH = 2048
 PROCESSES = (8, 16, 32, 64, 128, 256, 512)
@@ -314,7 +314,7 @@ def _plot(rows, out_dir):
 
 
 def run(out_dir="results", quick=False):
-    """The benchmark runner's entry point (python -m bench gholami, once it is listed there)."""
+    """The benchmark runner's entry point (python -m taskrt.bench gholami, once it is listed there)."""
     result = write(out_dir, quick)
     print("\n".join(f"- {line}" for line in result["summary"]))
     return result["rows"]

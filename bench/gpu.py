@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-import gc
 import json
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -31,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import gpu_steps
-from bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
-from bench.gpu_steps import log
-from bench.gpu_transfer import transfer_part, transfer_summary
-from bench.pages import header
-from bench.report import markdown_table, write_result
-from bench.torch_peer import time_steps
 from taskrt import models
+from taskrt.bench import gpu_steps
+from taskrt.bench.gpu_common import log, random_batch, release_gpu_memory
+from taskrt.bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
+from taskrt.bench.gpu_transfer import transfer_part, transfer_summary
+from taskrt.bench.pages import header
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.bench.torch_peer import time_steps
 
 LR, MOMENTUM = 1e-4, 0.9  # a small learning rate keeps random-data training finite
 LOSS_RTOL = 1e-4  # float32: a strategy's loss against the single-device reference
@@ -140,20 +138,6 @@ def gpu_description() -> dict:
     return info
 
 
-def release_gpu_memory() -> None:
-    """Hand cached GPU memory back (cupy's pool, torch's cache): the next model starts from empty pools.
-    Module-level, so `client.run` can run it on workers too."""
-    gc.collect()
-    if "cupy" in sys.modules:
-        sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
-    if "taskrt.cuda_graphs" in sys.modules:
-        sys.modules["taskrt.cuda_graphs"].clear()
-        gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_part(name: str, errors: dict, fn, *args) -> float:
     """Run one part; a failure is printed and recorded in `errors`, not raised.  Returns its seconds."""
     started = time.perf_counter()
@@ -165,20 +149,13 @@ def run_part(name: str, errors: dict, fn, *args) -> float:
         log(f"part {name} FAILED: {errors[name]}")
         traceback.print_exc()
     finally:
-        from ops.precision import set_precision
+        from taskrt.ops.precision import set_precision
 
         set_precision("fp32")  # a part that stopped half-way may have left TF32 on
         release_gpu_memory()
     seconds = time.perf_counter() - started
     log(f"part {name}: {seconds:.0f} s")
     return seconds
-
-
-def random_batch(graph, seed=0):
-    rng = np.random.default_rng(seed)
-    image, labels = graph.inputs[0], graph.inputs[1]
-    classes = graph[graph.losses[0].inputs[0]].shape[1]
-    return rng.standard_normal(image.shape, dtype=np.float32), rng.integers(0, classes, labels.shape)
 
 
 # ---- d. strategies on workers sharing the GPU ------------------------------------------------------------
@@ -198,11 +175,11 @@ def strategy_row(model, workers, strategy, losses, reference_losses, planned: di
 
 
 def strategy_part(rows: list, network: dict, worker_counts, repeats: int) -> None:
-    import search
-    from ops.precision import set_precision
-    from taskrt.machine import Machine
-    from taskrt.reference import SingleDeviceTrainer
-    from taskrt.trainer import Trainer
+    from taskrt import search
+    from taskrt.machines.machine import Machine
+    from taskrt.ops.precision import set_precision
+    from taskrt.training.reference import SingleDeviceTrainer
+    from taskrt.training.trainer import Trainer
 
     set_precision("fp32")  # the check against one device needs strict float32
     (model, make), = network.items()
@@ -453,7 +430,7 @@ def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum,
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m taskrt.bench.gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="comma-separated parts to run; the others keep their rows from --out's gpu.json")

@@ -8,9 +8,9 @@ import statistics
 
 import numpy as np
 
-from bench.gpu_steps import log
-from bench.torch_peer import time_steps
-from ops.rect import Rect
+from taskrt.bench.gpu_common import log
+from taskrt.bench.torch_peer import time_steps
+from taskrt.ops.rect import Rect
 
 GOAL_KERNEL = 0.5  # each large conv layer: forward + backward at least half of cuDNN's rate
 PRECISIONS = ("fp32", "tf32")
@@ -60,7 +60,7 @@ def _conv_timers(op, implementation, cupy, seed=0):
             return torch.ops.aten.convolution_backward(dyt, xt, wt, [op.out_channels] if op.bias else None, stride,
                                                        padding, [1, 1], False, [0, 0], 1, [True, True, op.bias])
         return forward, backward
-    from ops import torch_kernels
+    from taskrt.ops import torch_kernels
 
     backend = "auto" if implementation == "taskrt" else "reference"
     with torch_kernels.backend(backend):
@@ -104,8 +104,8 @@ def kernel_row(model, layer, count, precision, times: dict, errors: dict | None 
 def kernel_part(rows: list, networks: dict, warmup: int, repeats: int) -> None:
     import cupy
 
-    from bench.gpu import release_gpu_memory
-    from ops.precision import set_precision
+    from taskrt.bench.gpu_common import release_gpu_memory
+    from taskrt.ops.precision import set_precision
 
     for model, make in networks.items():
         graph = make()

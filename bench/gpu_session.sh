@@ -8,7 +8,7 @@
 # OUT (default results/gpu_logs/<date>): where logs and results go; the parts not run keep their rows
 # from results/gpu.json.  PARTS: the parts of `bench gpu` (default: training,bf16,strategies,transfer).  TESTS,
 # TESTS_K: test files and pytest's -k (default: the gpu-marked tests of two files, but the search's).  TEST_S, BENCH_S: seconds for the
-# tests and the benchmark (TEST_S=0: no tests).  BENCH_ARGS: more arguments of `python -m bench.gpu`.
+# tests and the benchmark (TEST_S=0: no tests).  BENCH_ARGS: more arguments of `python -m taskrt.bench.gpu`.
 # SCALING_S (default 0: not run): seconds for `bench scaling_measured` on the host's cores after the GPU
 # parts (CPU workers; SCALING_ARGS, e.g. --quick), its record and log in one archive (scaling_measured.tar.gz).
 # The traces come back as one archive (gpu_traces.tar.gz).
@@ -23,6 +23,9 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+# Not installed here (the image's cupy does not match the gpu extra): the checkout's ops/, search/ and
+# bench/ are taskrt.ops, taskrt.search and taskrt.bench through links beside taskrt's own rooms
+for room in ops search bench; do [ -e "taskrt/$room" ] || ln -s "../$room" "taskrt/$room"; done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 [ -f "$OUT/gpu.json" ] || [ ! -f results/gpu.json ] || cp results/gpu.json "$OUT/"
 if [ "${TEST_S:-180}" != 0 ]; then
@@ -34,7 +37,7 @@ if [ "${TEST_S:-180}" != 0 ]; then
 fi
 echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies,transfer} ($(date -u +%T))"
 # shellcheck disable=SC2086
-timeout "${BENCH_S:-420}" python3 -m bench.gpu --parts "${PARTS:-training,bf16,strategies,transfer}" --out "$OUT" \
+timeout "${BENCH_S:-420}" python3 -m taskrt.bench.gpu --parts "${PARTS:-training,bf16,strategies,transfer}" --out "$OUT" \
   ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 echo "bench exit $?"
 grep -E "^\[bench gpu\]|Error|error" "$OUT/bench.txt" | tail -n 60
@@ -45,7 +48,7 @@ if [ "${SCALING_S:-0}" != 0 ]; then
   echo "== bench scaling_measured ($(date -u +%T))"
   mkdir -p "$OUT/scaling_measured"
   # shellcheck disable=SC2086
-  timeout "$SCALING_S" python3 -m bench scaling_measured --out "$OUT/scaling_measured" ${SCALING_ARGS:-} \
+  timeout "$SCALING_S" python3 -m taskrt.bench scaling_measured --out "$OUT/scaling_measured" ${SCALING_ARGS:-} \
     > "$OUT/scaling_measured/log.txt" 2>&1
   echo "scaling_measured exit $?"
   grep -E "^- " "$OUT/scaling_measured/scaling_measured.md" 2>/dev/null | head -n 20

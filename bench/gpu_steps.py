@@ -1,7 +1,7 @@
 """Training steps on one GPU against PyTorch eager: parts "training" and "bf16" of `bench gpu`.
 
 What a user waits for: `trainer.fit` over a synthetic dataset that the GPU worker generates itself
-(`taskrt.datasets.Synthetic`: no batch crosses from the client), steps submitted ahead as `fit`
+(`taskrt.data.datasets.Synthetic`: no batch crosses from the client), steps submitted ahead as `fit`
 submits them, each device's run replayed as a CUDA graph after warm-up.  Beside it, where the
 step's time goes: the graph's replay alone on the GPU (its kernels), copying its inputs in and its
 outputs out, the rest (Dask, data reads, waiting), and the same steps launched kernel by kernel
@@ -20,21 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
+from taskrt.bench.goals import BF16_LOSS_GOAL, MEMORY_GOAL
+from taskrt.bench.goals import GPU_STEP_FLOOR as FLOOR
+from taskrt.bench.goals import GPU_STEP_GOAL as GOAL
+
 TIMELINE_STEPS = 4  # steps of fit under torch's profiler, per network and precision
-GOAL, FLOOR = 0.8, 0.5  # taskrt's step against PyTorch eager: the goal, and no network below the floor
-MEMORY_GOAL = 1.3  # taskrt's peak GPU memory against PyTorch's
-BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
+
 BF16_STEPS = 200
-
-
-def log(message: str) -> None:
-    print(f"[bench gpu] {message}", flush=True)
 
 
 # ---- on the worker ---------------------------------------------------------------------------------
 def _cuda():
     """torch, where this process computes on a GPU (None on a CPU worker)."""
-    from taskrt.device import is_gpu
+    from taskrt.gpu.device import is_gpu
 
     if not is_gpu():
         return None
@@ -61,7 +59,7 @@ def peak_memory() -> dict:
 
 
 def graph_timings() -> dict:
-    from taskrt import cuda_graphs
+    from taskrt.gpu import cuda_graphs
 
     return {"timings": cuda_graphs.timings(), "failed": cuda_graphs.stats()["failed"]}
 
@@ -70,7 +68,7 @@ def memory_parts(dask_worker=None) -> dict:
     """Where a GPU worker's memory is now, in bytes: arrays allocated, the CUDA graphs' static inputs
     and outputs and their private pools (reserved), and the device arrays Dask holds (the
     programs' results: each step's new state until the next has read it and the client let go)."""
-    from taskrt import cuda_graphs
+    from taskrt.gpu import cuda_graphs
 
     torch = _cuda()
     out = {"allocated": 0, "graph_pools": 0, "held_by_dask": 0, **cuda_graphs.memory()}
@@ -149,7 +147,7 @@ def stop_torch_profiler(path: str, steps: int) -> dict:
 # ---- taskrt ---------------------------------------------------------------------------------------
 def synthetic_for(graph, steps: int, seed: int):
     """A synthetic dataset of `steps` batches of the graph's shapes."""
-    from taskrt.datasets import Synthetic
+    from taskrt.data.datasets import Synthetic
 
     image = graph.inputs[0]
     classes = graph[graph.losses[0].inputs[0]].shape[1]
@@ -173,7 +171,7 @@ def measure_taskrt(machine, graph, strategy, x, y, precision, warmup: int, steps
     path), TIMELINE_STEPS more steps of `fit` under torch's profiler on the worker, its Chrome trace
     there and the CUDA calls that synchronize, allocate and launch counted."""
 
-    from taskrt.trainer import Trainer
+    from taskrt.training.trainer import Trainer
 
     trainer = Trainer(graph, strategy, machine, lr=lr, momentum=momentum, precision=precision,
                       cuda_graphs=cuda_graphs)
@@ -210,8 +208,8 @@ def measure_peer(graph, params, x, y, precision, warmup: int, steps: int, lr, mo
     """First loss, seconds per step waiting for each loss and queueing the steps, peak memory."""
     import torch
 
-    from bench.torch_peer import TorchPeer, time_steps
-    from ops.precision import set_precision
+    from taskrt.bench.torch_peer import TorchPeer, time_steps
+    from taskrt.ops.precision import set_precision
 
     gpu = device == "cuda"
     set_precision("fp32" if precision == "bf16" else precision)
@@ -353,10 +351,10 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
     profiled step's trace written into the folder `traces`) and PyTorch.  `device` "cpu": CPU workers
     and a PyTorch on the CPU (to try the part where there is no GPU).  `on_row()`: called after each
     row (to write the report as the part goes: a machine lent for minutes may stop it)."""
-    import search
-    from bench.gpu import random_batch, release_gpu_memory
-    from taskrt.machine import Machine
-    from taskrt.params import init_parameters
+    from taskrt import search
+    from taskrt.bench.gpu_common import log, random_batch, release_gpu_memory
+    from taskrt.machines.machine import Machine
+    from taskrt.planning.params import init_parameters
 
     if traces is not None:
         Path(traces).mkdir(parents=True, exist_ok=True)
@@ -397,11 +395,10 @@ def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9
     fp32 on one GPU worker (`device` "cpu": a CPU worker, where bf16 changes nothing): the mean loss
     over all steps and over the last `last`, bf16 against fp32, beside fp32 against itself (two
     trajectories of the same training drift apart by the GPU's own nondeterminism: the noise)."""
-    import search
-    from taskrt import models
-    from taskrt.data import epoch_batches, load_digits
-    from taskrt.machine import Machine
-    from taskrt.trainer import Trainer
+    from taskrt import models, search
+    from taskrt.data.arrays import epoch_batches, load_digits
+    from taskrt.machines.machine import Machine
+    from taskrt.training.trainer import Trainer
 
     graph = models.lenet5(batch=64)
     x_train, y_train, _, _ = load_digits(image_size=32, seed=0)

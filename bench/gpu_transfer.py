@@ -1,7 +1,7 @@
 """Part "transfer" of `bench gpu`: a 64 MB device array from one worker's program to another's, two
-workers sharing the GPU, through CUDA IPC (`taskrt.gpu_ipc`) and through host memory (as before).
+workers sharing the GPU, through CUDA IPC (`taskrt.transport.gpu_ipc`) and through host memory (as before).
 
-Ping-pong through the mailboxes (`taskrt.calibration._ping_pong`, as `bench programs` times a tile
+Ping-pong through the mailboxes (`taskrt.machines.calibration._ping_pong`, as `bench programs` times a tile
 between CPU workers and the calibration a large value): "a" sends the array and waits for a one-byte
 answer; "b" waits for it, waits for the device to have it (its copy is queued on the kernels'
 stream) and answers.  One way is a round trip less the one-way time of a
@@ -14,15 +14,15 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.gpu_steps import log
+from taskrt.bench.goals import GPU_TRANSFER_RATE_GOAL as RATE_GOAL
+from taskrt.bench.gpu_common import log
 
 NBYTES = 64 * 2**20
-RATE_GOAL = 10e9  # bytes/s, a 64 MB device array between two workers on one GPU
 
 
 def round_trips(machine, nbytes: int, rounds: int, ipc: bool) -> tuple[float, dict]:
     """Median seconds of a round trip of `nbytes` (the first left out), and what "b" saw."""
-    from taskrt.calibration import _ping_pong
+    from taskrt.machines.calibration import _ping_pong
 
     client, address = machine.client, machine.addresses()
     tag = f"bench-transfer-{time.time_ns()}"
@@ -33,7 +33,7 @@ def round_trips(machine, nbytes: int, rounds: int, ipc: bool) -> tuple[float, di
 
 
 def transfer_part(rows: list, rounds: int = 12, device: str = "cuda", nbytes: int = NBYTES) -> None:
-    from taskrt.machine import Machine
+    from taskrt.machines.machine import Machine
 
     with Machine.local(2, gpu=device == "cuda") as machine:
         hop = round_trips(machine, 8, 3 * rounds, ipc=True)[0] / 2

@@ -31,29 +31,21 @@ from pathlib import Path
 
 import numpy as np
 
-import search
-from bench.pages import header
-from bench.report import machine_description, markdown_table
-from search import hypergraph as hg
-from search.cost import CostModel
-from taskrt import models
-from taskrt.config import ParallelConfig
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.strategy import Strategy
+from taskrt import models, search
+from taskrt.bench.goals import THESIS_VOLUME
+from taskrt.bench.pages import header
+from taskrt.bench.report import machine_description, markdown_table
+from taskrt.graph.config import ParallelConfig
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.search import hypergraph as hg
+from taskrt.search.cost import CostModel
 
 MIB = 2 ** 20
 MV = 4 * 2 ** 20  # bytes of 2^20 float32 values: the thesis's "MB"
 BATCH = 32
-# The thesis's forward communication volume in its "MB" (MV), batch 32, final imbalance 0.1 unless named
-THESIS_VOLUME = {
-    "layer-wise": {2: 24.5, 4: 85.7, 8: 131.6, 16: 273.5},
-    "horizontal": {2: 484, 4: 1144, 8: 2307, 16: 4556, 32: 9016, 64: 17916, 128: 35707},
-    "filter-wise incremental": {2: 42, 4: 117, 8: 372, 16: 667, 32: 1294, 64: 2212, 128: 4091},
-    "channel-wise incremental": {2: 42, 4: 118, 8: 373, 16: 663, 32: 1275, 64: 2371, 128: 4471},
-    "coarse hypergraph": {2: 27, 4: 61, 8: 298, 16: 661, 32: 1300, 64: 2388, 128: 4604},
-    "fine hypergraph": {2: 27.5, 4: 56.3, 8: 307.3, 16: 549.2, 32: 916.8, 64: 1340.1, 128: 1964.0},
-}
+
 # ... and their work max/avg (Tables 5.1, 5.3, 5.5, 5.11; Table 5.9 is not in the text)
 THESIS_MAX_AVG = {
     "layer-wise": {2: 22757 / 21500, 4: 12827 / 10750, 8: 7253 / 5375, 16: 6624 / 2687},

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import ist_training
-from bench.ist_training import dp_strategy, network, speech_like
-from bench.report import machine_description
 from taskrt import Graph, Machine, lower
-from taskrt.ist import ISTTrainer, partition, plan_round, units_of
+from taskrt.bench import ist_training
+from taskrt.bench.ist_training import dp_strategy, network, speech_like
+from taskrt.bench.report import machine_description
+from taskrt.training.ist import ISTTrainer, partition, plan_round, units_of
 
 WIDTHS = (1000, 4000, 4000, 4000, 200)
 BATCH, J = 512, 10
@@ -62,7 +62,7 @@ def from_plans(widths, n, batch, j) -> dict:
 
 
 def _full(layer):
-    from ops.rect import Rect
+    from taskrt.ops.rect import Rect
 
     return Rect.full(layer.shape)
 
@@ -122,7 +122,7 @@ def ablation(setting, known=()) -> list[dict]:
 
 
 def _write(out, result):
-    from bench.ist_report import markdown, plot
+    from taskrt.bench.ist_report import markdown, plot
 
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "ist.json").write_text(json.dumps(result, indent=1))
@@ -146,7 +146,7 @@ def _saved(out) -> tuple:
 def complete(out="results"):
     """From out/ist.json: Table 1's simulated rows again (the searches' steps do not change; kernel
     times measured now), and the ablation's learning rates that it lacks (its curves reused):
-    `python -m bench.ist [DIR]`, minutes instead of hours."""
+    `python -m taskrt.bench.ist [DIR]`, minutes instead of hours."""
     result, table, setting = _saved(out)
     if len(table["search"]) < len(setting.devices) * len(ist_training.METHODS):
         raise SystemExit(f"{out}/ist.json has no complete learning-rate search to simulate from")
@@ -159,7 +159,7 @@ def complete(out="results"):
 
 def remeasure(out="results"):
     """From out/ist.json: Table 1's runs on local(2) again, with the learning rates and step limits
-    its searches found (`python -m bench.ist --measure [DIR]`: after a change to the runtime)."""
+    its searches found (`python -m taskrt.bench.ist --measure [DIR]`: after a change to the runtime)."""
     result, table, setting = _saved(out)
     if any(f"{m}@2" not in table["search"] for m in ist_training.METHODS):
         raise SystemExit(f"{out}/ist.json has no learning-rate search for 2 sites to measure with")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.ist_training import METHODS
-from bench.pages import header
+from taskrt.bench.ist_training import METHODS
+from taskrt.bench.pages import header
 
 COLORS = {"dp": "tab:orange", "local_sgd": "tab:green", "ist": "tab:blue"}
 
@@ -142,7 +142,7 @@ def _simulated(t, targets) -> list[str]:
              "thread (a device is one core of this machine, as a `Machine.local` worker; the seed's m5.2xlarge has "
              "8 vCPUs), no runtime overhead. DP's all-reduce is a ring; local SGD and IST move blocks from and to "
              "device 0, where the whole network stays between rounds (the seed shards it over all workers)."
-             + (" Kernel times measured again after the run (`python -m bench.ist`), from the same searches."
+             + (" Kernel times measured again after the run (`python -m taskrt.bench.ist`), from the same searches."
                 if t.get("resimulated") else ""), "",
              "This benchmark:", "", head, rule]
     for x in targets:

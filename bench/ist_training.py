@@ -53,16 +53,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from search.baselines import data_parallel
 from taskrt import Graph, Machine, Strategy, lower
-from taskrt.data import bind_inputs
-from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
-from taskrt.ist import ISTTrainer, LocalSGDTrainer, full_network_logits, plan_round, units_of
-from taskrt.machine import Device
-from taskrt.params import init_buffers, init_parameters
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.simulate import Runtime, simulate
-from taskrt.trainer import Trainer
+from taskrt.data.arrays import bind_inputs
+from taskrt.machines.machine import Device
+from taskrt.planning.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
+from taskrt.planning.params import init_buffers, init_parameters
+from taskrt.planning.simulate import Runtime, simulate
+from taskrt.search.baselines import data_parallel
+from taskrt.training.ist import ISTTrainer, LocalSGDTrainer, full_network_logits, plan_round, units_of
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 
 # ---- the generated task ----------------------------------------------------------------------

@@ -17,13 +17,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from bench.measure import interleaved
-from bench.report import write_result
-from ops import conv_kernels, winograd
-from ops.rect import Rect
 from taskrt import models
-
-GOAL, MOONSHOT = 0.5, 0.7  # of the GEMM rate, large conv layers
+from taskrt.bench.goals import KERNELS_GOAL as GOAL
+from taskrt.bench.goals import KERNELS_MOONSHOT as MOONSHOT
+from taskrt.bench.measure import interleaved
+from taskrt.bench.report import write_result
+from taskrt.ops import conv_kernels, winograd
+from taskrt.ops.rect import Rect
 
 
 def gemm(size: int):

@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-import search
-from search.measured import random_batch
-from search.step_costs import processor_over_steps, recorded_step
-from taskrt import models
-from taskrt.trainer import Trainer
+from taskrt import models, search
+from taskrt.search.measured import random_batch
+from taskrt.search.step_costs import processor_over_steps, recorded_step
+from taskrt.training.trainer import Trainer
 
 # CIFAR-size networks at batch sizes a 2-core machine trains in about a second per step
 LOCAL_MODELS = {

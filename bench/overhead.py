@@ -18,21 +18,21 @@ import dask
 import numpy as np
 from tqdm import tqdm
 
-from bench.measure import LOCAL_MODELS, compute_times, interleaved
-from bench.report import markdown_table, write_result
-from search.measured import random_batch
 from taskrt import models
-from taskrt.batching import INTERVAL_S
-from taskrt.config import ParallelConfig
-from taskrt.executor import _named_graph, step_graph, step_key
-from taskrt.machine import HOP_WORK_S, Machine
-from taskrt.plan import TASK
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.bench.goals import OVERHEAD_HOP_GOAL as HOP_GOAL
+from taskrt.bench.measure import LOCAL_MODELS, compute_times, interleaved
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.execution.executor import _named_graph, step_graph, step_key
+from taskrt.graph.config import ParallelConfig
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.batching import INTERVAL_S
+from taskrt.machines.machine import HOP_WORK_S, Machine
+from taskrt.planning.plan import TASK
+from taskrt.search.measured import random_batch
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 GOALS = {"lenet5": 2.0, "alexnet32": 1.15, "vgg16_32": 1.15}  # local(1) / in-process, issue 14
-HOP_GOAL = 1.1  # taskrt's overhead against Dask's own on the same graph (equal hops: per hop too)
 
 
 def data_parallel(graph, devices):
@@ -204,7 +204,7 @@ def run(out_dir="results", quick=False):
         f"{per_hop * 1e3:.2f} ms per dependent hop (pinned to one device)"
         + (f", {cross * 1e3:.2f} ms per hop alternating between the two devices" if cross else "")
         + f" (hops between tasks computing {HOP_WORK_S * 1e3:g} ms, the work not counted)"
-        + f"; every message stream batches for {INTERVAL_S * 1e3:g} ms (taskrt.batching; Dask's own default "
+        + f"; every message stream batches for {INTERVAL_S * 1e3:g} ms (taskrt.machines.batching; Dask's own default "
         "made a hop 6.2 ms)",
         "overhead = measured step time - kernel time on the critical path (task stream compute times) of "
         "the unfused step, whose task stream times every plan task; the fused step (the default) is timed "

@@ -61,7 +61,8 @@ def truth(value) -> bool | None:
 
 # ---- one verdict per benchmark, read off its record ------------------------------------------------
 def programs_verdict(record) -> str:
-    from bench.programs import HOP_GOAL_S, RATE_GOAL, TASKS_GOAL
+    from taskrt.bench.goals import HOP_GOAL_S, TASKS_GOAL
+    from taskrt.bench.goals import PROGRAMS_RATE_GOAL as RATE_GOAL
 
     rows, hops = record["rows"], record["hops"]
     worst = max(r["programs_tasks_per_device"] for r in rows)
@@ -87,7 +88,8 @@ def _fit_verdict(fits) -> str:
 
 
 def kernels_verdict(record) -> str:
-    from bench.kernels import GOAL, MOONSHOT
+    from taskrt.bench.goals import KERNELS_GOAL as GOAL
+    from taskrt.bench.goals import KERNELS_MOONSHOT as MOONSHOT
 
     large = [r["of_gemm"] for r in record["rows"] if truth(r["large"])]
     below = sum(v < GOAL for v in large)
@@ -99,7 +101,7 @@ def kernels_verdict(record) -> str:
 def overhead_verdict(record) -> str:
     one = [r for r in record["single_device"] if r.get("goal")]
     two = record["rows"]
-    from bench.overhead import HOP_GOAL
+    from taskrt.bench.goals import OVERHEAD_HOP_GOAL as HOP_GOAL
 
     ok = all(truth(r["meets_goal"]) for r in one) and all(r["vs_replica"] <= HOP_GOAL for r in two)
     return (f"{met(ok)}: one device, local(1) / in-process "
@@ -116,9 +118,40 @@ def search_verdict(record) -> str:
             "within a quarter of its time" + (f"; missed by {', '.join(missed)}" if missed else ""))
 
 
-def strategies_verdict(record) -> str:
-    from bench.strategies import verdicts
+MEASURED = "layer-wise, measured"  # bench strategies' row of the search's measured pick
 
+
+def verdicts(rows) -> list[str]:
+    """Does layer-wise (and the measured pick) reach the best baseline's throughput?  Within the
+    noise counts as a tie."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = {r["strategy"]: r for r in rows if r["model"] == model}
+        best = max((mine[s] for s in ("data", "model", "owt")), key=lambda r: r["images_per_s"])
+        for searched in ("layer-wise", MEASURED):
+            if searched in mine:
+                lines.append(_verdict(model, mine[searched], best))
+    return lines
+
+
+def _verdict(model, lw, best) -> str:
+    """One searched row against the best baseline; marks the row with its verdict."""
+    ratio = lw["images_per_s"] / best["images_per_s"]
+    noise = max(lw["iqr_ms"] / lw["measured_ms"], best["iqr_ms"] / best["measured_ms"], 0.03)
+    if ratio >= 1 + noise:
+        verdict = "wins"
+    elif ratio >= 1 - noise:
+        verdict = "ties (within noise)"
+    else:
+        verdict = "LOSES"
+    lw["verdict"] = verdict
+    picked = lw.get("measured_pick")
+    return (f"{model}: {lw['strategy']}{f' (picked {picked})' if picked else ''} {lw['images_per_s']:.1f} images/s "
+            f"vs best baseline {best['strategy']} {best['images_per_s']:.1f} = {ratio:.2f}x, "
+            f"noise +-{noise:.0%}: {verdict}")
+
+
+def strategies_verdict(record) -> str:
     lines = verdicts([dict(r) for r in record["rows"]])
     loses = [line.split(":")[0] for line in lines if line.endswith("LOSES")]
     equal = all(truth(r["bytes_match_logs"]) for r in record["rows"])
@@ -250,7 +283,7 @@ def scaling_measured_verdict(record) -> str:
 
 
 def data_verdict(record) -> str:
-    from bench.data import GOAL_BYTES
+    from taskrt.bench.goals import GOAL_BYTES
 
     goals = record["goals"]
     words = {True: "met", False: "NOT met", None: "not judged (one model)"}
@@ -264,8 +297,9 @@ def data_verdict(record) -> str:
 
 
 def gpu_verdict(record) -> str:
-    from bench.gpu_steps import BF16_LOSS_GOAL, GOAL, MEMORY_GOAL
-    from bench.gpu_transfer import RATE_GOAL
+    from taskrt.bench.goals import BF16_LOSS_GOAL, MEMORY_GOAL
+    from taskrt.bench.goals import GPU_STEP_GOAL as GOAL
+    from taskrt.bench.goals import GPU_TRANSFER_RATE_GOAL as RATE_GOAL
 
     steps = [r for r in record["rows"] + record.get("bf16", []) if "runtime_ms" in r]
     kernels = [r["taskrt_of_cudnn"] for r in record.get("kernels", []) if r.get("taskrt_of_cudnn") is not None]
@@ -297,7 +331,7 @@ def gpu_on(record) -> str:
 
 
 def hypergraph_verdict(record) -> str:
-    from bench.hypergraph import THESIS_VOLUME
+    from taskrt.bench.goals import THESIS_VOLUME
 
     timing = [r for r in record["tables"] if r["method"] == "coarse hypergraph"]
     widest = max(timing, key=lambda r: r["N"])
@@ -368,7 +402,7 @@ PAGES = {
         "float32 GEMM timed in alternating rounds with it, as the measuring thread's CPU time. GFLOP/s counts the "
         "direct convolution's FLOPs, so layers that run Winograd's F(2x2, 3x3) have an effective rate that can "
         "pass GEMM's.",
-        f"`python -m bench kernels` (batch 8, 2048x2048 GEMM, 5 rounds; {QUICK} batch 1, 1024x1024, 3 rounds).",
+        f"`python -m taskrt.bench kernels` (batch 8, 2048x2048 GEMM, 5 rounds; {QUICK} batch 1, 1024x1024, 3 rounds).",
         "at least 50% of the GEMM rate on every layer with 64 or more input channels (70% the moonshot).",
         kernels_verdict),
     "overhead": Page(
@@ -377,7 +411,7 @@ PAGES = {
         "in a training loop; two devices: tasks and scheduling overhead per step (step time less the kernels on "
         "the critical path) of LeNet-5 and a small VGG under data parallelism, against Dask running the same "
         "task graph with tasks that spin for the measured kernel times, beside Dask's cost per task and per hop.",
-        f"`python -m bench overhead` (LeNet-5, AlexNet-32 and VGG-16-32, 9 rounds; {QUICK} LeNet-5, 3 rounds).",
+        f"`python -m taskrt.bench overhead` (LeNet-5, AlexNet-32 and VGG-16-32, 9 rounds; {QUICK} LeNet-5, 3 rounds).",
         "local(1) within 1.15x of in-process on AlexNet-32 and VGG-16-32 and within 2x on LeNet-5; on two "
         "devices the overhead within 1.1x of Dask's own on the same graph.",
         overhead_verdict),
@@ -386,7 +420,7 @@ PAGES = {
         "`search.optimize` end to end from a fresh `CostModel` (cost tables, node and edge elimination, memory per "
         "device), its parts and CPU time, next to the depth-first search with a time limit, for LeNet-5, AlexNet, "
         "VGG-16, Inception-v3 and ResNet-50 on simulated P100s.",
-        f"`python -m bench search` (4, 8 and 16 devices; {QUICK} 16 devices, fewer repeats).",
+        f"`python -m taskrt.bench search` (4, 8 and 16 devices; {QUICK} 16 devices, fewer repeats).",
         "end to end within a quarter of the paper's time (2.5 / 5 / 25 / 100 ms for LeNet-5, AlexNet, VGG-16, "
         "Inception-v3 on 16 devices).",
         search_verdict),
@@ -395,7 +429,7 @@ PAGES = {
         "data, model, OWT and the searched layer-wise strategy (and the search's pick when it also measures) "
         "trained in interleaved rounds on `Machine.local(2)`: images/s, bytes per step, predicted (equation 1 and "
         "simulated) and measured step time.",
-        f"`python -m bench strategies` (LeNet-5, AlexNet-32, VGG-16-32, 12 rounds; {QUICK} LeNet-5, 4 rounds).",
+        f"`python -m taskrt.bench strategies` (LeNet-5, AlexNet-32, VGG-16-32, 12 rounds; {QUICK} LeNet-5, 4 rounds).",
         "the searched strategy at least as fast as the best of data, model and OWT parallelism (within the run's "
         "noise) on every network, and every plan's bytes equal to the workers' transfer logs.",
         strategies_verdict),
@@ -405,7 +439,7 @@ PAGES = {
         "equation 1 adds it up) against the measured one, LeNet-5, AlexNet-32 and VGG-16-32, steps run by the "
         "Trainer's default executor (programs) and simulated with its costs; part timings and the runtime's costs "
         "measured in the same run, no per-case factors.",
-        f"`python -m bench accuracy` (about 15 minutes; {QUICK} LeNet-5 only).",
+        f"`python -m taskrt.bench accuracy` (about 15 minutes; {QUICK} LeNet-5 only).",
         "at least 12 of the 15 cases' simulated steps within 10% of the measured ones, the median |error| at most "
         "7%, and on every network on two devices the simulation's fastest strategy measured fastest or within "
         "noise (the larger interquartile range of the two).",
@@ -417,7 +451,7 @@ PAGES = {
         "nodes), roofline kernel times; each step with the runtime free, as in the paper, and with taskrt's runtime "
         "under both executors (programs, the default; a Dask task per fused run), its costs measured on this host "
         "(Machine.local(2)'s calibration; the summary says which cost comes from where).",
-        f"`python -m bench scaling` (a few minutes, a minute more where this host's calibration is not cached; "
+        f"`python -m taskrt.bench scaling` (a few minutes, a minute more where this host's calibration is not cached; "
         f"{QUICK} AlexNet on 1, 4 and 16 devices).",
         "the layer-wise strategy at least as fast as the best of the others (within 0.5%) at every device count "
         "under the free runtime, as in the paper's Figure 7; and at 16 devices, layer-wise under taskrt's runtime "
@@ -427,7 +461,7 @@ PAGES = {
         "the same loss curve on one device and on two",
         "LeNet-5 on the bundled digits, data parallelism and the searched strategy on `Machine.local(2)` against "
         "the single-device trainer, same data order and initialization: loss at every step and test accuracy.",
-        f"`python -m bench convergence` (4 epochs; {QUICK} 1 epoch).",
+        f"`python -m taskrt.bench convergence` (4 epochs; {QUICK} 1 epoch).",
         f"every trainer's loss within {CONVERGENCE_TOLERANCE:g} (relative) of the single device's at every step, "
         "and the same test accuracy: every strategy computes the same network.",
         convergence_verdict),
@@ -436,7 +470,7 @@ PAGES = {
         "LeNet-5 on `Machine.local(2)` under `make run`'s mixed strategy, with snapshots off and at the default, "
         "in interleaved rounds; then a worker killed with SIGKILL between steps: the recovery, the step that "
         "recovered, and the final parameters against an uninterrupted run.",
-        f"`python -m bench elastic` (5 rounds of 40 steps; {QUICK} 2 rounds of 10).",
+        f"`python -m taskrt.bench elastic` (5 rounds of 40 steps; {QUICK} 2 rounds of 10).",
         "snapshots at the default cost at most 5% of the step time, and the run ends with the uninterrupted "
         f"run's parameters up to float32 rounding (every element within {ELASTIC_TOLERANCE:g}, relative: replayed "
         "steps may sum in another order).",
@@ -448,7 +482,7 @@ PAGES = {
         "threads against `Machine.local(2)` (data parallel, the searched strategy, and one device of it for the "
         "searched strategy to be no slower than) and `Machine.local(1)`, all in the same interleaved rounds. "
         "Skips, saying so, without torch.",
-        f"`python -m bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
+        f"`python -m taskrt.bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
         "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32; and the searched "
         "strategy on local(2) never slower than one device of it (the same strategy, or a median step at most "
         "5% above, interleaved); two devices beat one: the searched strategy on local(2) at least 1.3x local(1)'s "
@@ -463,7 +497,7 @@ PAGES = {
         "dependent hop between the two devices; a 64 MB tile between two programs; the step times of both "
         "executors, medians of interleaved rounds; and a whole `fit` of short steps (LeNet-5 on local(1) and "
         "local(2)) with one step to each device's program against several (`steps_per_program=\"auto\"`).",
-        f"`python -m bench programs` (7 rounds, fits 5 rounds of 120 steps; {QUICK} LeNet-5 alone, 3 rounds, "
+        f"`python -m taskrt.bench programs` (7 rounds, fits 5 rounds of 120 steps; {QUICK} LeNet-5 alone, 3 rounds, "
         "fits of 48 steps).",
         "at most 2 Dask tasks per step and device; a value between programs in at most 1 ms on loopback "
         "(moonshot 0.3 ms); a 64 MB tile between two workers on one host at at least 5 GB/s.",
@@ -474,8 +508,8 @@ PAGES = {
         "searched strategy (costs measured on that host in the same run), data parallelism and OWT on AlexNet-32 "
         "and VGG-16-32, each step's median over interleaved rounds beside the simulator's prediction, and the "
         "throughput against one device.",
-        f"`python -m bench scaling_measured` on a host with 8 or more cores (7 rounds; {QUICK} AlexNet-32 alone, "
-        "3 rounds).",
+        f"`python -m taskrt.bench scaling_measured` on a host with 8 or more cores (7 rounds; {QUICK} "
+        "AlexNet-32 alone, 3 rounds).",
         f"every device count 2, 4, 8 measured; the searched strategy within {MEASURED_TOLERANCE:.0%} of the fastest "
         "measured at each.",
         scaling_measured_verdict),
@@ -488,7 +522,7 @@ PAGES = {
         "each device reading its part of an ArrayDataset placed on it once (`Trainer.submit_from`); 3 steps in "
         "flight, interleaved rounds of 8 steps, medians. Most of a step's client bytes are its task graph, the "
         "same on both paths.",
-        f"`python -m bench data` (7 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
+        f"`python -m taskrt.bench data` (7 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
         "at most 1 KiB of sample data per step from the client on the dataset path; no slower anywhere; faster "
         "where the batch is large.",
         data_verdict),
@@ -498,7 +532,7 @@ PAGES = {
         "ResNet-50 as `trainer.fit` runs them (data generated on the worker, each device's run replayed as a CUDA "
         "graph), where their time goes, peak GPU memory, bf16 against PyTorch's autocast, conv kernels against "
         "cuDNN, strategies on workers sharing the GPU, and a device array between two of them.",
-        "`python -m bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` for some "
+        "`python -m taskrt.bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` for some "
         "parts; the others keep their rows).",
         "steps at least 0.8x PyTorch's speed (none below 0.5x), peak memory at most 1.3x PyTorch's, conv kernels "
         "at least 50% of cuDNN's rate, bf16's loss within 2% of fp32's, a 64 MB device array between two workers "
@@ -510,7 +544,7 @@ PAGES = {
         "Mt-KaHyPar partitions (Tables 5.1-5.12) with the exact optimum at N = 2 and 4, final imbalances "
         "(Appendix A), one epoch's traffic against data parallelism (Table 5.14) and a time per epoch by "
         "simulation (Table 5.15), each beside the thesis.",
-        f"`python -m bench hypergraph` (about a minute; {QUICK} N = 2 and 8).",
+        f"`python -m taskrt.bench hypergraph` (about a minute; {QUICK} N = 2 and 8).",
         "partitioning at N = 128 in under 1 s (the volumes are set beside the thesis's, whose weights are its "
         "own, not judged).",
         hypergraph_verdict),
@@ -520,8 +554,9 @@ PAGES = {
         "formulas and from the runtime's plans, planned bytes against the transfer logs on `Machine.local(2)` "
         "and `local(4)`, Table 1's time to fixed test accuracies (measured on local(2), simulated on 2, 4 and 8 "
         "devices) and the batch-norm ablation of Sec. 3.3, on a generated speech-shaped task.",
-        f"`python -m bench ist` (about 2 hours; {QUICK} a small network in minutes); `python -m bench.ist` "
-        "simulates Table 1 again from results/ist.json, `python -m bench.ist --measure` measures it again.",
+        f"`python -m taskrt.bench ist` (about 2 hours; {QUICK} a small network in minutes); "
+        "`python -m taskrt.bench.ist` "
+        "simulates Table 1 again from results/ist.json, `python -m taskrt.bench.ist --measure` measures it again.",
         "IST's traffic equal to the formula, planned bytes equal to the logs, and IST at least 2x sooner than "
         "data parallelism to the highest target on local(2).",
         ist_verdict),
@@ -531,7 +566,7 @@ PAGES = {
         "the model's volumes layer by layer; seed 000's Table 1, parameter memory per device at mp = 1..16 and "
         "Table 2 by simulation on a machine described like theirs; the search next to both families by "
         "simulation and on `Machine.local(2)`.",
-        f"`python -m bench seeds` ({QUICK} fewer device counts and a narrower network on local(2)).",
+        f"`python -m taskrt.bench seeds` ({QUICK} fewer device counts and a narrower network on local(2)).",
         "the plan's volumes equal the model's or differ as explained; Table 1 reproduced; the search at least as "
         "fast as the best configuration of either family by simulation.",
         seeds_verdict),
@@ -540,7 +575,7 @@ PAGES = {
         "ANALYTIC, not measured: communication and total time per iteration of AlexNet (B = 2048) on P = 8..512 "
         "KNL processes for every Pr x Pc grid under the seed's Eqs. 6 and 8, one grid for all layers (Fig. 6) "
         "and the convolutions batch parallel (Fig. 7), beside the paper's figures.",
-        f"`python -m bench gholami` (seconds; also part of `bench seeds`; {QUICK} P = 8, 64 and 512).",
+        f"`python -m taskrt.bench gholami` (seconds; also part of `bench seeds`; {QUICK} P = 8, 64 and 512).",
         "the paper's findings under its own model: at P = 8 the grid brings nothing over pure batch parallelism, "
         "at P = 512 it cuts communication, more with the convolutions batch parallel (Fig. 7) than with one "
         "grid (Fig. 6).",

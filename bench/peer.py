@@ -25,15 +25,15 @@ from __future__ import annotations
 import tempfile
 import time
 
-import search
-from bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
-from bench.overhead import data_parallel
-from bench.report import markdown_table, write_result
-from search.measured import random_batch
-from taskrt.machine import Machine
-from taskrt.params import init_parameters
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.trainer import Trainer
+from taskrt import search
+from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
+from taskrt.bench.overhead import data_parallel
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.machines.machine import Machine
+from taskrt.planning.params import init_parameters
+from taskrt.search.measured import random_batch
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 GOALS = {"alexnet32": 0.8, "vgg16_32": 0.8}  # local(1) / PyTorch one-thread throughput
 # "never slower than one device": how far above the single device's median the searched strategy's
@@ -49,7 +49,7 @@ HYPER = {"lr": 1e-4, "momentum": 0.9}
 def torch_step(graph, threads: int):
     import torch
 
-    from bench.torch_peer import TorchPeer
+    from taskrt.bench.torch_peer import TorchPeer
 
     torch.set_num_threads(threads)
     peer = TorchPeer(graph, init_parameters(graph, 0), device="cpu", **HYPER)

@@ -8,10 +8,10 @@
   two devices measured on the same cluster.
 - A 64 MB tile from one program to another (goal: at least 5 GB/s): made on the heap, as kernels
   make activations (copied once into shared memory), and made on reused memory, as kernels make
-  weights and gradients (lent in place: `taskrt.shared_memory.Blocks`).
+  weights and gradients (lent in place: `taskrt.transport.shared_memory.Blocks`).
 - Step times of both executors, interleaved rounds, on local(2); and the programs' step with steps
   sent ahead, as `Trainer.fit` sends them (a device's program reads the step before on its worker,
-  so it starts as that one ends: `taskrt.program_executor`).
+  so it starts as that one ends: `taskrt.execution.program_executor`).
 - `fit` end to end with one step to a program against several (`steps_per_program="auto"`): seconds
   per step of a whole `fit` (what a user waits for) and the Dask tasks per step and device, for
   short steps (LeNet-5) on local(1) and local(2), beside the same steps in-process (moonshot of
@@ -25,21 +25,20 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from bench.measure import LOCAL_MODELS, interleaved
-from bench.overhead import data_parallel
-from bench.report import markdown_table, write_result
-from search.baselines import model_parallel, owt
-from search.measured import random_batch
 from taskrt import models
-from taskrt.calibration import _ping_pong
-from taskrt.datasets import Synthetic
-from taskrt.machine import Machine
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.trainer import Trainer
+from taskrt.bench.goals import HOP_GOAL_S, HOP_MOONSHOT_S, TASKS_GOAL
+from taskrt.bench.goals import PROGRAMS_RATE_GOAL as RATE_GOAL
+from taskrt.bench.measure import LOCAL_MODELS, interleaved
+from taskrt.bench.overhead import data_parallel
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.data.datasets import Synthetic
+from taskrt.machines.calibration import _ping_pong
+from taskrt.machines.machine import Machine
+from taskrt.search.baselines import model_parallel, owt
+from taskrt.search.measured import random_batch
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
-TASKS_GOAL = 2  # Dask tasks per step and device
-HOP_GOAL_S, HOP_MOONSHOT_S = 1e-3, 0.3e-3
-RATE_GOAL = 5e9  # bytes/s, 64 MB between two workers on one host
 LARGE = 64 * 2**20
 HYPER = {"lr": 1e-4, "momentum": 0.9}
 

@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.pages import header
+from taskrt.bench.pages import header
 
 
 def machine_description() -> dict:
@@ -43,7 +43,7 @@ def machine_description() -> dict:
 
 
 def quick_run() -> bool:
-    """Whether this is a `--quick` run (`python -m bench` says so to the benchmarks it runs)."""
+    """Whether this is a `--quick` run (`python -m taskrt.bench` says so to the benchmarks it runs)."""
     return os.environ.get(QUICK_VARIABLE) == "1"
 
 

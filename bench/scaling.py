@@ -20,13 +20,12 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-import search
-from bench.report import write_result
-from search.runtime_costs import EXECUTORS, STEP_FITTED, runtime
-from taskrt import models
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.program_executor import auto_steps_per_program
+from taskrt import models, search
+from taskrt.bench.report import write_result
+from taskrt.execution.program_executor import auto_steps_per_program
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.search.runtime_costs import EXECUTORS, STEP_FITTED, runtime
 
 SHAPES = {1: (1, 1), 2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (4, 4)}
 STRATEGIES = ["data", "model", "owt", "layer-wise"]
@@ -38,7 +37,7 @@ SOURCES = [
     "per task and intake, the question for the live workers, the end of a run to the client: no-op tasks on "
     "Machine.local(2) of this host (`Machine.calibrate`)",
     "a value's message between two programs: half the median round trip of a small value between two workers' "
-    "mailboxes on this host, within a node over their Unix sockets (taskrt.local_link), between nodes over "
+    "mailboxes on this host, within a node over their Unix sockets (taskrt.transport.local_link), between nodes over "
     "their TCP sockets (on loopback here; a TLS cluster's go over distributed's comms), in place of the link's "
     "latency; bytes at the simulated links' bandwidth",
     "steps sent ahead, as `Trainer.fit` sends them: with programs, the client's and the scheduler's work on a step "

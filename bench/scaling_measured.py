@@ -15,12 +15,12 @@ import os
 import statistics
 import tempfile
 
-import search
-from bench import measure as measured
-from bench.measure import LOCAL_MODELS, measure
-from bench.pages import searched_behind
-from bench.report import write_result
-from taskrt.machine import Machine
+from taskrt import search
+from taskrt.bench import measure as measured
+from taskrt.bench.measure import LOCAL_MODELS, measure
+from taskrt.bench.pages import searched_behind
+from taskrt.bench.report import write_result
+from taskrt.machines.machine import Machine
 
 DEVICES = (1, 2, 4, 8)
 MODELS = {name: LOCAL_MODELS[name] for name in ("alexnet32", "vgg16_32")}

@@ -20,10 +20,10 @@ import time
 
 from tqdm import tqdm
 
-from bench.report import write_result
-from search import CostModel, depth_first, minimize, optimize
 from taskrt import models
-from taskrt.machine import Machine
+from taskrt.bench.report import write_result
+from taskrt.machines.machine import Machine
+from taskrt.search import CostModel, depth_first, minimize, optimize
 
 PAPER = {  # Table 3, 16 devices: (baseline, ours) in seconds; 24 h means the baseline did not finish
     "lenet5": (5.6, 0.01), "alexnet": (2.1 * 3600, 0.02), "vgg16": (24 * 3600, 0.1), "inception_v3": (24 * 3600, 0.4),

@@ -18,17 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench.gholami as gholami
-import search
-from bench.measure import measure
-from bench.pages import header
-from bench.report import machine_description, markdown_table
-from search.compare import plan_vs_model
-from search.cost import CostModel
-from taskrt import Graph, models
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.memory import plan_memory
+import taskrt.bench.gholami as gholami
+from taskrt import Graph, models, search
+from taskrt.bench.measure import measure
+from taskrt.bench.pages import header
+from taskrt.bench.report import machine_description, markdown_table
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.planning.memory import plan_memory
+from taskrt.search.compare import plan_vs_model
+from taskrt.search.cost import CostModel
 
 # SplitBrain, Table 2 (CIFAR-10, images/s): (machines, DP, MP) -> throughput
 SPLITBRAIN_TABLE_2 = {

@@ -7,43 +7,13 @@ from __future__ import annotations
 
 import tempfile
 
-import search
-from bench.measure import LOCAL_MODELS, QUICK_MODELS, measure, strategies_for
-from bench.report import write_result
-from taskrt.machine import Machine
+from taskrt import search
+from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, measure, strategies_for
+from taskrt.bench.pages import MEASURED, verdicts
+from taskrt.bench.report import write_result
+from taskrt.machines.machine import Machine
 
-MEASURED = "layer-wise, measured"
 ORDER = ["data", "model", "owt", "layer-wise", MEASURED]
-
-
-def verdicts(rows) -> list[str]:
-    """Does layer-wise (and the measured pick) reach the best baseline's throughput?  Within the
-    noise counts as a tie."""
-    lines = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = {r["strategy"]: r for r in rows if r["model"] == model}
-        best = max((mine[s] for s in ("data", "model", "owt")), key=lambda r: r["images_per_s"])
-        for searched in ("layer-wise", MEASURED):
-            if searched in mine:
-                lines.append(_verdict(model, mine[searched], best))
-    return lines
-
-
-def _verdict(model, lw, best) -> str:
-    """One searched row against the best baseline; marks the row with its verdict."""
-    ratio = lw["images_per_s"] / best["images_per_s"]
-    noise = max(lw["iqr_ms"] / lw["measured_ms"], best["iqr_ms"] / best["measured_ms"], 0.03)
-    if ratio >= 1 + noise:
-        verdict = "wins"
-    elif ratio >= 1 - noise:
-        verdict = "ties (within noise)"
-    else:
-        verdict = "LOSES"
-    lw["verdict"] = verdict
-    picked = lw.get("measured_pick")
-    return (f"{model}: {lw['strategy']}{f' (picked {picked})' if picked else ''} {lw['images_per_s']:.1f} images/s "
-            f"vs best baseline {best['strategy']} {best['images_per_s']:.1f} = {ratio:.2f}x, "
-            f"noise +-{noise:.0%}: {verdict}")
 
 
 def run(out_dir="results", quick=False):

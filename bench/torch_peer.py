@@ -1,7 +1,7 @@
 """The PyTorch peer: a taskrt Graph run as an ordinary PyTorch program, to measure the runtime against.
 
 It is built from the graph itself, so both train exactly the same network: the same layers and
-hyper-parameters, the same initial parameters (`taskrt.params.init_parameters`), the same loss (mean
+hyper-parameters, the same initial parameters (`taskrt.planning.params.init_parameters`), the same loss (mean
 softmax cross-entropy over the batch) and the same update (SGD with momentum and weight decay in
 PyTorch's formulation, which `ops.sgd_update` follows).
 
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from taskrt.data import batches_for_predict, bind_inputs, logits_layer
+from taskrt.data.arrays import batches_for_predict, bind_inputs, logits_layer
 
 
 def _torch():

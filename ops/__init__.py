@@ -5,20 +5,20 @@ linear layers on cupy arrays run through torch (cuDNN, cuBLAS) when it is import
 (`ops.torch_kernels`).  GPU float32 precision is an explicit choice: `ops.set_precision`.
 """
 
-from ops.base import Op, array_module, dims_of
-from ops.batchnorm import BatchNorm
-from ops.concat import Concat
-from ops.conv import Conv2d
-from ops.elementwise import Add, Relu
-from ops.errors import ShapeError
-from ops.flatten import Flatten
-from ops.input import Input
-from ops.linear import Linear
-from ops.loss import SoftmaxCrossEntropy
-from ops.pool import Pool2d
-from ops.precision import get_precision, set_precision
-from ops.rect import Rect
-from ops.sgd import sgd_update
+from taskrt.ops.base import Op, array_module, dims_of
+from taskrt.ops.batchnorm import BatchNorm
+from taskrt.ops.concat import Concat
+from taskrt.ops.conv import Conv2d
+from taskrt.ops.elementwise import Add, Relu
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.flatten import Flatten
+from taskrt.ops.input import Input
+from taskrt.ops.linear import Linear
+from taskrt.ops.loss import SoftmaxCrossEntropy
+from taskrt.ops.pool import Pool2d
+from taskrt.ops.precision import get_precision, set_precision
+from taskrt.ops.rect import Rect
+from taskrt.ops.sgd import sgd_update
 
 OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy,
                               BatchNorm)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ops.rect import Rect
+from taskrt.ops.rect import Rect
 
 IMAGE_DIMS = ("n", "c", "h", "w")
 MATRIX_DIMS = ("n", "c")

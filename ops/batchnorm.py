@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops import torch_kernels
-from ops.base import Op, array_module
-from ops.errors import ShapeError
-from ops.rect import Rect
+from taskrt.ops import torch_kernels
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.rect import Rect
 
 
 def _axes(x) -> tuple[int, ...]:
@@ -75,7 +75,7 @@ class BatchNorm(Op):
     momentum: float = 0.1
 
     kind = "batch_norm"
-    #: the statistics of a channel reduce over all of its parts (see taskrt.lowering)
+    #: the statistics of a channel reduce over all of its parts (see taskrt.planning.lowering)
     reduces_statistics = True
     #: dependent tasks added to each direction by that reduction (partial, combine, then the part)
     statistics_hops = 2

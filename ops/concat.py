@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ops.base import Op, array_module
-from ops.errors import ShapeError
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
 
 
 @dataclass(frozen=True)

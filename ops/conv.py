@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops import torch_kernels
-from ops.base import Op
-from ops.conv_kernels import conv2d, conv2d_data_grad, conv2d_weight_grad
-from ops.errors import ShapeError
-from ops.rect import Rect
-from ops.windows import halo, out_size, tile_padding
+from taskrt.ops import torch_kernels
+from taskrt.ops.base import Op
+from taskrt.ops.conv_kernels import conv2d, conv2d_data_grad, conv2d_weight_grad
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.rect import Rect
+from taskrt.ops.windows import halo, out_size, tile_padding
 
 
 def check_window(what, in_shape, kernel, stride, padding):

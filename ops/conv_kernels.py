@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy
 
-from ops import planes, winograd
-from ops.base import array_module
-from ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
+from taskrt.ops import planes, winograd
+from taskrt.ops.base import array_module
+from taskrt.ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
 
 PLANES_MIN_WIDTH = 48
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops import torch_kernels
-from ops.base import Op, array_module
-from ops.errors import ShapeError
+from taskrt.ops import torch_kernels
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ops.base import Op, array_module
-from ops.errors import ShapeError
-from ops.rect import Rect
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.rect import Rect
 
 
 @dataclass(frozen=True)

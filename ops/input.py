@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops.base import Op
-from ops.errors import ShapeError
+from taskrt.ops.base import Op
+from taskrt.ops.errors import ShapeError
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from ops import reuse, torch_kernels
-from ops.base import Op, array_module
-from ops.errors import ShapeError
-from ops.rect import Rect
+from taskrt.ops import reuse, torch_kernels
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.rect import Rect
 
 
 @dataclass(frozen=True)

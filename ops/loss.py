@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ops import torch_kernels
-from ops.base import Op, array_module
-from ops.errors import ShapeError
-from ops.rect import Rect
+from taskrt.ops import torch_kernels
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.rect import Rect
 
 
 @dataclass(frozen=True)

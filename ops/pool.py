@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import numpy
 
-from ops import torch_kernels
-from ops.base import Op, array_module
-from ops.conv import check_window, window_input_rect
-from ops.errors import ShapeError
-from ops.pool_kernels import max_pool_grad
-from ops.windows import crop, out_size, pad, tile_padding, window_offsets
+from taskrt.ops import torch_kernels
+from taskrt.ops.base import Op, array_module
+from taskrt.ops.conv import check_window, window_input_rect
+from taskrt.ops.errors import ShapeError
+from taskrt.ops.pool_kernels import max_pool_grad
+from taskrt.ops.windows import crop, out_size, pad, tile_padding, window_offsets
 
 
 @dataclass(frozen=True)

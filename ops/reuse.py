@@ -11,7 +11,7 @@ when the last array that reads it (views included) is gone, so results stay pure
 is still referenced is ever written again.
 
 Where the blocks come from can be changed (`set_source`): on a worker, shared memory, so that a
-large result sent to another worker on the host is not copied (`taskrt.shared_memory.Blocks`); a
+large result sent to another worker on the host is not copied (`taskrt.transport.shared_memory.Blocks`); a
 block another process still reads is then not handed out until it is done.
 """
 

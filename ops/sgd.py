@@ -13,8 +13,8 @@ from __future__ import annotations
 import numba
 import numpy
 
-from ops import reuse
-from ops.base import array_module
+from taskrt.ops import reuse
+from taskrt.ops.base import array_module
 
 
 @numba.njit(cache=True, nogil=True)

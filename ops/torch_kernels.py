@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import numpy
 
-from ops import precision
+from taskrt.ops import precision
 
 BACKENDS = ("auto", "torch", "reference")
 

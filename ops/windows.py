@@ -7,7 +7,7 @@ The halo rule is the region rule of every windowed op: output rows [o0, o1) read
 
 from __future__ import annotations
 
-from ops.base import array_module
+from taskrt.ops.base import array_module
 
 
 def out_size(size: int, kernel: int, stride: int, padding: int) -> int:

@@ -10,8 +10,8 @@ Degrees are capped by the dimension's size; input layers follow their first cons
 
 from __future__ import annotations
 
-from taskrt.config import ParallelConfig
-from taskrt.strategy import Strategy
+from taskrt.graph.config import ParallelConfig
+from taskrt.graph.strategy import Strategy
 
 
 def _split(layer, dim, devices) -> ParallelConfig:

@@ -34,11 +34,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from search import analytic
-from search.families import integrated
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.plan import DATA, TASK
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import DATA, TASK
+from taskrt.search import analytic
+from taskrt.search.families import integrated
 
 FORWARD, BACKWARD, SYNC = "forward input", "input gradient", "weight gradient"
 

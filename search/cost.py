@@ -46,21 +46,21 @@ from math import prod
 import numba
 import numpy as np
 
-from ops.rect import Rect
-from search import runtime_costs, transfer
-from search.cost_cache import CACHE_FORMAT, CostCache, corun_kind, default_cache_path
-from search.helper_thread import Kernels
-from search.layer_space import Configs, Geometry, LayerSpace, channel_params, first_part_bytes, read_only
-from search.part_timing import measure_parts, measure_synchronization, time_on_devices
-from search.regions import Needs, part_table
-from search.roofline import roofline_parts
-from search.runtime_costs import CALIBRATION_FORMAT, STEP_FITTED, STEP_LATENCIES
-from search.space import config_grid, layer_configs, search_space
-from search.sync_cost import sync_times
-from taskrt.config import DIMS, ParallelConfig
-from taskrt.device_kinds import DEVICE_KINDS
-from taskrt.params import resolve_dtype
-from taskrt.plan import DATA, TASK
+from taskrt.graph.config import DIMS, ParallelConfig
+from taskrt.machines.device_kinds import DEVICE_KINDS
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import resolve_dtype
+from taskrt.planning.plan import DATA, TASK
+from taskrt.search import runtime_costs, transfer
+from taskrt.search.cost_cache import CACHE_FORMAT, CostCache, corun_kind, default_cache_path
+from taskrt.search.helper_thread import Kernels
+from taskrt.search.layer_space import Configs, Geometry, LayerSpace, channel_params, first_part_bytes, read_only
+from taskrt.search.part_timing import measure_parts, measure_synchronization, time_on_devices
+from taskrt.search.regions import Needs, part_table
+from taskrt.search.roofline import roofline_parts
+from taskrt.search.runtime_costs import CALIBRATION_FORMAT, STEP_FITTED, STEP_LATENCIES
+from taskrt.search.space import config_grid, layer_configs, search_space
+from taskrt.search.sync_cost import sync_times
 
 # moved to rooms of their own; importable from here as before
 __all__ = ["CACHE_FORMAT", "CALIBRATION_FORMAT", "STEP_FITTED", "STEP_LATENCIES", "Breakdown", "CostCache",
@@ -442,7 +442,7 @@ class CostModel:
                     self._lookup(kind, op, task.spec.out, _need_dx(task), missing)
             self._measure_missing(missing)
         # On CPU workers a task first copies the arrays Dask hands it out of a message, which are
-        # misaligned (taskrt.tasks.Received): another device's values and the client's data tiles.
+        # misaligned (taskrt.planning.tasks.Received): another device's values and the client's data tiles.
         received = {}
         bandwidth = self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
         if not self.estimated:
@@ -503,10 +503,10 @@ class CostModel:
                 self._sync_times[items_of_kind[sig]] = t
 
     def simulate(self, plan, fused: bool = True, runtime=None, executor: str = "programs"):
-        """One step of `plan` simulated on this model's machine (`taskrt.simulate`), with its part
+        """One step of `plan` simulated on this model's machine (`taskrt.planning.simulate`), with its part
         timings, the slow-down of kernels running beside each other, and the runtime's costs
         (`runtime(plan, fused, executor)`, unless given, already built)."""
-        from taskrt.simulate import simulate
+        from taskrt.planning.simulate import simulate
 
         corun = self.timer(plan, corun=True) if self.corun else None
         return simulate(plan, self.timer(plan), self.machine,
@@ -520,7 +520,7 @@ class CostModel:
         data the graph carries at its measured rate), for
         the executor `executor`: "programs" (the Trainer's default, one program per device) or
         "tasks", whose tasks are fused runs or one per plan task."""
-        from taskrt.simulate import Runtime
+        from taskrt.planning.simulate import Runtime
 
         if self.estimated:
             return Runtime()
@@ -538,7 +538,7 @@ class CostModel:
 
     # ---- t_s --------------------------------------------------------------------------------
     def sync_methods(self, layer, table) -> dict[str, np.ndarray]:
-        """t_s of every config under each sync method (see taskrt.lowering): {"ps": ..., "allreduce": ...}.
+        """t_s of every config under each sync method (see taskrt.planning.lowering): {"ps": ..., "allreduce": ...}.
 
         Shards synchronize in parallel.  Links are full duplex, as in t_x and the simulator: a
         device receives its incoming messages one after another and sends its outgoing ones one
@@ -578,7 +578,7 @@ class CostModel:
 
 def _need_dx(task) -> tuple:
     """Which input gradients a forward, backward or loss task's part timing includes (a batch
-    norm's backward, taskrt.tasks.NormBackward, exists only where its input needs one)."""
+    norm's backward, taskrt.planning.tasks.NormBackward, exists only where its input needs one)."""
     if task.phase == "fwd":
         return tuple(False for _ in task.spec.op.in_shapes)
     if task.phase == "loss":

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from taskrt.files import write_atomic
+from taskrt.graph.files import write_atomic
 
 CACHE_FORMAT = "taskrt-costs/4"  # parts: [forward s, backward s (with packing the parameter gradient)], from
 # kernels started with the core's cache evicted

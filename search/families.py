@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from numbers import Integral
 
-from taskrt.config import SYNC_METHODS, ParallelConfig
-from taskrt.strategy import Strategy, StrategyError
+from taskrt.graph.config import SYNC_METHODS, ParallelConfig
+from taskrt.graph.strategy import Strategy, StrategyError
 
 CONV_MODES = ("batch", "grid")
 CHANNEL_FOLLOWERS = ("pool2d", "relu", "add", "concat", "flatten")  # split c without reading other channels

@@ -39,9 +39,9 @@ from math import prod
 
 import numpy as np
 
-from ops.rect import Rect
-from taskrt.config import ParallelConfig, blocks
-from taskrt.strategy import Strategy
+from taskrt.graph.config import ParallelConfig, blocks
+from taskrt.graph.strategy import Strategy
+from taskrt.ops.rect import Rect
 
 FILTER_KINDS = ("conv2d", "linear")
 CHANNEL_LOCAL_KINDS = ("pool2d", "relu", "flatten")  # channel j of the output needs channel j only

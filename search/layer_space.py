@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ops.rect import Rect
-from search import transfer
-from search.regions import Needs, PartTable
-from taskrt.config import ParallelConfig
+from taskrt.graph.config import ParallelConfig
+from taskrt.ops.rect import Rect
+from taskrt.search import transfer
+from taskrt.search.regions import Needs, PartTable
 
 
 @dataclass
@@ -81,7 +81,7 @@ def read_only(table: np.ndarray) -> np.ndarray:
 
 @numba.njit(cache=True, nogil=True)
 def first_part_bytes(lo, hi, starts, volumes, per_channel, itemsize):
-    """Per config, taskrt.memory.part_footprint of its first part: 3 x its parameters (weights,
+    """Per config, taskrt.planning.memory.part_footprint of its first part: 3 x its parameters (weights,
     gradient, velocity) and 2 x its input tiles (`volumes`: of each input, per part) and output."""
     configs, rank = len(starts), lo.shape[1]
     out = np.empty(configs, dtype=np.int64)

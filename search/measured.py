@@ -14,7 +14,7 @@ import statistics
 
 import numpy as np
 
-from taskrt.strategy import Strategy
+from taskrt.graph.strategy import Strategy
 
 
 def random_batch(graph, seed: int = 0) -> tuple:
@@ -40,7 +40,7 @@ def pick_by_measurement(graph, machine, candidates: dict[str, Strategy], rounds:
     """The candidate with the shortest median step on `machine` (a running cluster), named as given;
     its meta["chosen_by_measurement"] holds every candidate's median seconds.  Parameters and
     data are random (seeded): the timings, not the training, count."""
-    from taskrt.trainer import Trainer
+    from taskrt.training.trainer import Trainer
 
     if machine.is_simulated:
         raise ValueError(f"pick_by_measurement needs a running cluster (Machine.local or Machine.from_client), "

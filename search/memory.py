@@ -1,6 +1,6 @@
 """Memory per device of a training step under a strategy, without lowering it.
 
-The same accounting as taskrt.memory.plan_memory (tests check they agree on many strategies),
+The same accounting as taskrt.planning.memory.plan_memory (tests check they agree on many strategies),
 counted from the region rules instead of the plan's tasks:
 - each layer's parameter shards (parts with the same channel block), their gradients, the
   optimizer state of the chunks each device owns, and what a server or chunk owner receives;
@@ -18,9 +18,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from search.layer_space import channel_params
-from search.regions import Needs, part_table
-from taskrt.memory import KINDS, DeviceMemory
+from taskrt.planning.memory import KINDS, DeviceMemory
+from taskrt.search.layer_space import channel_params
+from taskrt.search.regions import Needs, part_table
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TRANSIENT = range(len(KINDS))
 
@@ -157,7 +157,7 @@ def _reads(lo, hi, device, need_lo, need_hi, to, read, gradient, backward, input
 @numba.njit(cache=True, nogil=True)
 def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, memory):
     """Each part's device holds its shard's weights and gradient; the shard's state lives on its
-    first device ("ps") or in one chunk per replica ("allreduce": taskrt.plan.chunk_bounds), and the owner of
+    first device ("ps") or in one chunk per replica ("allreduce": taskrt.planning.plan.chunk_bounds), and the owner of
     each chunk receives the other replicas' gradients of it."""
     parts = len(device)
     done = np.zeros(parts, dtype=np.bool_)
@@ -189,7 +189,7 @@ def _forward_values(producer, moves, itemsize, memory):
     """What forward moves out of one layer's tiles: `moves` rows (tile, piece lo, piece hi,
     reading device) for its consumers' parts on other devices.  A tile a part needs whole
     travels as it is, otherwise the slice of it the part needs is cut on the tile's device; a
-    slice is cut once, and a value travels once to each device reading it (taskrt.lowering
+    slice is cut once, and a value travels once to each device reading it (taskrt.planning.lowering
     pieces and route)."""
     lo, hi, device = producer
     _moved(np.concatenate(moves) if len(moves) > 1 else moves[0], lo, hi, device, itemsize, memory)
@@ -242,7 +242,7 @@ def _first_of_each(rows, columns):
 
 
 def _lowered(graph, strategy, itemsize):
-    from taskrt.lowering import lower
-    from taskrt.memory import plan_memory
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.memory import plan_memory
 
     return plan_memory(lower(graph, strategy, itemsize=itemsize), itemsize)

@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from search.cost import Breakdown, CostModel
-from search.eliminate import minimize
-from search.layer_space import Configs
-from search.memory import step_memory
-from taskrt.strategy import Strategy
+from taskrt.graph.strategy import Strategy
+from taskrt.search.cost import Breakdown, CostModel
+from taskrt.search.eliminate import minimize
+from taskrt.search.layer_space import Configs
+from taskrt.search.memory import step_memory
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
@@ -143,7 +143,7 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
 
 def _simulated_s(graph, cost_model, strategy) -> float:
     """The simulated step of `strategy` on the cost model's machine, with the runtime's costs."""
-    from taskrt.lowering import lower
+    from taskrt.planning.lowering import lower
 
     return float(cost_model.simulate(lower(graph, strategy, itemsize=cost_model.itemsize)).step_s)
 
@@ -179,7 +179,7 @@ def _fewest_fast(graph, machine, cost_model, found: dict) -> int:
 
 @dataclass(frozen=True)
 class SearchAgain:
-    """A searched strategy's `replan` (taskrt.strategy.Strategy): the search run again for the
+    """A searched strategy's `replan` (taskrt.graph.strategy.Strategy): the search run again for the
     machine left after a lost worker, under a fresh cost model (cached part timings are reused)."""
 
     check_by_simulation: bool = False
@@ -191,7 +191,7 @@ class SearchAgain:
 
 
 def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
-    """JSON-ready bytes per device of a training step under `strategy`, by kind: taskrt.memory's
+    """JSON-ready bytes per device of a training step under `strategy`, by kind: taskrt.planning.memory's
     accounting of the plan, counted without lowering it (search.memory), from `cost_model`'s
     region tables when given."""
     if cost_model is None:
@@ -211,8 +211,8 @@ def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
     """What the simulation check compares: the Eq. 1 optimum (also with every layer on one sync
     method), the baselines, and every valid configuration of the seed families (SplitBrain's mp,
     the Pr x Pc grids)."""
-    from search.baselines import BASELINES
-    from search.families import integrated_family, splitbrain_family
+    from taskrt.search.baselines import BASELINES
+    from taskrt.search.families import integrated_family, splitbrain_family
 
     out = {"layer-wise optimum": optimum}
     # the optimum with one sync method everywhere: Eq. 1 cannot see how either overlaps with backward
@@ -227,8 +227,8 @@ def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
 
 def _check_by_measurement(graph, machine, cost_model, optimum: Strategy) -> Strategy:
     """The fastest on the machine of the optimum and the baselines (each distinct one timed once)."""
-    from search.baselines import BASELINES
-    from search.measured import pick_by_measurement
+    from taskrt.search.baselines import BASELINES
+    from taskrt.search.measured import pick_by_measurement
 
     pool = {"layer-wise": optimum.validated(graph, machine)}
     for name, make in BASELINES.items():

@@ -14,15 +14,15 @@ import numpy as np
 def measure_parts(items, repeats, dtype):
     """Median seconds of the forward and of the backward kernel for each (op, output Rect, need_dx),
     on this worker's device: on a GPU worker the arrays live on the GPU and every timing waits for
-    the device to finish (taskrt.device.synchronize).  The backward includes packing the parameter
-    gradient into one flat array, as a backward task does (taskrt.tasks.Backward): for a
+    the device to finish (taskrt.gpu.device.synchronize).  The backward includes packing the parameter
+    gradient into one flat array, as a backward task does (taskrt.planning.tasks.Backward): for a
     fully-connected layer that copy is as large as its weights.  On a CPU each kernel starts with
     its data out of the core's own cache (`evict_core_cache`), as in a step, where other kernels
     run in between: run back to back on the same arrays, small kernels timed 8-9% faster than in
     a step (LeNet-5 one-device plan in one process, against 2-3% with the eviction)."""
-    from ops import array_module
-    from taskrt.device import synchronize, to_device
-    from taskrt.params import pack
+    from taskrt.gpu.device import synchronize, to_device
+    from taskrt.ops import array_module
+    from taskrt.planning.params import pack
 
     def backward(op, dy, xs, y, params, rect, need_dx):
         _, dparams = op.backward(dy, xs, y, params, rect, need_dx)
@@ -89,8 +89,8 @@ def _l2_bytes() -> int:
 def measure_synchronization(items, repeats, dtype):
     """Median seconds of an SGD update (or a gradient sum) over `elements` parameters from
     `grads` replicas, for each (phase, elements, grads), as the Update / ReduceGrads tasks run it."""
-    from taskrt.device import synchronize, to_device
-    from taskrt.tasks import ReduceGrads, Update
+    from taskrt.gpu.device import synchronize, to_device
+    from taskrt.planning.tasks import ReduceGrads, Update
 
     rng = np.random.default_rng(0)
     hyper = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4}

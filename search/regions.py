@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ops import Concat, Conv2d, Flatten, Linear, Op, Pool2d, SoftmaxCrossEntropy
-from ops.rect import Rect
-from taskrt.config import DIMS
+from taskrt.graph.config import DIMS
+from taskrt.ops import Concat, Conv2d, Flatten, Linear, Op, Pool2d, SoftmaxCrossEntropy
+from taskrt.ops.rect import Rect
 
 
 @dataclass
@@ -114,7 +114,7 @@ def part_table(shape, configs) -> PartTable:
     uneven = next((c for c in configs if not c.is_even), None)
     if uneven is not None:
         raise ValueError(f"config {uneven} splits channels unevenly; the cost tables price even splits only "
-                         "(time such a strategy by simulating its plan: taskrt.simulate)")
+                         "(time such a strategy by simulating its plan: taskrt.planning.simulate)")
     degrees = np.array([[getattr(c, dim) for dim in DIMS[: len(shape)]] for c in configs], dtype=np.int64)
     device = np.concatenate([np.asarray(c.devices, dtype=np.int64) for c in configs])
     return grid_parts(shape, degrees, device)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.rect import Rect
-from search.layer_space import channel_params
+from taskrt.ops.rect import Rect
+from taskrt.search.layer_space import channel_params
 
 
 def roofline_parts(op, shapes, peak, bandwidth, itemsize, per_channel=None,

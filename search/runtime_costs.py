@@ -6,7 +6,7 @@ per task, message and byte) and the result is cached beside the part timings.  O
 the latencies of real training steps are fitted on top (`search.step_costs`: a small calibration
 network's steps under a few strategies), and where the devices share the host's cores, the
 processor time per task too.  `runtime` turns a calibration into the simulator's
-`taskrt.simulate.Runtime` for one plan.
+`taskrt.planning.simulate.Runtime` for one plan.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 
 import numpy as np
 
-from ops import reuse
-from search.step_costs import robust_line, step_costs, trimmed_mean
-from taskrt.device_kinds import DEVICE_KINDS
+from taskrt.machines.device_kinds import DEVICE_KINDS
+from taskrt.ops import reuse
+from taskrt.search.step_costs import robust_line, step_costs, trimmed_mean
 
 # Machine.calibrate's costs: hops between computing tasks, across devices, a graph's intake; CPU per byte moved,
 # per message; CPU per task fitted to training steps where devices share cores; the scheduler's
@@ -25,7 +25,7 @@ from taskrt.device_kinds import DEVICE_KINDS
 # (the start's line fitted by Theil-Sen)
 # ...; for the programs executor, the mailbox hop, its processor time, a program's time per task, the
 # scheduler's time per task, and the start, answer and processor time of training steps run as programs;
-# the mailbox hop on one host over the local link (taskrt.local_link), and as between hosts (its TCP
+# the mailbox hop on one host over the local link (taskrt.transport.local_link), and as between hosts (its TCP
 # sockets, or distributed's comms on a TLS cluster)
 CALIBRATION_FORMAT = 16
 # what `fit_to_steps` measures on training steps: the latencies, the rows they and the processor
@@ -35,7 +35,7 @@ STEP_LATENCIES = ("step_dispatch_s", "step_fetch_s", "step_answer_s", "step_star
                   "step_start_extra_per_task_s", "program_step_answer_s", "program_step_start_extra_s")
 STEP_FITTED = (*STEP_LATENCIES, "step_start_rows", "step_cpu_rows", "program_cpu_per_task_s",
                "program_step_start_rows", "program_step_cpu_rows")
-EXECUTORS = ("programs", "tasks")  # taskrt.program_executor.make_executor's; "programs" the Trainer's default
+EXECUTORS = ("programs", "tasks")  # taskrt.execution.program_executor.make_executor's; "programs" the Trainer's default
 
 
 def cpu_workers(machine) -> bool:
@@ -106,7 +106,7 @@ def program_step_costs(machine, calibration: dict, corun: bool) -> dict:
     programs' Runtime: where devices share the host's cores, the processor time per Dask task (a
     program), less each message's and byte's measured apart; the answer (median); the start beyond
     what `runtime` models (the median over strategies: every one has a program per device)."""
-    from taskrt.simulate import program_devices
+    from taskrt.planning.simulate import program_devices
 
     per_message = calibration.get("program_cpu_per_message_s", calibration["cpu_per_message_s"])
     measured = step_costs(machine, calibration["cpu_per_byte_s"], per_message, fit_cpu=corun, executor="programs")
@@ -136,7 +136,7 @@ def step_latencies(machine, calibration: dict, measured: dict, corun: bool) -> d
     reading another device (each gap less the device's own time per task, which the simulator
     charges inside the task), the answer, and the start beyond what `runtime` models, fitted
     as a + b * tasks to the steps' first task (Theil-Sen: robust to one strategy far off)."""
-    from taskrt.fusion import fused_plan
+    from taskrt.planning.fusion import fused_plan
 
     def net(gaps):
         return [g - (calibration["export_s"] if phase == "export" else calibration["per_task_s"])
@@ -182,9 +182,9 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, exe
     "tasks", whose tasks are fused runs (its default) or one per plan task.  `corun`: parts are
     timed beside each other too (see below).  `dataset`: the devices read their data from a
     dataset, ahead of the step (nothing sent from the client).  `steps_ahead`: the programs'
-    steady state as `Trainer.fit` sends steps (`taskrt.simulate.Runtime.steps_ahead`)."""
-    from taskrt.executor import gpu_devices, graph_seconds
-    from taskrt.simulate import Runtime
+    steady state as `Trainer.fit` sends steps (`taskrt.planning.simulate.Runtime.steps_ahead`)."""
+    from taskrt.execution.executor import gpu_devices, graph_seconds
+    from taskrt.planning.simulate import Runtime
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
@@ -226,13 +226,13 @@ def runtime(machine, c: dict, plan, fused: bool = True, corun: bool = False, exe
 
 
 def program_runtime(machine, c: dict, plan, corun: bool = False, dataset: bool = False, steps_ahead: bool = False):
-    """The programs executor's costs for `plan` (taskrt.program_executor): the client's question
+    """The programs executor's costs for `plan` (taskrt.execution.program_executor): the client's question
     for the workers, the data sent, the scheduler taking the graph in and sending each device its
     program (one Dask task per device: `dispatch_s` once, through the one scheduler), a program's
     own time per task, each value's message latency (half a mailbox ping-pong), the answer; on
     shared cores, the processor time per program, message and byte.
     What training steps run as programs measured (`program_step_costs`) is added where there."""
-    from taskrt.simulate import Runtime
+    from taskrt.planning.simulate import Runtime
 
     dispatch = noop_dispatch(c)
     intake = max(c["first_start_s"] - c["submit_per_task_s"] - dispatch, 0.0)
@@ -260,7 +260,7 @@ def data_seconds(c: dict, plan, dataset: bool) -> float:
     """The client's time sending a step's data: one scatter call per device that receives tiles too
     large to carry in the graph, at the client's bandwidth, the rest carried; none where the devices
     read it from a dataset (its reads run ahead, while the step before computes)."""
-    from taskrt.executor import data_bytes_by_device, inline_data_devices
+    from taskrt.execution.executor import data_bytes_by_device, inline_data_devices
 
     if dataset:
         return 0.0

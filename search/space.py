@@ -15,9 +15,9 @@ from math import prod
 import numba
 import numpy as np
 
-from ops.rect import Rect
-from taskrt.config import DIMS, ParallelConfig, blocks
-from taskrt.memory import part_footprint
+from taskrt.graph.config import DIMS, ParallelConfig, blocks
+from taskrt.ops.rect import Rect
+from taskrt.planning.memory import part_footprint
 
 PLACEMENTS = ("first", "aligned")
 
@@ -29,7 +29,7 @@ def degree_choices(num_devices: int, powers_of_two: bool = True) -> list[int]:
 
 
 def part_memory(layer, config: ParallelConfig, itemsize: int) -> int:
-    """Bytes the largest part holds during a step (taskrt.memory.part_footprint: its input tiles,
+    """Bytes the largest part holds during a step (taskrt.planning.memory.part_footprint: its input tiles,
     its output and output gradient, and its parameter shard with gradient and velocity).  Blocks
     that do not divide evenly are larger first, so part 0 is the largest."""
     return _block_memory(layer.op, tuple(blocks(size, getattr(config, dim))[0][1]

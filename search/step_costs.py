@@ -6,7 +6,7 @@ dependent tasks scheduled one wave at a time, their specs, the exports of a fuse
 step's graph built, submitted and taken in by the scheduler.  So a small calibration network,
 none of the benchmark's, trains a few steps under data, model and OWT parallelism, a spatial
 split and (with two devices or more) on one device alone, and the steps are measured as the
-simulator sees them (`taskrt.simulate.Runtime`):
+simulator sees them (`taskrt.planning.simulate.Runtime`):
 
 - processor time (where devices share a host's cores with the runtime, CPU workers on one
   host): all processes' CPU time over the steps, less the workers' task threads' own and the
@@ -38,7 +38,7 @@ def calibration_network(batch: int = 32):
     """Two conv-pool stages and two fully-connected layers at 32x32: a step of tens of
     milliseconds on two CPU workers, with activations, weights and gradients all of a size
     that moves."""
-    from taskrt.graph import Graph
+    from taskrt.graph.graph import Graph
 
     g = Graph("calibration")
     x = g.input("image", (batch, 3, 32, 32))
@@ -57,9 +57,9 @@ def strategies(graph, machine) -> dict:
     """Data, model and OWT parallelism, conv and pool layers split in height (the rest over
     samples), and every layer on device 0: few tasks and many bytes, many tasks and few bytes,
     between, and one task (a step that fuses into a single run)."""
-    from search.baselines import BASELINES
-    from taskrt.config import ParallelConfig
-    from taskrt.strategy import Strategy
+    from taskrt.graph.config import ParallelConfig
+    from taskrt.graph.strategy import Strategy
+    from taskrt.search.baselines import BASELINES
 
     d = machine.num_devices
     if d == 1:  # every strategy is the same one on a single device
@@ -90,8 +90,8 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
     each step's first task ("step_starts": [(plan, [seconds])]; the cost model compares them with
     the start it models for the plan).  With `executor="programs"` the gaps stay empty (a program's
     hops never reach the scheduler) and the rows count Dask tasks: one program per device."""
-    from search.measured import random_batch
-    from taskrt.fusion import fused_plan
+    from taskrt.planning.fusion import fused_plan
+    from taskrt.search.measured import random_batch
 
     graph = calibration_network()
     x, y = random_batch(graph, 0)
@@ -124,7 +124,7 @@ def step_costs(machine, cpu_per_byte_s: float = 0.0, cpu_per_message_s: float = 
 
 def calibration_trainers(machine, graph, x, y, warmup: int, executor: str = "tasks") -> dict:
     """A Trainer per calibration strategy, each `warmup` steps in (compiled, memory touched)."""
-    from taskrt.trainer import Trainer
+    from taskrt.training.trainer import Trainer
 
     trainers = {}
     for name, strategy in strategies(graph, machine).items():
@@ -142,7 +142,7 @@ def runtime_cpu(trainers: dict, x, y, steps: int, rounds: int) -> list[dict]:
     `steps` steps).  The strategies take turns, each turn after one untimed step of its own, so a
     slow moment of the host hits them alike and no turn pays for the last one's freeing; one fit
     of four steps each moved from 2.9 to 4.5 ms per task between back-to-back runs."""
-    from taskrt.fusion import fused_plan
+    from taskrt.planning.fusion import fused_plan
 
     seconds = {name: [] for name in trainers}
     for _ in range(rounds):
@@ -160,8 +160,8 @@ def runtime_cpu(trainers: dict, x, y, steps: int, rounds: int) -> list[dict]:
 
 def dask_tasks(trainer) -> int:
     """The Dask tasks of one of `trainer`'s steps: its fused plan's, or with programs one per device."""
-    from taskrt.fusion import fused_plan
-    from taskrt.programs import device_programs
+    from taskrt.planning.fusion import fused_plan
+    from taskrt.planning.programs import device_programs
 
     if trainer.executor_kind == "programs":
         return len(device_programs(trainer.plan))
@@ -213,7 +213,7 @@ def program_timings(records, tag: str, began: float, ended: float) -> dict | Non
 def recorded_step(trainer, x, y) -> tuple:
     """One step of `trainer` on a cluster whose task stream is recording: (its StepFuture, when the
     client began it, when the client had it), on the task stream's clock, once the scheduler has
-    heard its runs end.  (A step's losses come straight from its workers, taskrt.worker_reads,
+    heard its runs end.  (A step's losses come straight from its workers, taskrt.transport.worker_reads,
     maybe before the scheduler has put its tasks in the task stream.)"""
     from distributed import wait
 
@@ -241,7 +241,7 @@ def step_timings(fused, records, tag: str, began: float, ended: float, latency, 
     - "answer_s": from the last run computing one of the step's outputs ending to `ended` (the
       client having the values it waits for), as the simulator ends a step: negative where a
       device still updated its state after the client had the losses."""
-    from taskrt.plan import TASK, output_keys
+    from taskrt.planning.plan import TASK, output_keys
 
     suffix = f"-it{tag}"
     spans = {}  # plan key -> (start, stop)
@@ -342,7 +342,7 @@ def processor_time(client) -> tuple[float, dict]:
     of every other thread than the workers' task threads, by (worker, thread): kernels slowed by
     the runtime's work take no more processor time, only more wall time, so the task stream's
     durations would not do.  (A process's time keeps its ended threads'; a thread's goes with it.)"""
-    from taskrt.calibration import _process_cpu
+    from taskrt.machines.calibration import _process_cpu
 
     workers = client.run(_worker_cpu)
     own = _process_cpu()
@@ -357,7 +357,7 @@ def _worker_cpu() -> tuple[float, dict]:
 
     import psutil
 
-    from taskrt.calibration import _process_cpu
+    from taskrt.machines.calibration import _process_cpu
 
     runs_tasks = {t.native_id for t in threading.enumerate() if "Dask-Default-Threads" in t.name}
     return _process_cpu(), {t.id: t.user_time + t.system_time for t in psutil.Process().threads()

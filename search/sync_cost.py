@@ -53,7 +53,7 @@ def sync_times(starts, device, c_lo, c_hi, per_channel, inv_bandwidth, latency, 
             if replicas == 1:
                 continue
             replicated[a] = True
-            # all-reduce: replica i owns chunk i of the flat shard (taskrt.plan.chunk_bounds)
+            # all-reduce: replica i owns chunk i of the flat shard (taskrt.planning.plan.chunk_bounds)
             owners = min(replicas, volume)
             for i in range(replicas):
                 chunk[i] = volume // owners + (1 if i < volume % owners else 0) if i < owners else 0.0

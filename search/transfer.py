@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from search.regions import PartTable, Slots, _grid_parts, _slots, overlap_volumes, part_slots
+from taskrt.search.regions import PartTable, Slots, _grid_parts, _slots, overlap_volumes, part_slots
 
 
 @dataclass

@@ -19,7 +19,7 @@ def train_digits(trainer, epochs: int, batch: int, lr: float, seed: int, out=sys
     """Train on the digits through the dataset path (`Trainer.fit`: the workers hold the images
     and read their own part of each batch), printing loss and test accuracy per epoch with a
     progress bar; returns (test accuracy, seconds)."""
-    from taskrt.datasets import digits
+    from taskrt.data.datasets import digits
 
     size = trainer.graph.inputs[0].shape[-1]
     train, test = digits(image_size=size, seed=seed)
@@ -41,8 +41,8 @@ def lenet_mixed_strategy(graph):
     """A hand-written layer-wise strategy for LeNet-5 on two devices: sample-parallel first
     convolution, the second convolution and its pooling split over height (halo rows move),
     the fully-connected layers split over channels (model parallel), the loss on one device."""
-    from taskrt.config import ParallelConfig as P
-    from taskrt.strategy import Strategy
+    from taskrt.graph.config import ParallelConfig as P
+    from taskrt.graph.strategy import Strategy
 
     configs = {}
     for layer in graph:
@@ -62,7 +62,7 @@ def lenet_mixed_strategy(graph):
 def predicted_step_s(trainer) -> float:
     """The training plan's step time as the simulator predicts it from the cost model's
     measurements on this machine (cached on disk, so later runs measure nothing)."""
-    from search import CostModel
+    from taskrt.search import CostModel
 
     cost_model = CostModel(trainer.machine, progress=False)
     plan = trainer.plan
@@ -71,9 +71,9 @@ def predicted_step_s(trainer) -> float:
 
 def cmd_run(args):
     from taskrt import models
-    from taskrt.dashboard import page_url
-    from taskrt.machine import Machine
-    from taskrt.trainer import Trainer
+    from taskrt.machines.machine import Machine
+    from taskrt.observing.dashboard import page_url
+    from taskrt.training.trainer import Trainer
 
     graph = models.lenet5(batch=args.batch)
     with Machine.local(args.devices) as machine:
@@ -106,15 +106,15 @@ def _phases(plan) -> str:
 
 
 def _data_parallel(graph, devices):
-    from taskrt.config import ParallelConfig as P
-    from taskrt.strategy import Strategy
+    from taskrt.graph.config import ParallelConfig as P
+    from taskrt.graph.strategy import Strategy
 
     return Strategy({l.name: P(n=devices) for l in graph if not l.is_input}, name=f"data-parallel-{devices}")
 
 
 def random_batch(graph, seed: int = 0) -> tuple:
     """A seeded batch for every input of `graph`: standard normal images, labels of its classes."""
-    from taskrt.data import data_inputs, logits_layer
+    from taskrt.data.arrays import data_inputs, logits_layer
 
     rng = np.random.default_rng(seed)
     classes = graph[logits_layer(graph)].shape[1]
@@ -125,19 +125,19 @@ def random_batch(graph, seed: int = 0) -> tuple:
 def profile_cost_model(machine, cache=None):
     """What `taskrt profile` simulates the plan with: the search's cost model of `machine` (its
     runtime calibrated and parts timed once, then cached in `cache`)."""
-    from search import CostModel
+    from taskrt.search import CostModel
 
     return CostModel(machine, cache=cache)
 
 
 def profile_strategy(spec: str, graph, machine, cost_model):
     """--strategy: 'data-parallel', 'search' (search.optimize under `cost_model`) or a JSON file."""
-    from taskrt.strategy import Strategy
+    from taskrt.graph.strategy import Strategy
 
     if spec == "data-parallel":
         return _data_parallel(graph, machine.num_devices)
     if spec == "search":
-        import search
+        from taskrt import search
 
         return search.optimize(graph, machine, cost_model)
     return Strategy.load(spec, graph, machine)
@@ -147,10 +147,10 @@ def cmd_profile(args):
     from pathlib import Path
 
     from taskrt import models
-    from taskrt.dashboard import page_url
-    from taskrt.machine import Machine
-    from taskrt.strategy import StrategyError
-    from taskrt.trainer import Trainer
+    from taskrt.graph.strategy import StrategyError
+    from taskrt.machines.machine import Machine
+    from taskrt.observing.dashboard import page_url
+    from taskrt.training.trainer import Trainer
 
     kwargs = {k: v for k, v in (("batch", args.batch), ("image_size", args.image_size),
                                 ("num_classes", args.classes)) if v is not None}
@@ -189,7 +189,7 @@ def cmd_profile(args):
 
 def parse_machine(spec: str, devices: int | None):
     """'simulated:4x4[:P100]' or 'local:2' -> Machine; `devices`, when given, must agree."""
-    from taskrt.machine import Machine
+    from taskrt.machines.machine import Machine
 
     kind, _, rest = spec.partition(":")
     if kind == "simulated":
@@ -214,8 +214,7 @@ def parse_machine(spec: str, devices: int | None):
 
 
 def cmd_search(args):
-    import search
-    from taskrt import models
+    from taskrt import models, search
 
     if args.measure and not args.machine.startswith("local"):
         raise SystemExit(f"--measure times the candidates on a running cluster: use --machine local:<devices>, "
@@ -266,7 +265,7 @@ def cmd_search(args):
 
 def memory_report(memory: dict, machine) -> str:
     """The per-device memory table (MiB), with each device's capacity where the machine knows it."""
-    from taskrt.memory import KINDS
+    from taskrt.planning.memory import KINDS
 
     rows = [f"{'device':>6} " + " ".join(f"{k:>12}" for k in (*KINDS, "total")) + f" {'of capacity':>12}   (MiB)"]
     for device, m in memory.items():
@@ -278,7 +277,7 @@ def memory_report(memory: dict, machine) -> str:
 
 def report(graph, strategy) -> str:
     """The chosen strategy per layer, in the style of the paper's Table 5, with predicted costs."""
-    from taskrt.config import DIMS
+    from taskrt.graph.config import DIMS
 
     meta = strategy.meta
     rows = [f"{'layer':<28} {'kind':<22} {'config':<24} {'devices':<10} {'t_c ms':>9} {'t_x ms':>9} {'t_s ms':>9}"
@@ -337,10 +336,10 @@ def main(argv=None):
     prof.add_argument("--seed", type=int, default=0)
     prof.add_argument("--serve", type=float, default=0.0, help="seconds to keep the dashboard up afterwards")
     prof.set_defaults(func=cmd_profile)
-    sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m bench)")
+    sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m taskrt.bench)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        from bench.__main__ import main as bench_main
+        from taskrt.bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

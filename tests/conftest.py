@@ -15,7 +15,7 @@ dask.sizeof.random = random.Random(0)
 @pytest.fixture(scope="session")
 def machine4():
     """Four single-threaded local workers, shared by the tests that need a cluster."""
-    from taskrt.machine import Machine
+    from taskrt.machines.machine import Machine
 
     m = Machine.local(4, probe=False)
     yield m
@@ -27,8 +27,8 @@ def calibrated4(machine4, tmp_path_factory):
     """A cost cache holding `machine4`'s runtime calibration alone, measured once for the session
     (about 10 s on two cores), without the fits to training steps a CostModel adds (a minute and a
     half more; tests/test_step_costs.py tests those): the models these tests build take it as it is."""
-    from search.cost_cache import CostCache
-    from search.runtime_costs import CALIBRATION_FORMAT, calibration_key
+    from taskrt.search.cost_cache import CostCache
+    from taskrt.search.runtime_costs import CALIBRATION_FORMAT, calibration_key
 
     cache = CostCache(tmp_path_factory.mktemp("calibration") / "costs.json")
     cache.data["overhead"][calibration_key(machine4)] = {**machine4.calibrate(), "format": CALIBRATION_FORMAT}

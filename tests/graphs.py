@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from taskrt import Graph, models
-from taskrt.config import ParallelConfig as P
-from taskrt.strategy import Strategy
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
 
 
 def small_lenet():
@@ -159,7 +159,7 @@ def with_and_without_graphs(machine, graph, strategy, batches, before=None, afte
     """{True: (losses, parameters) of `batches` stepped with each run replayed as a CUDA graph once
     it can be, False: the same steps launched kernel by kernel}.  `before()` runs before each
     trainer is made, `after(graphs)` after its steps (to count the workers' captures)."""
-    from taskrt.trainer import Trainer
+    from taskrt.training.trainer import Trainer
 
     results = {}
     for graphs in (True, False):

@@ -6,8 +6,8 @@ from math import prod
 
 from hypothesis import strategies as st
 
-from taskrt.config import SYNC_METHODS, ParallelConfig
-from taskrt.strategy import Strategy
+from taskrt.graph.config import SYNC_METHODS, ParallelConfig
+from taskrt.graph.strategy import Strategy
 
 
 @st.composite

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taskrt
-from search import analytic as an
-from search.analytic import Grid, Interconnect, LayerDims
 from taskrt import models
+from taskrt.search import analytic as an
+from taskrt.search.analytic import Grid, Interconnect, LayerDims
 
 
 @cache
@@ -304,7 +304,7 @@ def test_bad_input_is_named(call, message):
 
 # ---- the benchmark ------------------------------------------------------------------------------
 def test_bench_figures_are_consistent():
-    from bench.gholami import PAPER_P, run_fig6_fig7
+    from taskrt.bench.gholami import PAPER_P, run_fig6_fig7
 
     result = run_fig6_fig7(quick=True)
     for figure in ("fig6", "fig7"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.accuracy import calibration_line, processor_line, ranking
+from taskrt.bench.accuracy import calibration_line, processor_line, ranking
 
 
 def row(model, devices, strategy, measured, simulated):

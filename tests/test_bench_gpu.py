@@ -9,9 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from bench import gpu, gpu_kernels, gpu_steps
-from ops.rect import Rect
 from taskrt import models
+from taskrt.bench import gpu, gpu_kernels, gpu_steps
+from taskrt.ops.rect import Rect
 
 
 @pytest.fixture
@@ -253,7 +253,7 @@ def test_the_bf16_loss_check_runs_on_a_cpu_worker():
 def test_transfer_part_on_cpu_workers():
     """The transfer part's ping-pong on CPU workers (numpy arrays, through shared memory): rows and
     summary say the array arrived equal and did not go through CUDA IPC."""
-    from bench.gpu_transfer import transfer_part, transfer_summary
+    from taskrt.bench.gpu_transfer import transfer_part, transfer_summary
 
     rows = []
     transfer_part(rows, rounds=2, device="cpu", nbytes=2**20)

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bench import ist_training
-from bench.ist_training import (
+from taskrt.bench import ist_training
+from taskrt.bench.ist_training import (
     QUICK,
     Curve,
     kernel_seconds,

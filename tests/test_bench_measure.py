@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import search
-import search.runtime_costs
-from bench.measure import median_timings, refitted, retiming_rounds, spread
-from search.cost_cache import CostCache
-from taskrt.machine import Machine
+import taskrt.search.runtime_costs
+from taskrt import search
+from taskrt.bench.measure import median_timings, refitted, retiming_rounds, spread
+from taskrt.machines.machine import Machine
+from taskrt.search.cost_cache import CostCache
 
 
 def session(tmp_path, name, parts: dict):
@@ -34,7 +34,7 @@ def test_each_timing_becomes_the_median_of_the_sessions_that_all_timed_it(tmp_pa
 def test_what_was_fitted_to_steps_becomes_the_median_of_the_fits(tmp_path, machine4):
     key = f"{machine4.devices[0].kind}|{machine4.num_devices} devices"
     cache = CostCache(tmp_path / "first.json")
-    cache.data["overhead"][key] = {"format": search.runtime_costs.CALIBRATION_FORMAT, "per_hop_s": 1e-3,
+    cache.data["overhead"][key] = {"format": taskrt.search.runtime_costs.CALIBRATION_FORMAT, "per_hop_s": 1e-3,
                                    "memory_bandwidth": 1e10, "cpu_per_task_s": 4e-3, "noop_cpu_per_task_s": 1e-3,
                                    "step_dispatch_s": 1e-3, "step_start_extra_s": -2e-3}
     cache.save()

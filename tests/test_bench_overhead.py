@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 
-from bench.measure import compute_times
-from bench.overhead import dask_replica, data_parallel
-from search.measured import random_batch
 from taskrt import models
-from taskrt.executor import step_key
-from taskrt.machine import Machine
-from taskrt.trainer import Trainer
+from taskrt.bench.measure import compute_times
+from taskrt.bench.overhead import dask_replica, data_parallel
+from taskrt.execution.executor import step_key
+from taskrt.machines.machine import Machine
+from taskrt.search.measured import random_batch
+from taskrt.training.trainer import Trainer
 
 
 def test_the_dask_replica_runs_the_plans_tasks_on_their_devices_for_their_times():

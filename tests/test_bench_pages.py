@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import BENCHMARKS, ON_REQUEST
-from bench.pages import PAGES, header
-from bench.report import write_result
+from taskrt.bench.__main__ import BENCHMARKS, ON_REQUEST
+from taskrt.bench.pages import PAGES, header
+from taskrt.bench.report import write_result
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 LABELS = ("What it measures:", "On:", "Rerun:", "Goal:", "This run:")
@@ -19,7 +19,7 @@ LABELS = ("What it measures:", "On:", "Rerun:", "Goal:", "This run:")
 def test_every_benchmark_has_a_page():
     assert set(PAGES) == set(BENCHMARKS) | set(ON_REQUEST)
     for name, page in PAGES.items():
-        assert f"python -m bench {name}" in page.rerun, name
+        assert f"python -m taskrt.bench {name}" in page.rerun, name
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("*.json") if p.stem in PAGES))
@@ -53,14 +53,14 @@ def test_a_record_of_another_shape_says_so_instead_of_failing():
 
 
 def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
-    from bench import gpu_steps, kernels, overhead, peer
+    from taskrt.bench import gpu_steps, kernels, overhead, peer
 
     assert f"{kernels.GOAL:.0%}" in PAGES["kernels"].goal and f"{kernels.MOONSHOT:.0%}" in PAGES["kernels"].goal
     assert all(f"{v:g}x" in PAGES["overhead"].goal for v in {*overhead.GOALS.values(), overhead.HOP_GOAL})
     assert all(f"{v:g}x" in PAGES["peer"].goal for v in {*peer.GOALS.values(), *peer.TWO_DEVICE_GOALS.values()})
     assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
     assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
-    from bench import accuracy, scaling
+    from taskrt.bench import accuracy, scaling
 
     assert f"{scaling.GOAL_RATIO:g}x" in PAGES["scaling"].goal
     assert f"{accuracy.GOAL_CASES} of the 15" in PAGES["accuracy"].goal
@@ -93,9 +93,9 @@ def test_the_committed_accuracy_verdict_counts_as_its_summary_does():
 
 
 def test_the_peer_page_judges_never_slower_than_one_device():
-    from bench.overhead import data_parallel
-    from bench.peer import ONE_DEVICE_TOLERANCE, one_device_check
     from taskrt import models
+    from taskrt.bench.overhead import data_parallel
+    from taskrt.bench.peer import ONE_DEVICE_TOLERANCE, one_device_check
 
     graph = models.lenet5(batch=4, image_size=16, width=0.5)
     one, two = data_parallel(graph, 1).validated(graph), data_parallel(graph, 2).validated(graph)
@@ -114,7 +114,7 @@ def test_the_peer_page_judges_never_slower_than_one_device():
 
 
 def test_the_peer_page_judges_two_devices_against_one_and_pytorch():
-    from bench.peer import TWO_DEVICE_GOALS, two_device_check
+    from taskrt.bench.peer import TWO_DEVICE_GOALS, two_device_check
 
     assert two_device_check("lenet5", 1.0, 2.0, 1.0)["beats_one"] is None  # no goal for LeNet-5
     fast = two_device_check("alexnet32", 0.4, 0.6, 0.35)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import pages, scaling_measured
+from taskrt.bench import pages, scaling_measured
 
 
 def row(devices, strategy, ms, simulated_ms):

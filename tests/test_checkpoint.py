@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from taskrt import models
-from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
-from taskrt.config import ParallelConfig as P
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.training.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
+from taskrt.training.trainer import Trainer
 
 
 def small_lenet(width=0.5):

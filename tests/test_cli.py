@@ -8,7 +8,7 @@ import json
 import pytest
 
 from taskrt.cli import main
-from taskrt.strategy import Strategy
+from taskrt.graph.strategy import Strategy
 
 
 def test_search_prints_memory_per_device_and_saves_it(tmp_path, capsys):

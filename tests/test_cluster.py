@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from taskrt import models
-from taskrt.calibration import cpu_costs
-from taskrt.config import ParallelConfig as P
-from taskrt.machine import Machine
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.calibration import cpu_costs
+from taskrt.machines.machine import Machine
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 
 def _listening(dask_worker=None, dask_scheduler=None):
@@ -126,11 +126,11 @@ def test_a_step_over_tls_on_separately_started_scheduler_and_workers(tmp_path):
 
 
 def test_local_machines_shorten_message_batching_and_given_clusters_keep_theirs(machine4):
-    """taskrt.batching: every stream of a cluster Machine.local started sends after at most
+    """taskrt.machines.batching: every stream of a cluster Machine.local started sends after at most
     INTERVAL_S; a cluster given to Machine.from_client keeps Dask's own intervals."""
     from distributed import Client, LocalCluster
 
-    from taskrt.batching import INTERVAL_S, intervals
+    from taskrt.machines.batching import INTERVAL_S, intervals
 
     ours = intervals(machine4.client)
     assert ours["client"] == INTERVAL_S and len(ours["workers"]) == 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from search.compare import BACKWARD, FORWARD, SYNC, plan_vs_model
 from taskrt import Graph, models
+from taskrt.search.compare import BACKWARD, FORWARD, SYNC, plan_vs_model
 
 
 def mlp(batch=64, widths=(256, 128, 128, 16)):

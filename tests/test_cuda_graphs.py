@@ -1,4 +1,4 @@
-"""Replaying fused runs as CUDA graphs (`taskrt.cuda_graphs`): the bookkeeping around a capture,
+"""Replaying fused runs as CUDA graphs (`taskrt.gpu.cuda_graphs`): the bookkeeping around a capture,
 checked with a stand-in device whose "graph" re-runs the captured function into the same output
 arrays (as a CUDA graph rewrites its static outputs).  The real capture runs in the gpu tests."""
 
@@ -9,8 +9,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from taskrt import cuda_graphs
-from taskrt.fusion import FusedRun
+from taskrt.gpu import cuda_graphs
+from taskrt.planning.fusion import FusedRun
 
 
 class StandInDevice:
@@ -250,9 +250,8 @@ def test_every_run_of_every_program_is_replayed_and_computes_what_ordinary_calls
     captured after their ordinary calls (a run's hyper-parameters, a dict, are constants of its capture;
     a device with more runs per step than fit in the workers' keep would capture none), and six
     steps give bit for bit the losses and parameters of the same steps called kernel by kernel."""
-    import search
-    from taskrt import models
-    from taskrt.executor import Executor
+    from taskrt import models, search
+    from taskrt.execution.executor import Executor
     from tests.graphs import alternating_strategy, with_and_without_graphs
 
     monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))
@@ -289,9 +288,9 @@ def test_several_steps_to_a_program_replay_their_runs_and_compute_what_one_step_
     it starts, and the losses and parameters are bit for bit those of one step at a time launched
     kernel by kernel."""
     from taskrt import models
-    from taskrt.datasets import Synthetic
-    from taskrt.executor import Executor
-    from taskrt.trainer import Trainer
+    from taskrt.data.datasets import Synthetic
+    from taskrt.execution.executor import Executor
+    from taskrt.training.trainer import Trainer
     from tests.graphs import alternating_strategy
 
     monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))

@@ -8,8 +8,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from taskrt.dashboard import PATH, page_url
-from taskrt.trainer import Trainer
+from taskrt.observing.dashboard import PATH, page_url
+from taskrt.training.trainer import Trainer
 from tests.graphs import mixed_lenet_strategy, small_lenet
 
 
@@ -62,7 +62,7 @@ def test_page_is_served_and_shows_the_running_strategy(machine4):
 
 
 def test_page_says_so_when_nothing_was_published():
-    from taskrt.dashboard import _header, bytes_columns, grid_columns
+    from taskrt.observing.dashboard import _header, bytes_columns, grid_columns
 
     data = {"graph": "g", "strategy": "s", "machine": "m", "steps_done": 0, "layers": [], "devices": [],
             "planned_bytes": {"0->1": 10}, "measured_bytes": {"0->1": 12}, "measured_step": 1,
@@ -76,6 +76,6 @@ def test_page_says_so_when_nothing_was_published():
                                            ({"n": 1, "c": 1, "h": 1, "w": 1}, "one part"),
                                            ({"n": 2, "c": 2, "h": 1, "w": 1}, "n=2 c=2")])
 def test_split_names(degrees, name):
-    from taskrt.dashboard import _split_name
+    from taskrt.observing.dashboard import _split_name
 
     assert _split_name(degrees) == name

@@ -11,10 +11,9 @@ from dask.utils import key_split
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.rect import Rect
-from taskrt import models, synthetic
-from taskrt.config import ParallelConfig as P
-from taskrt.datasets import (
+from taskrt import models
+from taskrt.data import synthetic
+from taskrt.data.datasets import (
     ArrayDataset,
     DataReadError,
     DatasetError,
@@ -24,11 +23,13 @@ from taskrt.datasets import (
     bind_dataset,
     mapped,
 )
-from taskrt.executor import step_graph
-from taskrt.fit import batches, check_options, epoch_order, steps_per_epoch
-from taskrt.lowering import lower
-from taskrt.reading import TileRead, read_tile, tile_on_device
-from taskrt.strategy import Strategy
+from taskrt.data.reading import TileRead, read_tile, tile_on_device
+from taskrt.execution.executor import step_graph
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.ops.rect import Rect
+from taskrt.planning.lowering import lower
+from taskrt.training.fit import batches, check_options, epoch_order, steps_per_epoch
 
 
 def lenet():

@@ -10,14 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from taskrt.batching import INTERVAL_S, intervals
-from taskrt.checkpoint import Checkpoints, read_checkpoint
-from taskrt.config import ParallelConfig as P
-from taskrt.elastic import remap, snapshot_interval
-from taskrt.fusion import run_of
-from taskrt.machine import Machine, MachineError, worker_info
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer, WorkerLostWarning
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.batching import INTERVAL_S, intervals
+from taskrt.machines.machine import Machine, MachineError, worker_info
+from taskrt.planning.fusion import run_of
+from taskrt.training.checkpoint import Checkpoints, read_checkpoint
+from taskrt.training.elastic import remap, snapshot_interval
+from taskrt.training.trainer import Trainer, WorkerLostWarning
 from tests.graphs import mixed_lenet_strategy, small_lenet
 
 RTOL = 1e-5  # float32: replayed steps run under another strategy, so sums are taken in another order
@@ -182,7 +182,7 @@ def test_two_kills_and_the_worker_that_came_back_is_used_again(machine3, uninter
 
 @pytest.mark.slow
 def test_searched_strategy_is_searched_again_on_the_survivors(machine3, tmp_path):
-    import search
+    from taskrt import search
 
     graph = small_lenet()
     data = batches(graph, 4, seed=2)
@@ -205,9 +205,9 @@ def test_searched_strategy_is_searched_again_on_the_survivors(machine3, tmp_path
 
 @pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_losing_the_last_worker_is_a_clear_error_with_a_checkpoint_on_disk(tmp_path, monkeypatch):
-    import taskrt.trainer
+    import taskrt.training.trainer
 
-    monkeypatch.setattr(taskrt.trainer, "RESTART_GRACE_S", 1.0)
+    monkeypatch.setattr(taskrt.training.trainer, "RESTART_GRACE_S", 1.0)
     graph = small_lenet()
     data = batches(graph, 3)
     with Machine.local(1, probe=False) as machine:
@@ -236,7 +236,7 @@ def test_kill_during_fit_reads_the_logged_samples_again(machine3, per_program):
     """A step read from a dataset is logged as its sample indices alone; a worker killed while
     `fit` has steps in flight (the dataset's copy on it lost too), one or several to a program,
     ends with the parameters of an uninterrupted run."""
-    from taskrt.datasets import ArrayDataset
+    from taskrt.data.datasets import ArrayDataset
 
     wait_for_all(machine3)
     graph = small_lenet()

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from taskrt import Graph, models
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.trainer import Trainer
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 from tests.strategies import random_strategies
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}

@@ -8,12 +8,11 @@ import dataclasses
 
 import pytest
 
-import search
-from search.families import FamilyError, integrated, integrated_family, splitbrain, splitbrain_family
-from taskrt import models
-from taskrt.config import ParallelConfig as P
-from taskrt.machine import Machine
-from taskrt.strategy import Strategy
+from taskrt import models, search
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine
+from taskrt.search.families import FamilyError, integrated, integrated_family, splitbrain, splitbrain_family
 from tests.test_equivalence import check_equivalence
 
 

@@ -8,16 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-import search
-from search.optimize import SIMULATION_MARGIN, SearchAgain, device_counts
-from taskrt import models
-from taskrt.config import ParallelConfig as P
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.memory import plan_memory
-from taskrt.simulate import Runtime
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer, WorkerLostWarning
+from taskrt import models, search
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.planning.memory import plan_memory
+from taskrt.planning.simulate import Runtime
+from taskrt.search.optimize import SIMULATION_MARGIN, SearchAgain, device_counts
+from taskrt.training.trainer import Trainer, WorkerLostWarning
 from tests.graphs import small_lenet
 from tests.test_equivalence import TOLERANCE, assert_close, batch_for
 
@@ -95,7 +94,7 @@ def test_where_compute_dominates_every_device_is_used(check):
 def test_on_a_real_cluster_more_devices_must_win_by_the_margin():
     """Where the simulation predicts rather than measures, a larger count must be faster by more
     than SIMULATION_MARGIN than the fewer devices kept so far."""
-    from search.optimize import _fewest_fast
+    from taskrt.search.optimize import _fewest_fast
 
     class Given(FetchCosts):  # simulated steps given per device count
         def simulate(self, plan, fused=True, runtime=None):

@@ -14,11 +14,11 @@ from dask.utils import key_split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taskrt.config import ParallelConfig as P
-from taskrt.datasets import ArrayDataset, DataReadError, DatasetError, NpyDataset, Synthetic
-from taskrt.fit import batches
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.data.datasets import ArrayDataset, DataReadError, DatasetError, NpyDataset, Synthetic
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.training.fit import batches
+from taskrt.training.trainer import Trainer
 from tests.graphs import inception_block, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
 

@@ -1,4 +1,4 @@
-"""Fusing a step's tasks per device and stage (taskrt.fusion): the fused graph computes every value
+"""Fusing a step's tasks per device and stage (taskrt.planning.fusion): the fused graph computes every value
 the unfused one gives the client and other devices, under the same keys; groups are convex; one
 device's whole step is a single Dask task."""
 
@@ -14,12 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taskrt import models
-from taskrt.config import ParallelConfig as P
-from taskrt.device import to_device
-from taskrt.executor import step_graph, step_key
-from taskrt.fusion import FusedRun, RunValue, fuse, fused_plan, given_elsewhere, groups_of, stages, step_done_keys
-from taskrt.lowering import lower
-from taskrt.strategy import Strategy
+from taskrt.execution.executor import step_graph, step_key
+from taskrt.gpu.device import to_device
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.planning.fusion import (
+    FusedRun,
+    RunValue,
+    fuse,
+    fused_plan,
+    given_elsewhere,
+    groups_of,
+    stages,
+    step_done_keys,
+)
+from taskrt.planning.lowering import lower
 from tests.strategies import random_strategies
 
 
@@ -135,7 +144,7 @@ def test_one_device_runs_a_whole_step_as_one_task(mode):
 
 
 def test_a_value_read_out_of_an_earlier_run():
-    """A RunValue argument (taskrt.fusion): in a fused group, one input for the earlier run and the
+    """A RunValue argument (taskrt.planning.fusion): in a fused group, one input for the earlier run and the
     value read out of it; in a group left unfused, the export that names it, added before it."""
     earlier = ("dev0-fused-it1", 1)
     w = RunValue(("w-update-it1", 0), earlier, 2)
@@ -151,7 +160,7 @@ def test_a_value_read_out_of_an_earlier_run():
 
 
 def test_data_tiles_carried_by_the_graph_are_tasks_on_their_devices():
-    """A tile given as an array (taskrt.executor.inline_data_devices) becomes a task on its device
+    """A tile given as an array (taskrt.execution.executor.inline_data_devices) becomes a task on its device
     that gives it: unfused, a '<layer>-data' key there; fused, a literal input of its device's
     run (or of its own task, where the group is not fused), once."""
     from dask.utils import key_split
@@ -244,8 +253,8 @@ def test_a_carried_tile_read_on_another_device_keeps_the_plans_runs():
     """Model parallelism reads the image on both devices while one device holds it: carried in the
     graph, it is a task there from the step's start (`given_elsewhere`), so the step's runs are
     those the simulator schedules, and the tile's task is not fused into its device's first run."""
-    from search.baselines import model_parallel
-    from taskrt.machine import Machine
+    from taskrt.machines.machine import Machine
+    from taskrt.search.baselines import model_parallel
 
     g = models.alexnet(batch=4, image_size=16, num_classes=5, width=1 / 16)
     machine = Machine.simulated(1, 2)
@@ -282,11 +291,11 @@ def test_a_steps_graph_is_timed_without_a_cluster():
     """`graph_seconds` builds, serializes and reads back a step's graph (the simulator's start of
     a step) with stand-ins for every kind of input a step has: state, batch norm statistics,
     data tiles scattered (above INLINE_DATA_BYTES on a device) and carried in the graph."""
-    from search.baselines import BASELINES
-    from taskrt.executor import INLINE_DATA_BYTES, data_bytes_by_device, graph_seconds, inline_data_devices
-    from taskrt.graph import Graph
-    from taskrt.machine import Machine
-    from taskrt.plan import BUFFER, STATE
+    from taskrt.execution.executor import INLINE_DATA_BYTES, data_bytes_by_device, graph_seconds, inline_data_devices
+    from taskrt.graph.graph import Graph
+    from taskrt.machines.machine import Machine
+    from taskrt.planning.plan import BUFFER, STATE
+    from taskrt.search.baselines import BASELINES
 
     g = Graph("bn")
     x = g.input("image", (64, 3, 64, 64))

@@ -24,13 +24,12 @@ def _gpu_count() -> int:
 if _gpu_count() < 1:
     pytest.skip("needs cupy and a CUDA device", allow_module_level=True)
 
-import search  # noqa: E402
-from taskrt import models  # noqa: E402
-from taskrt.config import ParallelConfig as P  # noqa: E402
-from taskrt.machine import Machine  # noqa: E402
-from taskrt.reference import SingleDeviceTrainer  # noqa: E402
-from taskrt.strategy import Strategy  # noqa: E402
-from taskrt.trainer import Trainer  # noqa: E402
+from taskrt import models, search  # noqa: E402
+from taskrt.graph.config import ParallelConfig as P  # noqa: E402
+from taskrt.graph.strategy import Strategy  # noqa: E402
+from taskrt.machines.machine import Machine  # noqa: E402
+from taskrt.training.reference import SingleDeviceTrainer  # noqa: E402
+from taskrt.training.trainer import Trainer  # noqa: E402
 from tests.graphs import alternating_strategy, with_and_without_graphs  # noqa: E402
 from tests.strategies import random_strategies  # noqa: E402
 from tests.test_equivalence import GRAPHS, batch_for, check_equivalence  # noqa: E402
@@ -102,7 +101,7 @@ def test_checkpoints_move_between_gpu_and_cpu_machines(gpu2, tmp_path):
 
 @pytest.mark.parametrize("name", ["lenet5", "inception"])
 def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
-    """Eight steps with each run replayed as a CUDA graph from the third on (taskrt.cuda_graphs) against
+    """Eight steps with each run replayed as a CUDA graph from the third on (taskrt.gpu.cuda_graphs) against
     the same steps launched kernel by kernel, data parallel and a layer-wise split over two workers."""
     graph = {"lenet5": lambda: models.lenet5(batch=8, image_size=16, width=0.5),
              "inception": lambda: models.inception_v3(batch=4, image_size=75, num_classes=10, width=1 / 8)}[name]()
@@ -127,9 +126,9 @@ def test_cuda_graph_replays_compute_what_ordinary_steps_compute(gpu2, name):
 @pytest.mark.parametrize("source", ["synthetic", "arrays"])
 def test_datasets_read_on_gpu_workers_compute_what_the_numpy_path_computes(gpu2, source):
     """Synthetic generates each device's window on the GPU; an ArrayDataset's tiles go through pinned
-    memory on a stream of their own (taskrt.staging.to_device_async), several steps in flight: the
+    memory on a stream of their own (taskrt.gpu.staging.to_device_async), several steps in flight: the
     same losses and parameters as the same batches sent as numpy arrays (with and without graphs)."""
-    from taskrt.datasets import ArrayDataset, Synthetic
+    from taskrt.data.datasets import ArrayDataset, Synthetic
 
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
     synthetic = Synthetic(40, shape=graph.inputs[0].shape[1:], classes=10, seed=3)
@@ -156,7 +155,7 @@ def test_several_steps_to_a_program_on_gpu_workers_compute_what_one_step_at_a_ti
     replayed as graphs, the state left on the GPU from step to step) against the same steps one to
     a program, a layer-wise split over two workers on the GPU; then `evaluate` three batches to a
     program."""
-    from taskrt.datasets import ArrayDataset, Synthetic
+    from taskrt.data.datasets import ArrayDataset, Synthetic
 
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
     synthetic = Synthetic(8 * 9, shape=graph.inputs[0].shape[1:], classes=10, seed=5)
@@ -194,9 +193,9 @@ def test_cuda_graph_copy_kernel_and_a_replay_on_the_gpu():
     of strided inputs: each replay's outputs are fresh arrays equal to an ordinary call's."""
     import cupy
 
-    from taskrt import cuda_graphs
-    from taskrt.device import share_torch_allocator
-    from taskrt.fusion import FusedRun
+    from taskrt.gpu import cuda_graphs
+    from taskrt.gpu.device import share_torch_allocator
+    from taskrt.planning.fusion import FusedRun
 
     assert share_torch_allocator()
     cuda_graphs.clear()
@@ -219,8 +218,8 @@ def test_cuda_graph_copy_kernel_and_a_replay_on_the_gpu():
 
 def test_a_large_device_array_between_workers_on_one_gpu_goes_through_ipc(gpu2):
     """Two workers sharing the GPU: a 4 MB cupy array from one program's mailbox to the other's
-    through CUDA IPC (taskrt.gpu_ipc), arriving equal, and through host memory when told to."""
-    from bench.gpu_transfer import round_trips
+    through CUDA IPC (taskrt.transport.gpu_ipc), arriving equal, and through host memory when told to."""
+    from taskrt.bench.gpu_transfer import round_trips
 
     for ipc in (True, False):
         _, seen = round_trips(gpu2, 4 * 2**20, 3, ipc)
@@ -228,13 +227,13 @@ def test_a_large_device_array_between_workers_on_one_gpu_goes_through_ipc(gpu2):
 
 
 def _clear_graphs():
-    from taskrt import cuda_graphs
+    from taskrt.gpu import cuda_graphs
 
     cuda_graphs.clear()
 
 
 def _graph_stats():
-    from taskrt import cuda_graphs
+    from taskrt.gpu import cuda_graphs
 
     return cuda_graphs.stats()
 
@@ -251,7 +250,7 @@ def test_search_on_gpu_workers_end_to_end(gpu2, tmp_path):
 
 
 def _pool_bytes():
-    from taskrt.device import pool_bytes
+    from taskrt.gpu.device import pool_bytes
 
     return pool_bytes()
 
@@ -282,12 +281,12 @@ def _array_kinds(token, dask_worker=None):
 
 
 def test_a_copy_to_the_device_overlaps_the_kernels_queued_before_it_and_never_writes_under_them():
-    """taskrt.staging.to_device_async in this process: the copy ends while a long kernel queued
+    """taskrt.gpu.staging.to_device_async in this process: the copy ends while a long kernel queued
     before it still runs, and a landing buffer given back while kernels read it is not written
     until they end (their values stay those of the first tile)."""
     import cupy
 
-    from taskrt.staging import to_device_async
+    from taskrt.gpu.staging import to_device_async
 
     a = cupy.random.random((4096, 4096), dtype=cupy.float32)
     cupy.cuda.Stream.null.synchronize()
@@ -298,7 +297,7 @@ def test_a_copy_to_the_device_overlaps_the_kernels_queued_before_it_and_never_wr
     for _ in range(20):
         a = a @ a / 4096
     long_kernels = cupy.cuda.Stream.null.record()
-    from taskrt import staging
+    from taskrt.gpu import staging
 
     landed = to_device_async(tile)
     copied = staging._staging[-1][1]

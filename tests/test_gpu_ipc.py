@@ -1,4 +1,4 @@
-"""Device arrays between workers through CUDA IPC (`taskrt.gpu_ipc`): the buffers, their flags and
+"""Device arrays between workers through CUDA IPC (`taskrt.transport.gpu_ipc`): the buffers, their flags and
 the messages, checked with a stand-in device whose memory is host memory at real addresses.  The
 CUDA calls run in the gpu tests (two workers sharing a GPU exchange values through them)."""
 
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from taskrt import gpu_ipc, shared_memory
+from taskrt.transport import gpu_ipc, shared_memory
 
 
 class StandInDevice:
@@ -108,8 +108,8 @@ def test_the_mailbox_sends_a_device_array_through_a_buffer_and_hands_over_its_co
     """The mailbox's side of IPC, with the stand-in device: a large "device array" to a worker on the
     same host that takes IPC goes as a slot (no value in the message), and the receiving mailbox hands
     over an equal copy; to a worker that does not take IPC, the value itself goes."""
-    import taskrt.mailbox as mailbox
-    from ops import reuse
+    import taskrt.transport.mailbox as mailbox
+    from taskrt.ops import reuse
     from tests.test_programs import FakeWorker
 
     device = StandInDevice()

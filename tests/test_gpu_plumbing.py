@@ -14,14 +14,14 @@ import pytest
 from dask.utils import key_split
 
 from taskrt import models
-from taskrt.config import ParallelConfig as P
-from taskrt.device import to_device
-from taskrt.executor import Executor, step_graph
-from taskrt.lowering import lower
-from taskrt.machine import Machine, MachineError
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.execution.executor import Executor, step_graph
+from taskrt.gpu.device import to_device
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine, MachineError
+from taskrt.planning.lowering import lower
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import Trainer
 
 
 def graph():
@@ -91,7 +91,7 @@ def test_trainer_precision_is_checked_and_set_on_the_workers(machine4):
         Trainer(g, mixed(g), machine4, precision="fp16")
     Trainer(g, mixed(g), machine4, precision="tf32")
     try:
-        from ops.precision import get_precision
+        from taskrt.ops.precision import get_precision
 
         assert set(machine4.client.run(get_precision).values()) == {"tf32"}
     finally:
@@ -100,14 +100,14 @@ def test_trainer_precision_is_checked_and_set_on_the_workers(machine4):
 
 def test_local_gpu_machine_without_a_gpu_says_what_is_missing():
     code = ("import sys; sys.modules['cupy'] = None\n"
-            "from taskrt.machine import Machine, MachineError\n"
+            "from taskrt.machines.machine import Machine, MachineError\n"
             "try:\n    Machine.local(1, gpu=True)\nexcept MachineError as e:\n    print('ERROR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert "ERROR Machine.local(gpu=True) needs cupy" in out and "cupy-cuda13x" in out
 
 
 def test_worker_device_mode_follows_the_environment(monkeypatch):
-    from taskrt import device
+    from taskrt.gpu import device
 
     for value, gpu in (("cpu", False), ("", False)):
         monkeypatch.setenv("TASKRT_DEVICE", value)

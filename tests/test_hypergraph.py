@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taskrt as tr
-from search import hypergraph as hg
 from taskrt import models
-from taskrt.config import ParallelConfig as P
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.strategy import Strategy, StrategyError
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy, StrategyError
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.search import hypergraph as hg
 from tests.test_equivalence import check_equivalence
 
 # The thesis's Fig. 3.5: the CNN of Fig. 3.4 (input, convs of 4, 3 and 2 filters) plus three
@@ -331,7 +331,7 @@ def test_a_strategy_checks_channel_sizes_against_the_layer():
 
 
 def test_the_cost_tables_refuse_uneven_splits():
-    from search.regions import part_table
+    from taskrt.search.regions import part_table
 
     with pytest.raises(ValueError, match="unevenly.*simulating its plan"):
         part_table((4, 8), [P(c=2, c_sizes=(5, 3))])

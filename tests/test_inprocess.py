@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.ist_training import dp_strategy, network
 from taskrt import Machine, lower
-from taskrt.data import bind_inputs
-from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
-from taskrt.params import init_buffers, init_parameters, unpack
-from taskrt.reference import SingleDeviceTrainer
+from taskrt.bench.ist_training import dp_strategy, network
+from taskrt.data.arrays import bind_inputs
+from taskrt.planning.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
+from taskrt.planning.params import init_buffers, init_parameters, unpack
+from taskrt.training.reference import SingleDeviceTrainer
 
 
 def test_a_data_parallel_step_in_process_is_the_single_device_step():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from taskrt import Graph, GraphError
-from taskrt.ist import (
+from taskrt.planning.params import unpack
+from taskrt.training.ist import (
     CutBlock,
     ISTTrainer,
     LocalSGDTrainer,
@@ -19,8 +20,7 @@ from taskrt.ist import (
     site_blocks,
     units_of,
 )
-from taskrt.params import unpack
-from taskrt.reference import SingleDeviceTrainer
+from taskrt.training.reference import SingleDeviceTrainer
 
 
 def mlp(batch=8, features=6, hidden=(5, 7), classes=3, norm=True):

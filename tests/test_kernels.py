@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops import conv_kernels, sgd_update, winograd
-from ops.conv import Conv2d
-from ops.pool import max_grad_whole_tile
+from taskrt.ops import conv_kernels, sgd_update, winograd
+from taskrt.ops.conv import Conv2d
+from taskrt.ops.pool import max_grad_whole_tile
 from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
 
 

@@ -1,11 +1,11 @@
-"""taskrt.local_link: messages between workers on one host over Unix sockets."""
+"""taskrt.transport.local_link: messages between workers on one host over Unix sockets."""
 
 import queue
 
 import numpy as np
 import pytest
 
-from taskrt import local_link
+from taskrt.transport import local_link
 
 pytestmark = pytest.mark.skipif(not local_link.available(), reason="no Unix sockets here")
 
@@ -84,7 +84,7 @@ def test_workers_on_other_hosts_are_reached_over_tcp_where_they_name_a_port():
 
 
 def test_the_mailbox_rejects_an_unknown_way():
-    from taskrt.mailbox import Mailbox
+    from taskrt.transport.mailbox import Mailbox
 
     with pytest.raises(ValueError, match="'auto', 'tcp' or 'comms'"):
         Mailbox().send("tcp://127.0.0.1:4", "k", "1", np.zeros(1), link="udp")

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ops.windows import halo
 from taskrt import Graph, models
-from taskrt.config import ParallelConfig
-from taskrt.lowering import lower
-from taskrt.plan import DATA, TASK
-from taskrt.strategy import Strategy
+from taskrt.graph.config import ParallelConfig
+from taskrt.graph.strategy import Strategy
+from taskrt.ops.windows import halo
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import DATA, TASK
 from tests.strategies import random_strategies
 
 F32 = 4

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import search
-from search.measured import pick_by_measurement, random_batch
-from taskrt import models
-from taskrt.machine import Machine
+from taskrt import models, search
+from taskrt.machines.machine import Machine
+from taskrt.search.measured import pick_by_measurement, random_batch
 
 
 def small():

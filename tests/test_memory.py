@@ -11,17 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import search
-import search.memory
-from search.memory import step_memory
-from search.space import part_memory
-from taskrt import Graph, models
-from taskrt.config import SYNC_METHODS
-from taskrt.config import ParallelConfig as P
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.memory import DeviceMemory, part_footprint, plan_memory, summary
-from taskrt.strategy import Strategy
+import taskrt.search.memory
+from taskrt import Graph, models, search
+from taskrt.graph.config import SYNC_METHODS
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.planning.memory import DeviceMemory, part_footprint, plan_memory, summary
+from taskrt.search.memory import step_memory
+from taskrt.search.space import part_memory
 from tests.graphs import inception_block, small_lenet
 from tests.strategies import random_strategies
 
@@ -146,7 +145,7 @@ def check_search_space_strategy(graph, data):
                                                    sync=data.draw(st.sampled_from(SYNC_METHODS)))
                          for name, configs in space.items()}).validated(g)
     expected = plan_memory(lower(g, strategy))
-    with mock.patch("search.memory._lowered", side_effect=AssertionError("lowered the plan")):
+    with mock.patch("taskrt.search.memory._lowered", side_effect=AssertionError("lowered the plan")):
         assert step_memory(g, strategy) == expected
         assert step_memory(g, strategy, regions=cm.regions) == expected
 
@@ -192,6 +191,6 @@ def test_step_memory_lowers_the_plan_where_it_drops_tasks_or_splits_unevenly():
     unread = Strategy({"conv": P(h=8, devices=tuple(range(8))), **rest}).validated(g)  # row 1 alone on device 1
     uneven = Strategy({"conv": P(c=2, c_sizes=(3, 1)), **rest})
     for strategy in (unread, uneven.validated(g)):
-        with mock.patch("search.memory._lowered", wraps=search.memory._lowered) as lowered:
+        with mock.patch("taskrt.search.memory._lowered", wraps=taskrt.search.memory._lowered) as lowered:
             assert step_memory(g, strategy) == plan_memory(lower(g, strategy))
         assert lowered.called

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from taskrt import Graph, models
-from taskrt.reference import SingleDeviceTrainer
+from taskrt.training.reference import SingleDeviceTrainer
 
 # Published counts with batch norm (torchvision: inception_v3 without aux logits, resnet50):
 # every conv bias-free and followed by a batch norm (2 parameters per channel), as here.

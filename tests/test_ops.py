@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops import Add, BatchNorm, Concat, Conv2d, Flatten, Linear, Pool2d, Relu, SoftmaxCrossEntropy
-from ops.rect import Rect
-from taskrt.params import slice_params
+from taskrt.ops import Add, BatchNorm, Concat, Conv2d, Flatten, Linear, Pool2d, Relu, SoftmaxCrossEntropy
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import slice_params
 
 RNG = np.random.default_rng(0)
 

@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 
 from taskrt.cli import random_batch
-from taskrt.config import ParallelConfig as P
-from taskrt.data import InputError
-from taskrt.fusion import FusedRun
-from taskrt.machine import Machine
-from taskrt.simulate import Runtime, simulate
-from taskrt.strategy import Strategy
-from taskrt.task_timing import ProfiledRun, Timed, profiled_graph, take_records
-from taskrt.timeline import (
+from taskrt.data.arrays import InputError
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import Machine
+from taskrt.observing.task_timing import ProfiledRun, Timed, profiled_graph, take_records
+from taskrt.observing.timeline import (
     BUSY_LANES,
     DASK,
     KERNELS,
@@ -36,7 +34,9 @@ from taskrt.timeline import (
     union_s,
     waiting_spans,
 )
-from taskrt.trainer import Trainer
+from taskrt.planning.fusion import FusedRun
+from taskrt.planning.simulate import Runtime, simulate
+from taskrt.training.trainer import Trainer
 from tests.graphs import small_lenet
 
 
@@ -114,8 +114,8 @@ def test_waiting_is_named_by_what_the_device_waits_for():
 
 def test_a_simulated_step_shows_every_task_and_transfer_and_adds_up(machine2):
     graph = small_lenet()
-    from taskrt.fusion import fused_plan
-    from taskrt.lowering import lower
+    from taskrt.planning.fusion import fused_plan
+    from taskrt.planning.lowering import lower
 
     plan = lower(graph, mixed(graph).validated(graph, machine2), "train", 4)
     sim = simulate(plan, lambda task: 1e-3, machine2, Runtime(fused=True, task_s=2e-4, dispatch_s=1e-3))
@@ -241,7 +241,7 @@ def test_the_dashboard_shows_the_last_profiled_step(machine2, profiled):
     from bokeh.client import pull_session
     from bokeh.models import ColumnDataSource
 
-    from taskrt.dashboard import page_url
+    from taskrt.observing.dashboard import page_url
 
     trainer, profile, _ = profiled
     trainer._publisher.profiled(profile)  # the page shows the cluster's last profile: this one again

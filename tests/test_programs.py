@@ -1,6 +1,6 @@
-"""A step as one program per device (taskrt.programs): built from the plan alone, every program
+"""A step as one program per device (taskrt.planning.programs): built from the plan alone, every program
 together computes what the plan computes, sending exactly the plan's messages, and no program
-waits for a value whose sender waits in turn; on a cluster (taskrt.program_executor) a step is at
+waits for a value whose sender waits in turn; on a cluster (taskrt.execution.program_executor) a step is at
 most two Dask tasks per device, and a step given up or a peer gone never leaves a program waiting."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taskrt.config import ParallelConfig as P
-from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
-from taskrt.lowering import lower
-from taskrt.params import init_buffers, init_parameters
-from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Dep
-from taskrt.programs import Compute, Recv, Send, device_programs, value_key
-from taskrt.strategy import Strategy
-from taskrt.trainer import Trainer
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy
+from taskrt.planning.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
+from taskrt.planning.lowering import lower
+from taskrt.planning.params import init_buffers, init_parameters
+from taskrt.planning.plan import BUFFER, DATA, HYPER, STATE, TASK, Dep
+from taskrt.planning.programs import Compute, Recv, Send, device_programs, value_key
+from taskrt.training.trainer import Trainer
 from tests.graphs import assert_same_parameters, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
 from tests.test_equivalence import GRAPHS, batch_for
@@ -153,7 +153,7 @@ def test_value_keys_are_the_per_task_executor_keys():
 
 
 def test_gpu_programs_name_their_runs_the_same_at_every_step():
-    """On a GPU device each Compute is a named run (replayed as a CUDA graph: taskrt.cuda_graphs),
+    """On a GPU device each Compute is a named run (replayed as a CUDA graph: taskrt.gpu.cuda_graphs),
     one name per Compute, kept from step to step; CPU devices' runs are not named."""
     graph = small_lenet()
     plan = lower(graph, mixed_lenet_strategy(graph).validated(graph))
@@ -177,7 +177,7 @@ def test_a_step_is_one_dask_task_per_device_and_one_more_to_read(machine4):
     one task per device reading its tiles; the programs' keys are named by device."""
     from dask.utils import key_split
 
-    from taskrt.datasets import ArrayDataset
+    from taskrt.data.datasets import ArrayDataset
 
     graph = small_lenet()
     trainer = Trainer(graph, mixed_lenet_strategy(graph), machine4, lr=0.05)
@@ -236,9 +236,9 @@ def test_programs_equal_tasks_bit_for_bit(machine4):
 
 def test_a_failed_program_fails_its_peers_and_training_goes_on(machine4):
     """A step whose data cannot be read on one device: the programs waiting for that device's
-    values fail too rather than wait (taskrt.mailbox), the step raises, and the next steps train
+    values fail too rather than wait (taskrt.transport.mailbox), the step raises, and the next steps train
     from the last finished one."""
-    from taskrt.datasets import ArrayDataset, DataReadError
+    from taskrt.data.datasets import ArrayDataset, DataReadError
 
     class Broken(ArrayDataset):
         placed = False  # read through `read`, on the workers
@@ -283,7 +283,7 @@ class FakeWorker:
 def test_mailbox_hands_over_values_and_never_waits_for_a_lost_sender(monkeypatch):
     import asyncio
 
-    import taskrt.mailbox as mailbox
+    import taskrt.transport.mailbox as mailbox
 
     box = mailbox.Mailbox()
     box.setup(FakeWorker())
@@ -308,7 +308,7 @@ def test_mailbox_hands_over_values_and_never_waits_for_a_lost_sender(monkeypatch
 
 
 def test_programs_cannot_be_unfused():
-    from taskrt.program_executor import make_executor
+    from taskrt.execution.program_executor import make_executor
 
     with pytest.raises(ValueError, match="executor='tasks'"):
         make_executor(None, "programs", fused=False)
@@ -321,8 +321,8 @@ def test_a_program_reads_the_step_before_on_its_worker_fails_with_its_error_or_a
 
     from distributed import Reschedule
 
-    from taskrt.mailbox import PeerLost, ProgramAborted
-    from taskrt.program_executor import _before
+    from taskrt.execution.program_executor import _before
+    from taskrt.transport.mailbox import PeerLost, ProgramAborted
 
     result = (np.ones(2), "loss")
     failed = ValueError("a bad tile")
@@ -347,7 +347,7 @@ def test_a_program_reads_the_step_before_on_its_worker_fails_with_its_error_or_a
 
 
 def test_the_mailbox_asks_the_scheduler_whether_a_program_is_still_to_come():
-    import taskrt.mailbox as mailbox
+    import taskrt.transport.mailbox as mailbox
 
     worker = FakeWorker()
     states = {"sent-here": "processing", "sent-there": "processing", "waiting": "waiting", "done": "memory"}

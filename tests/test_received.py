@@ -1,4 +1,4 @@
-"""Arrays out of Dask messages (taskrt.tasks.Received): a misaligned array is copied to aligned
+"""Arrays out of Dask messages (taskrt.planning.tasks.Received): a misaligned array is copied to aligned
 memory before the task runs, an aligned one is passed as it is; the step graph wraps exactly the
 tasks that read another device's values, data tiles or state."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from search.baselines import BASELINES
 from taskrt import models
-from taskrt.executor import step_graph
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.plan import DATA, STATE, TASK
-from taskrt.tasks import Received
+from taskrt.execution.executor import step_graph
+from taskrt.machines.machine import Machine
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import DATA, STATE, TASK
+from taskrt.planning.tasks import Received
+from taskrt.search.baselines import BASELINES
 
 
 def misaligned(shape) -> np.ndarray:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from taskrt import Graph
-from taskrt.data import InputError, bind_inputs
-from taskrt.reference import SingleDeviceTrainer
+from taskrt.data.arrays import InputError, bind_inputs
+from taskrt.training.reference import SingleDeviceTrainer
 
 BATCH, CLASSES = 3, 4
 

@@ -6,8 +6,8 @@ import gc
 
 import numpy as np
 
-from ops import reuse
-from ops.sgd import sgd_update
+from taskrt.ops import reuse
+from taskrt.ops.sgd import sgd_update
 
 
 def test_memory_is_reused_only_after_every_view_is_gone():

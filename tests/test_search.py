@@ -20,19 +20,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import search
-from ops.rect import Rect
-from search import eliminate, transfer
-from search.dfs import depth_first
-from search.eliminate import evaluate, minimize
-from search.regions import Needs, overlap_volumes, part_table
-from search.space import degree_choices, layer_configs, part_memory, search_space
-from taskrt import Graph, models
-from taskrt.config import DIMS, ParallelConfig
-from taskrt.lowering import lower
-from taskrt.machine import NVLINK, Machine
-from taskrt.plan import TASK
-from taskrt.strategy import Strategy
+from taskrt import Graph, models, search
+from taskrt.graph.config import DIMS, ParallelConfig
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import NVLINK, Machine
+from taskrt.ops.rect import Rect
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import TASK
+from taskrt.search import eliminate, transfer
+from taskrt.search.dfs import depth_first
+from taskrt.search.eliminate import evaluate, minimize
+from taskrt.search.regions import Needs, overlap_volumes, part_table
+from taskrt.search.space import degree_choices, layer_configs, part_memory, search_space
 from tests.graphs import SHAPES, inception_block
 
 RANDOM = settings(deadline=None, derandomize=True)
@@ -238,7 +237,7 @@ def test_grid_slot_tuples(shape, rows, nodes):
     positions), against the definition worked out part by part; the one-call layout a search
     uses (Grid.of_blocks) gives the same part table, slots and grid as building each in turn,
     also where a config's parts on a node are no box of blocks (ok False)."""
-    from search.regions import grid_parts
+    from taskrt.search.regions import grid_parts
 
     shape = tuple(shape)
     num_devices, node = 8, np.repeat(np.arange(nodes), 8 // nodes)
@@ -535,7 +534,7 @@ def test_allreduce_sync_cost_by_hand(hop):
 
 def two_nodes_one_interface(link=20e9, nic=5e9):
     """2 nodes x 2 devices, every link `link`, each node's shared network interface `nic` bytes/s."""
-    from taskrt.machine import Device
+    from taskrt.machines.machine import Device
 
     devices = [Device(i, i // 2, "P100", 16e9) for i in range(4)]
     bandwidth = np.full((4, 4), link)
@@ -675,7 +674,7 @@ def test_second_search_measures_nothing(machine4, cost_cache4):
 
 
 def test_where_devices_share_the_cores_parts_are_timed_alone_and_with_every_device_at_once(machine4, cost_cache4):
-    from search.cost_cache import corun_kind
+    from taskrt.search.cost_cache import corun_kind
 
     g = models.lenet5(batch=8, image_size=16, width=0.5)
     model = search.CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)

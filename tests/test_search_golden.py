@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from search import CostModel, optimize
 from taskrt import models
-from taskrt.machine import Machine
+from taskrt.machines.machine import Machine
+from taskrt.search import CostModel, optimize
 
 GOLDEN = Path(__file__).with_name("search_golden.json")
 MODELS = ["lenet5", "alexnet", "vgg16", "inception_v3", "resnet50"]

@@ -1,4 +1,4 @@
-"""Arrays through shared memory (taskrt.shared_memory), sender and receiver in one process: the
+"""Arrays through shared memory (taskrt.transport.shared_memory), sender and receiver in one process: the
 array arrives equal; its segment is reused only after the receiver's array and all its views are
 collected; a full pool sends over TCP instead; segments of dead processes are swept."""
 
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from taskrt import shared_memory as shm
+from taskrt.transport import shared_memory as shm
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_segments_of_dead_processes_are_swept(tmp_path):
 
 @pytest.fixture
 def blocks(tmp_path):
-    from ops import reuse
+    from taskrt.ops import reuse
 
     made = shm.Blocks(pool_bytes=64 * shm.GRAIN, directory=str(tmp_path))
     previous = reuse.set_source(made)
@@ -87,7 +87,7 @@ def blocks(tmp_path):
 
 
 def test_a_result_made_in_shared_blocks_is_lent_without_a_copy_and_read_only(blocks):
-    from ops import reuse
+    from taskrt.ops import reuse
 
     receiver = shm.Receiver()
     value = reuse.empty((reuse.MIN_BYTES // 4,), np.float32)
@@ -107,7 +107,7 @@ def test_a_result_made_in_shared_blocks_is_lent_without_a_copy_and_read_only(blo
 
 
 def test_a_lent_block_is_handed_out_again_only_once_every_receiver_is_done(blocks):
-    from ops import reuse
+    from taskrt.ops import reuse
 
     receiver = shm.Receiver()
     shape = (reuse.MIN_BYTES // 4,)
@@ -129,7 +129,7 @@ def test_a_lent_block_is_handed_out_again_only_once_every_receiver_is_done(block
 
 
 def test_what_a_lost_worker_was_lent_is_handed_out_again(blocks):
-    from ops import reuse
+    from taskrt.ops import reuse
 
     shape = (reuse.MIN_BYTES // 4,)
     value = reuse.empty(shape, np.float32)
@@ -148,7 +148,7 @@ def test_what_a_lost_worker_was_lent_is_handed_out_again(blocks):
 
 
 def test_blocks_beyond_the_pool_or_dev_shm_come_from_the_heap(blocks, monkeypatch):
-    from ops import reuse
+    from taskrt.ops import reuse
 
     blocks.pool_bytes = 0
     assert blocks.new(reuse.MIN_BYTES) is None

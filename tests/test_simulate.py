@@ -1,4 +1,4 @@
-"""The simulator (taskrt.simulate) against hand computation: dispatch and start overheads, links
+"""The simulator (taskrt.planning.simulate) against hand computation: dispatch and start overheads, links
 (latency plus bytes over bandwidth, one message per source, each value fetched once per device,
 one transfer at a time per link), the nodes' shared network interface, processor sharing; then
 invariants of the schedules of real plans, the cost model's task timer, and the choice by
@@ -16,17 +16,17 @@ from types import SimpleNamespace
 
 import pytest
 
-import taskrt.simulate as simulate_module
-from search.baselines import BASELINES
-from search.cost import CostModel
-from search.optimize import candidates, optimize
+import taskrt.planning.simulate as simulate_module
 from taskrt import models
-from taskrt.fusion import fused_plan
-from taskrt.lowering import lower
-from taskrt.machine import DEVICE_KINDS, Device, Machine
-from taskrt.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Task
-from taskrt.simulate import Runtime, simulate
-from taskrt.strategy import Strategy
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import DEVICE_KINDS, Device, Machine
+from taskrt.planning.fusion import fused_plan
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import DATA, HYPER_DEP, STATE, TASK, Dep, Plan, Task
+from taskrt.planning.simulate import Runtime, simulate
+from taskrt.search.baselines import BASELINES
+from taskrt.search.cost import CostModel
+from taskrt.search.optimize import candidates, optimize
 
 
 def _noop(*values):
@@ -379,7 +379,7 @@ def test_nothing_to_run_with_shared_cores():
 
 def test_a_fused_chain_pays_one_hop_for_its_run_and_one_per_value_read_outside():
     """a -> b -> c on one device, c gathered by the client: one FusedRun task, then a getitem task
-    for c.  As a loss, c stays in the run (taskrt.fusion.held_outputs): one task in all."""
+    for c.  As a loss, c stays in the run (taskrt.planning.fusion.held_outputs): one task in all."""
     rt = Runtime(dispatch_s=0.125, task_s=0.0625, start_s=0.25, per_task_submit_s=0.5, answer_s=0.1875, fused=True)
     p = plan_of(task("a", 0), task("b", 0, ["a"]), task("c", 0, ["b"]))
     p.outputs = {"logits": [("c",)]}
@@ -440,7 +440,7 @@ def test_a_fused_value_read_on_another_device_travels_from_its_getitem(messages)
 
 def test_a_fused_data_parallel_replica_need_not_wait_for_the_servers_forward():
     """Device 0 holds the weights (sync "ps") and sends them to device 1: fused, device 1 still
-    starts before device 0's forward and backward end (taskrt.fusion splits the group)."""
+    starts before device 0's forward and backward end (taskrt.planning.fusion splits the group)."""
     g = models.lenet5(batch=8)
     machine = Machine.simulated(1, 2)
     plan = lower(g, BASELINES["data"](g, machine).validated(g, machine))
@@ -589,7 +589,7 @@ def test_a_program_runs_its_tasks_in_its_order():
     later (it reads `x`'s device's run again): `y` waits for `x` even when ready earlier."""
     p = plan_of(task("p", 1, nbytes=500), task("x", 0, ["p"]), task("y", 0, ["x"]), task("z", 0))
     sim = run(p, {"p": 1.0, "x": 1.0, "y": 1.0, "z": 1.0}, LINKS, Runtime(programs=True))
-    from taskrt.programs import device_order
+    from taskrt.planning.programs import device_order
 
     order = [t.key for t in device_order(p)[0]]
     starts = [sim.start[k] for k in order]
@@ -845,7 +845,7 @@ def test_optimize_checks_by_simulation():
 def test_on_a_real_cluster_the_simulation_check_wants_a_clear_win(machine4, cost_cache4):
     """On a Dask cluster the simulation predicts, so the check keeps the Eq. 1 optimum unless
     another candidate is more than SIMULATION_MARGIN faster by simulation."""
-    from search.optimize import SIMULATION_MARGIN
+    from taskrt.search.optimize import SIMULATION_MARGIN
 
     graph = models.lenet5(batch=8, image_size=16, width=0.5)
     cost_model = CostModel(machine4, cache=cost_cache4, repeats=1, progress=False)

@@ -1,11 +1,11 @@
-"""Landing buffers for copies to a GPU (taskrt.staging.Landing), with a fake backend: a buffer is
+"""Landing buffers for copies to a GPU (taskrt.gpu.staging.Landing), with a fake backend: a buffer is
 reused only after its array is given back, and then behind the event marking its last readers."""
 
 from __future__ import annotations
 
 import itertools
 
-from taskrt.staging import Landing
+from taskrt.gpu.staging import Landing
 
 
 def fake_landing(limit=64):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import search
-import search.runtime_costs
-from search.step_costs import calibration_network, step_costs, step_timings, strategies, trimmed_mean
-from taskrt.fusion import fused_plan
-from taskrt.lowering import lower
-from taskrt.machine import Machine
-from taskrt.plan import TASK, output_keys
+from taskrt import search
+from taskrt.machines.machine import Machine
+from taskrt.planning.fusion import fused_plan
+from taskrt.planning.lowering import lower
+from taskrt.planning.plan import TASK, output_keys
+from taskrt.search.step_costs import calibration_network, step_costs, step_timings, strategies, trimmed_mean
 
 
 def test_the_calibration_strategies_differ_in_tasks_and_bytes():
@@ -62,7 +61,7 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
     start counting the client's own work: the scheduler's answer to which workers there are
     (measured by Machine.calibrate), building and serializing the step's graph and its way to the
     first task (timed on the plan)."""
-    import taskrt.executor
+    from taskrt.execution import executor as executor_module
 
     fitted = {"cpu_per_task_s": 0.003, "cpu_per_message_s": 123.0, "step_cpu_rows": [],
               "step_gaps": {"same": [], "cross": []}, "step_answers": [], "step_starts": []}
@@ -80,13 +79,13 @@ def test_a_cost_model_on_shared_cores_takes_the_steps_costs(machine4, tmp_path, 
     assert programs.programs and model.calibration["program_cpu_per_task_s"] == programs.cpu_per_task_s == 0.003
     assert programs.cpu_per_message_s == model.calibration["program_cpu_per_message_s"]
     assert 0 < model.calibration["check_s"] < 1
-    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0, 0, 0, 1))
+    monkeypatch.setattr(executor_module, "graph_seconds", lambda *a, **k: executor_module.GraphTimes(0, 0, 0, 1))
     without = model.runtime(plan, executor="tasks").start_s
     assert without >= model.calibration["check_s"]
     # built in 0.25 s, written in 0.5 and read in 0.125, on two devices: the client's 0.75 s, then the
     # scheduler reads it (0.125) and writes half of it for a worker, which reads that (0.3125)
-    times = taskrt.executor.GraphTimes(0.25, 0.5, 0.125, 2)
-    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
+    times = executor_module.GraphTimes(0.25, 0.5, 0.125, 2)
+    monkeypatch.setattr(executor_module, "graph_seconds", lambda *a, **k: times)
     assert model.runtime(plan, executor="tasks").start_s == pytest.approx(without + 0.75 + 0.125 + 0.3125, abs=1e-12)
 
 
@@ -97,7 +96,7 @@ def test_a_simulated_machine_runs_no_steps(monkeypatch):
 
 
 def _plan(machine):
-    from taskrt.lowering import lower
+    from taskrt.planning.lowering import lower
 
     graph = calibration_network(batch=8)
     return lower(graph, search.data_parallel(graph, machine))
@@ -107,7 +106,7 @@ def test_a_cost_model_on_local_workers_takes_the_latencies_of_steps(machine4, tm
     """A task's dispatch is its gap less the device's own time per task (an export's for an export),
     a fetch the cross gap beyond that; the answer is the measured one; the start beyond the modeled
     one is fitted as a + b * tasks to each strategy's first task."""
-    import taskrt.executor
+    from taskrt.execution import executor as executor_module
 
     graph = calibration_network(batch=8)
     plans = {n: lower(graph, s) for n, s in strategies(graph, machine4).items() if n in ("data", "one device")}
@@ -127,8 +126,8 @@ def test_a_cost_model_on_local_workers_takes_the_latencies_of_steps(machine4, tm
                 "step_starts": [(p, [first[n]] * 3) for n, p in plans.items()]}
 
     monkeypatch.setattr(search.runtime_costs, "step_costs", measured)
-    times = taskrt.executor.GraphTimes(1e-4, 1e-4, 1e-4, 1)
-    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
+    times = executor_module.GraphTimes(1e-4, 1e-4, 1e-4, 1)
+    monkeypatch.setattr(executor_module, "graph_seconds", lambda *a, **k: times)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
     c = model.calibration
     # all gaps less the time per task of their kind: 4 ms - task, 3 ms - export
@@ -202,7 +201,7 @@ def test_step_timings_reads_the_gaps_of_a_schedule():
 def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monkeypatch):
     """Start and answer are read off the same steps: where the fitted start would be negative, the
     step's start plus answer stays what was measured (the answer shorter, the start zero)."""
-    import taskrt.executor
+    from taskrt.execution import executor as executor_module
 
     graph = calibration_network(batch=8)
     plan = lower(graph, strategies(graph, machine4)["one device"])
@@ -213,13 +212,13 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
                 "step_starts": [(plan, [0.001] * 3)]}  # its first task long before the modeled start
 
     monkeypatch.setattr(search.runtime_costs, "step_costs", measured)
-    times = taskrt.executor.GraphTimes(0.01, 0.01, 0.01, 1)
-    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: times)
+    times = executor_module.GraphTimes(0.01, 0.01, 0.01, 1)
+    monkeypatch.setattr(executor_module, "graph_seconds", lambda *a, **k: times)
     model = search.CostModel(machine4, cache=tmp_path / "c.json", progress=False)
     extra = model.calibration["step_start_extra_s"]
     assert extra < 0
     other = lower(graph, strategies(graph, machine4)["data"])  # a plan whose modeled start is no longer
-    monkeypatch.setattr(taskrt.executor, "graph_seconds", lambda *a, **k: taskrt.executor.GraphTimes(0.001, 0.001,
+    monkeypatch.setattr(executor_module, "graph_seconds", lambda *a, **k: executor_module.GraphTimes(0.001, 0.001,
                                                                                                      0.001, 1))
     runtime = model.runtime(other, executor="tasks")
     unfitted = search.runtime_costs.runtime(model.machine, {k: v for k, v in model.calibration.items()
@@ -234,7 +233,7 @@ def test_a_start_fitted_below_zero_comes_off_the_answer(machine4, tmp_path, monk
 def test_the_start_line_ignores_one_strategy_far_off():
     """One calibration strategy whose first tasks all started late (seen: a one-task strategy 67 ms
     late) must not tilt the start's line: least squares gave +54 ms and -1.2 ms per task there."""
-    from search.step_costs import robust_line
+    from taskrt.search.step_costs import robust_line
 
     tasks = np.array([20.0, 44.0, 42.0, 45.0, 1.0])
     extra = 0.002 + 0.0001 * tasks
@@ -249,7 +248,7 @@ def test_the_start_line_ignores_one_strategy_far_off():
 
 
 def test_program_timings_read_the_first_start_and_the_last_end_of_a_steps_programs():
-    from search.step_costs import program_timings
+    from taskrt.search.step_costs import program_timings
 
     def record(key, start, stop):
         return {"key": key, "startstops": [{"action": "compute", "start": start, "stop": stop}]}

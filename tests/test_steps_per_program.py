@@ -11,12 +11,12 @@ from distributed import get_task_stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import search
-from taskrt.checkpoint import Checkpoints, read_checkpoint
-from taskrt.datasets import Synthetic
-from taskrt.fit import batches
-from taskrt.program_executor import MAX_WINDOW, WINDOW_S, auto_steps_per_program, windowable
-from taskrt.trainer import Trainer
+from taskrt import search
+from taskrt.data.datasets import Synthetic
+from taskrt.execution.program_executor import MAX_WINDOW, WINDOW_S, auto_steps_per_program, windowable
+from taskrt.training.checkpoint import Checkpoints, read_checkpoint
+from taskrt.training.fit import batches
+from taskrt.training.trainer import Trainer
 from tests.graphs import inception_block, mixed_lenet_strategy, small_lenet
 from tests.strategies import random_strategies
 

@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from ops.rect import Rect
 from taskrt import Graph, models
-from taskrt.config import ParallelConfig, blocks
-from taskrt.machine import Machine
-from taskrt.strategy import FORMAT, Strategy, StrategyError
+from taskrt.graph.config import ParallelConfig, blocks
+from taskrt.graph.strategy import FORMAT, Strategy, StrategyError
+from taskrt.machines.machine import Machine
+from taskrt.ops.rect import Rect
 
 
 def lenet(batch=8):
@@ -348,7 +348,7 @@ def test_save_is_atomic_and_replaces(tmp_path):
 
 
 def test_save_leaves_nothing_behind_when_the_write_fails(tmp_path, monkeypatch):
-    import taskrt.files
+    import taskrt.graph.files
 
     g = lenet()
     path = tmp_path / "s.json"
@@ -358,7 +358,7 @@ def test_save_leaves_nothing_behind_when_the_write_fails(tmp_path, monkeypatch):
     def boom(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(taskrt.files.os, "fsync", boom)
+    monkeypatch.setattr(taskrt.graph.files.os, "fsync", boom)
     with pytest.raises(OSError):
         mixed(g).save(path)
     assert path.read_text() == before

@@ -13,15 +13,15 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from ops.rect import Rect
-from search import CostModel, regions, transfer
-from search.helper_thread import Kernels
-from search.layer_space import channel_params
-from search.regions import Needs, input_ranges, part_table
-from search.space import layer_configs, part_memory
 from taskrt import models
-from taskrt.config import ParallelConfig
-from taskrt.machine import Machine
+from taskrt.graph.config import ParallelConfig
+from taskrt.machines.machine import Machine
+from taskrt.ops.rect import Rect
+from taskrt.search import CostModel, regions, transfer
+from taskrt.search.helper_thread import Kernels
+from taskrt.search.layer_space import channel_params
+from taskrt.search.regions import Needs, input_ranges, part_table
+from taskrt.search.space import layer_configs, part_memory
 from tests.graphs import inception_block
 
 GRAPHS = {
@@ -230,11 +230,11 @@ def test_configs_made_when_read_index_like_a_list():
 
 
 def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
-    """A backward task packs its parameter gradient into one flat array (taskrt.tasks.Backward), a
+    """A backward task packs its parameter gradient into one flat array (taskrt.planning.tasks.Backward), a
     copy as large as a fully-connected layer's weights; the part timings the simulator adds up
     include it, for ops with parameters only."""
-    from search.part_timing import measure_parts
-    from taskrt import params as taskrt_params
+    from taskrt.planning import params as taskrt_params
+    from taskrt.search.part_timing import measure_parts
 
     g = models.lenet5(batch=8)
     packed = []
@@ -255,7 +255,7 @@ def test_part_timing_packs_the_parameter_gradient_as_a_backward_task_does():
 def test_part_timing_starts_each_cpu_kernel_with_the_core_cache_evicted():
     """In a step other kernels run between two of one layer's: each timed forward and backward
     on a CPU starts after reading a buffer larger than a core's cache, not after its own run."""
-    import search.part_timing as part_timing
+    import taskrt.search.part_timing as part_timing
 
     g = models.lenet5(batch=8)
     calls = []

@@ -21,12 +21,15 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-import ops  # noqa: E402
-from ops import BatchNorm, Conv2d, Linear, Pool2d, Relu, SoftmaxCrossEntropy, torch_kernels  # noqa: E402
-from ops.batchnorm import combine_stats, partial_stats  # noqa: E402
-from ops.precision import get_precision, set_precision  # noqa: E402
-from ops.rect import Rect  # noqa: E402
-from taskrt import SingleDeviceTrainer, models  # noqa: E402
+from taskrt import (  # noqa: E402
+    SingleDeviceTrainer,
+    models,
+    ops,  # noqa: E402
+)
+from taskrt.ops import BatchNorm, Conv2d, Linear, Pool2d, Relu, SoftmaxCrossEntropy, torch_kernels  # noqa: E402
+from taskrt.ops.batchnorm import combine_stats, partial_stats  # noqa: E402
+from taskrt.ops.precision import get_precision, set_precision  # noqa: E402
+from taskrt.ops.rect import Rect  # noqa: E402
 
 TOLERANCE = {np.float64: 1e-10, np.float32: 1e-4}
 
@@ -377,8 +380,8 @@ def test_set_precision_travels_to_workers():
 
 def test_ops_imports_no_torch_and_a_loaded_torch_is_strict():
     code = (
-        "import sys, ops\n"
-        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, 'importing ops imported torch'\n"
+        "import sys\nfrom taskrt import ops\n"
+        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, 'importing taskrt.ops imported torch'\n"
         "assert ops.get_precision() == 'fp32'\n"
         "torch = ops.torch_kernels.load_torch()\n"
         "assert not torch.backends.cudnn.allow_tf32, 'torch kept its TF32 default for convolutions'\n"
@@ -390,7 +393,7 @@ def test_ops_imports_no_torch_and_a_loaded_torch_is_strict():
 
 
 def test_precision_starts_from_cupys_variable():
-    code = "import ops; assert ops.get_precision() == 'tf32'"
+    code = "from taskrt import ops; assert ops.get_precision() == 'tf32'"
     env = {**os.environ, "CUPY_TF32": "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench.torch_peer import TorchPeer, time_steps  # noqa: E402
 from taskrt import SingleDeviceTrainer, models  # noqa: E402
+from taskrt.bench.torch_peer import TorchPeer, time_steps  # noqa: E402
 
 TOL = 1e-9
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-3

@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from taskrt.config import ParallelConfig as P
-from taskrt.data import InputError
-from taskrt.machine import Machine, MachineError, worker_info
-from taskrt.reference import SingleDeviceTrainer
-from taskrt.strategy import Strategy, StrategyError
-from taskrt.trainer import CheckpointError, Trainer
+from taskrt.data.arrays import InputError
+from taskrt.graph.config import ParallelConfig as P
+from taskrt.graph.strategy import Strategy, StrategyError
+from taskrt.machines.machine import Machine, MachineError, worker_info
+from taskrt.training.reference import SingleDeviceTrainer
+from taskrt.training.trainer import CheckpointError, Trainer
 from tests.graphs import assert_same_parameters, mixed_lenet_strategy, small_lenet
 
 
@@ -50,7 +50,7 @@ def _task_states(machine, token):
 def test_workers_keep_a_bounded_history_of_steps(machine4):
     """The state's lineage is cut every CUT_LINEAGE_EVERY steps, so the task states the workers
     keep stop growing with the number of steps."""
-    from taskrt.trainer import CUT_LINEAGE_EVERY
+    from taskrt.training.trainer import CUT_LINEAGE_EVERY
 
     graph = small_lenet()
     x, y = batches(graph, 1)[0]
@@ -160,7 +160,7 @@ def _heap(dask_worker=None):
     """(Dask gives the scheduler as `dask_worker` too, when run there.)"""
     import gc
 
-    from taskrt.worker_setup import FREEZES
+    from taskrt.machines.worker_setup import FREEZES
 
     server = dask_worker
     on_worker = hasattr(server, "batched_stream")
@@ -171,10 +171,10 @@ def _heap(dask_worker=None):
 
 
 def test_heaps_are_frozen_after_the_first_step_and_transfer_logs_stay_long(machine4):
-    """taskrt.worker_setup: after a trainer's first step the workers and the scheduler hold their
+    """taskrt.machines.worker_setup: after a trainer's first step the workers and the scheduler hold their
     long-lived objects out of the garbage collector's walks; Dask's debugging logs are short,
     the workers' transfer logs long enough to count bytes many steps later."""
-    from taskrt.worker_setup import TRANSFER_LOG_LENGTH
+    from taskrt.machines.worker_setup import TRANSFER_LOG_LENGTH
 
     graph = small_lenet()
     trainer = Trainer(graph, mixed(graph), machine4)
@@ -195,26 +195,26 @@ def test_heaps_are_frozen_after_the_first_step_and_transfer_logs_stay_long(machi
 
 
 def _inline_tasks(dask_worker=None):
-    """Whether this worker has the inline executor (taskrt.worker_setup.INLINE), and the keys it
+    """Whether this worker has the inline executor (taskrt.machines.worker_setup.INLINE), and the keys it
     holds that ran on it."""
-    from taskrt.worker_setup import INLINE
+    from taskrt.machines.worker_setup import INLINE
 
     ran = [str(ts.key) for ts in dask_worker.state.tasks.values() if (ts.annotations or {}).get("executor") == INLINE]
     return INLINE in dask_worker.executors, ran
 
 
 def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
-    """A fused run's exports (taskrt.fusion) are annotated for the workers' inline executor, which
+    """A fused run's exports (taskrt.planning.fusion) are annotated for the workers' inline executor, which
     every worker has; nothing else is, and the values are those of the thread pool's path."""
-    import taskrt.executor
-    from taskrt.worker_setup import InlineExecutor
+    from taskrt.execution import executor as executor_module
+    from taskrt.machines.worker_setup import InlineExecutor
 
     graph = small_lenet()
     one = Strategy({layer.name: P(devices=(0,)) for layer in graph})  # one run per step
     results = {}
-    for executor in ("default", taskrt.executor.INLINE):
-        monkeypatch.setattr(taskrt.executor, "INLINE", executor)
-        monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())  # its state exported
+    for executor in ("default", executor_module.INLINE):
+        monkeypatch.setattr(executor_module, "INLINE", executor)
+        monkeypatch.setattr(executor_module, "held_outputs", lambda outputs: frozenset())  # its state exported
         trainer = Trainer(graph, one, machine4, lr=0.05, momentum=0.9, dtype="float64", executor="tasks")
         futures = [trainer.submit(x, y) for x, y in batches(graph, 2)]
         last = futures[-1].run  # (a finished step's future keeps its loss, not its outputs)
@@ -234,14 +234,14 @@ def test_exports_run_on_the_workers_inline_executor(machine4, monkeypatch):
 
 def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
     """The new state and the losses stay in the run that computed them where nothing else reads
-    that run (taskrt.fusion.held_outputs) and the next step reads the state inside its own runs
+    that run (taskrt.planning.fusion.held_outputs) and the next step reads the state inside its own runs
     (`state_read_as_keys`): on one device a step is a single Dask task, and the next step's run reads
     the state out of it.  The same losses and parameters, bit for bit, as with every value named
     by a task of its own, including with steps in flight, checkpoints (the parameters read back)
     and cut lineage, and the same bytes."""
-    import taskrt.executor
-    from taskrt.executor import step_graph
-    from taskrt.fusion import FusedRun, RunValue
+    from taskrt.execution import executor as executor_module
+    from taskrt.execution.executor import step_graph
+    from taskrt.planning.fusion import FusedRun, RunValue
 
     graph = small_lenet()
     data = batches(graph, 10)  # past CUT_LINEAGE_EVERY: the kept values get keys of their own
@@ -254,7 +254,7 @@ def test_state_kept_in_the_run_that_computed_it(machine4, monkeypatch):
         results = {}
         for keep in (True, False):
             if not keep:
-                monkeypatch.setattr(taskrt.executor, "held_outputs", lambda outputs: frozenset())
+                monkeypatch.setattr(executor_module, "held_outputs", lambda outputs: frozenset())
             trainer = Trainer(graph, strategy, machine4, lr=0.05, momentum=0.9, dtype="float64",
                               executor="tasks")
             futures = [trainer.submit(x, y) for x, y in data[:3]]
@@ -332,20 +332,20 @@ def test_fused_steps_equal_unfused_steps_with_fewer_tasks(machine4):
 
 @pytest.mark.parametrize("executor", ["programs", "tasks"])
 def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch, executor):
-    """Small batches ride in the step's graph (taskrt.executor.INLINE_DATA_BYTES), larger ones are
+    """Small batches ride in the step's graph (taskrt.execution.executor.INLINE_DATA_BYTES), larger ones are
     scattered to their devices: the same losses and parameters bit for bit, the same bytes moved."""
-    import taskrt.executor
+    from taskrt.execution import executor as executor_module
 
     graph = small_lenet()
     data = batches(graph, 3)
     runs = {}
-    for limit in (taskrt.executor.INLINE_DATA_BYTES, 0):
-        monkeypatch.setattr(taskrt.executor, "INLINE_DATA_BYTES", limit)
+    for limit in (executor_module.INLINE_DATA_BYTES, 0):
+        monkeypatch.setattr(executor_module, "INLINE_DATA_BYTES", limit)
         trainer = Trainer(graph, mixed(graph), machine4, lr=0.05, momentum=0.9, dtype="float64",
                           executor=executor)
         futures = [trainer.submit(x, y) for x, y in data]
         losses = [f.result() for f in futures]
-        carried = taskrt.executor.inline_data_devices(trainer.plan)
+        carried = executor_module.inline_data_devices(trainer.plan)
         scattered = [k for k in futures[-1].run.keys if isinstance(k, str) and k.startswith("ndarray-")]
         runs[limit] = (losses, trainer.parameters(), carried, scattered, trainer.stats)
     (loss_in, params_in, carried, scattered_in, stats_in), (loss_sc, params_sc, none, scattered, _) = runs.values()
@@ -358,7 +358,7 @@ def test_data_carried_in_the_graph_equals_scattered_data(machine4, monkeypatch, 
 
 
 def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
-    """Each step's losses come straight from its workers (taskrt.worker_reads) when nothing went
+    """Each step's losses come straight from its workers (taskrt.transport.worker_reads) when nothing went
     wrong: the same values, bit for bit, as waiting for the futures and gathering through the scheduler."""
     graph = small_lenet()
     data = batches(graph, 4)
@@ -381,7 +381,7 @@ def test_losses_read_on_the_workers_equal_the_scheduler_path(machine4):
 def test_worker_reads_give_way_on_a_failed_task_or_a_timeout(machine4):
     """A failed task answers None at once (the trainer then waits the usual way, which reports it), a
     key not computed in time TIMED_OUT (the trainer asks again), and no waiter is left behind."""
-    from taskrt.worker_reads import TIMED_OUT, StepWatch, read_when_done
+    from taskrt.transport.worker_reads import TIMED_OUT, StepWatch, read_when_done
 
     client = machine4.client
     address = machine4.addresses()[0]

@@ -1,5 +1,5 @@
 """Datasets the workers read themselves: the client names which samples form a batch, and each
-device reads only its part of each input tile (`taskrt.reading`).
+device reads only its part of each input tile (`taskrt.data.reading`).
 
     train = tr.ArrayDataset({"images": x, "labels": y})            # placed once on each device that reads it
     files = tr.NpyDataset({"images": "x.npy", "labels": "y.npy"})   # memory-mapped by each worker
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from taskrt import synthetic
-from taskrt.data import InputError, load_digits
+from taskrt.data import synthetic
+from taskrt.data.arrays import InputError, load_digits
 
 IMAGES, LABELS = "images", "labels"  # the fields the float and int64 inputs read by default
 
@@ -280,7 +280,7 @@ def mapped(npy: NpyFile, where: str) -> np.memmap:
 @dataclass(frozen=True)
 class Synthetic(Dataset):
     """`length` samples of `shape` with labels in [0, classes), never stored: each value is a pure
-    function of (seed, sample, position) (`taskrt.synthetic`), so a device generates only the
+    function of (seed, sample, position) (`taskrt.data.synthetic`), so a device generates only the
     window it reads (on a GPU worker, on the device itself: `generated`).  Fields "images" (values
     in [-1, 1)) and "labels"."""
 
@@ -332,7 +332,7 @@ class Synthetic(Dataset):
 
 
 def digits(image_size: int = 32, test_fraction: float = 0.2, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
-    """scikit-learn's bundled digits (`taskrt.data.load_digits`) as (train, test) datasets."""
+    """scikit-learn's bundled digits (`taskrt.data.arrays.load_digits`) as (train, test) datasets."""
     x_train, y_train, x_test, y_test = load_digits(image_size, test_fraction, seed)
     return (ArrayDataset({IMAGES: x_train, LABELS: y_train}, name="digits-train"),
             ArrayDataset({IMAGES: x_test, LABELS: y_test}, name="digits-test"))
@@ -353,7 +353,7 @@ def bind_dataset(graph, dataset, dtype, with_labels: bool = True, min_length: in
     """Check `dataset` against `graph`'s inputs (the float inputs, and the labels `with_labels`):
     per-sample shapes and dtypes, labels within the classes, at least `min_length` samples.
     Raises DatasetError naming the dataset (or file), the input layer and what would fit."""
-    from taskrt.data import data_inputs
+    from taskrt.data.arrays import data_inputs
 
     if not isinstance(dataset, Dataset):
         raise DatasetError(f"expected a taskrt dataset (ArrayDataset, NpyDataset, Synthetic, digits()), got "

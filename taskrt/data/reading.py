@@ -1,5 +1,5 @@
 """Reading a data tile on its device: the tasks that stand for a step's DATA dependencies when
-its batch comes from a dataset (`taskrt.datasets`).  Runs on workers.
+its batch comes from a dataset (`taskrt.data.datasets`).  Runs on workers.
 
 A read task is ('<input layer>-read-it<step>', part) on the part's device; it is given the step's
 sample indices (the same small array for every part: each part takes the rows its Rect selects)
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ops.rect import Rect
-from taskrt.datasets import DataReadError
-from taskrt.device import to_device
+from taskrt.data.datasets import DataReadError
+from taskrt.gpu.device import to_device
+from taskrt.ops.rect import Rect
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ def read_tile(source, field: str, indices, rect: Rect, dtype: str, layer: str = 
 
 def tile_on_device(source, field: str, indices, rect: Rect, dtype: str, layer: str = ""):
     """A GPU worker's read, without waiting for the GPU: a source that generates its values
-    (`Synthetic`, `taskrt.synthetic`) computes the window on the device from the step's indices;
+    (`Synthetic`, `taskrt.data.synthetic`) computes the window on the device from the step's indices;
     any other is read in host memory and copied through pinned memory on a stream of its own
-    (`taskrt.staging.to_device_async`), so the copy overlaps the kernels of the step before."""
-    from taskrt.device import is_gpu
-    from taskrt.staging import to_device_async
+    (`taskrt.gpu.staging.to_device_async`), so the copy overlaps the kernels of the step before."""
+    from taskrt.gpu.device import is_gpu
+    from taskrt.gpu.staging import to_device_async
 
     if not is_gpu():  # a CPU worker standing in for a GPU device (tests): the host read
         return to_device(read_tile(source, field, indices, rect, dtype, layer))

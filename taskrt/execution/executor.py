@@ -3,7 +3,7 @@
 Every task is pinned to its device by the device's resource tag.  Keys are
 ('<layer>-<phase>-it<step>', part...), which the dashboard groups as '<layer>-<phase>'.
 Parameter state enters the graph as the previous step returned it (futures, or values kept in the
-runs that computed them: `taskrt.fusion.RunValue`), data as the
+runs that computed them: `taskrt.planning.fusion.RunValue`), data as the
 futures of tiles scattered straight to their devices, or, where a device's tiles are small,
 as tasks in the graph that hold them (`INLINE_DATA_BYTES`), so nothing returns to the client
 between steps.
@@ -21,15 +21,23 @@ from operator import getitem
 import dask
 import numpy as np
 
-from taskrt.device import to_device, to_host
-from taskrt.fusion import RunValue, export_source, fuse, held_outputs, run_of, state_read_as_keys, step_done_keys
-from taskrt.inprocess import data_tiles
-from taskrt.machine import MachineError, resource_tag
-from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan, keys_of, map_outputs, output_keys
-from taskrt.reading import TileRead, read_tile, tile_on_device
-from taskrt.tasks import Received
-from taskrt.worker_reads import TIMED_OUT, ask, reads_of
-from taskrt.worker_setup import INLINE
+from taskrt.data.reading import TileRead, read_tile, tile_on_device
+from taskrt.gpu.device import to_device, to_host
+from taskrt.machines.devices import MachineError, resource_tag
+from taskrt.machines.worker_setup import INLINE
+from taskrt.planning.fusion import (
+    RunValue,
+    export_source,
+    fuse,
+    held_outputs,
+    run_of,
+    state_read_as_keys,
+    step_done_keys,
+)
+from taskrt.planning.inprocess import data_tiles
+from taskrt.planning.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan, keys_of, map_outputs, output_keys
+from taskrt.planning.tasks import Received
+from taskrt.transport.worker_reads import TIMED_OUT, ask, reads_of
 
 ANSWER_GRACE_S = 1.0  # how much longer than its own wait a worker may take to answer a read
 # A device's data tiles ride in the step's graph when they total at most this many bytes.  A
@@ -75,7 +83,7 @@ class StepRun:
     keys: set  # every key of the step (task keys and scattered data), to find its transfers
     submitted: float
     finished: float | None = None
-    reads: dict | None = None  # what the client waits for on each device (taskrt.worker_reads.reads_of)
+    reads: dict | None = None  # what the client waits for on each device (taskrt.transport.worker_reads.reads_of)
     address: dict | None = None  # the devices' worker addresses when the step was sent
     profiled: dict | None = None  # a profiled step's graph and each key's device (`Executor.profiling`)
     window: int = 1  # steps run by the same programs (`ProgramExecutor.submit_window`)
@@ -87,21 +95,21 @@ class StepRun:
 
 
 def futures_of(values) -> list:
-    """What holds each value (`taskrt.fusion.run_of`: its future or key, or its run's), once each."""
+    """What holds each value (`taskrt.planning.fusion.run_of`: its future or key, or its run's), once each."""
     return list(dict.fromkeys(map(run_of, values)))
 
 
 class Executor:
     def __init__(self, machine, fused: bool = True, cuda_graphs: bool = True):
         """`cuda_graphs`: GPU devices replay each fused run as a CUDA graph after warm-up
-        (`taskrt.cuda_graphs`); needs `fused`."""
+        (`taskrt.gpu.cuda_graphs`); needs `fused`."""
         if machine.client is None:
             raise MachineError(f"{machine!r} has no cluster to run on (simulated machines only plan and simulate)")
         self.machine = machine
         self.fused = fused
         self.cuda_graphs = cuda_graphs
         self.client = machine.client
-        self.profiling = False  # steps submitted time each task on its worker (taskrt.task_timing)
+        self.profiling = False  # steps submitted time each task on its worker (taskrt.observing.task_timing)
 
     def scatter(self, plan: Plan, arrays: dict, address: dict | None = None) -> dict:
         """Send each input tile straight to its device; returns {(layer, part): future}, or the
@@ -142,7 +150,7 @@ class Executor:
         wanted = futures_of(output_keys(outputs))
         submitted = time.perf_counter()
         # Ready tasks of a device run in graph order (Dask runs the higher priority first), as the
-        # simulator assumes: values another device waits for first (taskrt.fusion)
+        # simulator assumes: values another device waits for first (taskrt.planning.fusion)
         priority = {key: -i for i, key in enumerate(dsk)}
         # a fused run's exports take microseconds: the worker runs them where they arrive (worker_setup)
         exports = {key for key in dsk if export_source(dsk, key)[1] is not None}
@@ -167,14 +175,14 @@ class Executor:
 
     @staticmethod
     def _profiled(dsk: dict) -> dict:
-        """A step's graph whose tasks time themselves where they run (taskrt.task_timing)."""
-        from taskrt.task_timing import profiled_graph
+        """A step's graph whose tasks time themselves where they run (taskrt.observing.task_timing)."""
+        from taskrt.observing.task_timing import profiled_graph
 
         return profiled_graph(dsk)
 
     def read_when_done(self, run: StepRun, timeout: float):
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
-        its runs end (taskrt.worker_reads); TIMED_OUT if they had not ended within `timeout`; or
+        its runs end (taskrt.transport.worker_reads); TIMED_OUT if they had not ended within `timeout`; or
         None where the usual wait must tell what happened: a task failed, a worker was lost."""
         return self._read_when_done(run.reads, run.address, len(run.outputs["loss"]), timeout)
 
@@ -306,13 +314,13 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
     that computed it}.  A task on the run's device reads a kept value out of the run, fused, or
     out of a getitem there ('<layer>-state', '<layer>-running'); a task elsewhere reads the getitem.
     Fused, the step's new state, statistics and losses stay in their runs where nothing else in
-    the step reads those runs (`taskrt.fusion.held_outputs`): the outputs name them as RunValues;
-    the state the next step reads as keys (`taskrt.fusion.state_read_as_keys`) is named instead.
+    the step reads those runs (`taskrt.planning.fusion.held_outputs`): the outputs name them as RunValues;
+    the state the next step reads as keys (`taskrt.planning.fusion.state_read_as_keys`) is named instead.
     `device_tag(device)`: the resource tag that pins a task to its device (Machine.tag).
     `fused`: each run of tasks a device can do without waiting for another becomes one Dask task
-    (taskrt.fusion); the keys the client and other devices read stay as they are.
+    (taskrt.planning.fusion); the keys the client and other devices read stay as they are.
     `cuda_graphs`: each fused run of a GPU device is named the same at every step of `plan`, so that
-    its worker replays it as a CUDA graph (`taskrt.cuda_graphs`)."""
+    its worker replays it as a CUDA graph (`taskrt.gpu.cuda_graphs`)."""
     dsk, device_of, given = {}, {}, set()  # given: tasks standing for the plan's data and state
     reads = set()  # given tasks that read a dataset: never fused
 
@@ -342,7 +350,7 @@ def step_graph(plan: Plan, tag: str, state: dict, data: dict, hyper: dict | None
         if dep.kind == DATA:
             home, tile = plan.device_of(dep), data[dep.key]
             layer, part = dep.key
-            if isinstance(tile, TileRead):  # read on its device from a dataset (taskrt.reading)
+            if isinstance(tile, TileRead):  # read on its device from a dataset (taskrt.data.reading)
                 key = step_key((f"{layer}-read", part), tag)
                 if key not in dsk:
                     given.add(add(key, (tile_on_device if home in gpu_devices else read_tile, *tile.args), home))
@@ -466,7 +474,7 @@ def _through_messages(plan: Plan, dep, device: int) -> bool:
 def loss_sum(value):
     """The summed per-sample losses of a loss part (its value is (d logits, None, losses)), left where
     it is: reading it to the host would wait for the GPU inside the step (the client reads it with
-    `taskrt.device.to_host_async`)."""
+    `taskrt.gpu.device.to_host_async`)."""
     return value[-1].sum()
 
 

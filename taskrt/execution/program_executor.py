@@ -1,9 +1,9 @@
-"""A step as one Dask task per device: each device's program (`taskrt.programs`), run where Dask
-places it, exchanging values with the other programs itself (`taskrt.mailbox`).
+"""A step as one Dask task per device: each device's program (`taskrt.planning.programs`), run where Dask
+places it, exchanging values with the other programs itself (`taskrt.transport.mailbox`).
 
 Dask still places the programs (each pinned by its device's resource tag), keeps their state
 from step to step (the new state stays in the program's result, read by the next step's program
-on the same device, `taskrt.fusion.RunValue`), notices lost workers and shows the programs in the
+on the same device, `taskrt.planning.fusion.RunValue`), notices lost workers and shows the programs in the
 dashboard.  Per step the scheduler sees one task per device, plus one per device that reads its
 data tiles from a dataset (the reads run ahead, while the step before still computes); the
 client sends what changes: the data tiles (or the samples' indices), the hyper-parameters and
@@ -30,14 +30,14 @@ from operator import getitem
 import dask
 import numpy as np
 
-from taskrt.device import to_device, to_host
-from taskrt.executor import Executor, StepRun, _named_graph, loss_sum, step_key
-from taskrt.fusion import RunValue
-from taskrt.mailbox import PeerLost, ProgramAborted, abort_on, mailbox_of
-from taskrt.plan import DATA, Plan, map_outputs
-from taskrt.programs import Compute, DeviceProgram, Recv, device_programs, value_key
-from taskrt.reading import TileRead, read_tile, tile_on_device
-from taskrt.worker_reads import TIMED_OUT
+from taskrt.data.reading import TileRead, read_tile, tile_on_device
+from taskrt.execution.executor import Executor, StepRun, _named_graph, loss_sum, step_key
+from taskrt.gpu.device import to_device, to_host
+from taskrt.planning.fusion import RunValue
+from taskrt.planning.plan import DATA, Plan, map_outputs
+from taskrt.planning.programs import Compute, DeviceProgram, Recv, device_programs, value_key
+from taskrt.transport.mailbox import PeerLost, ProgramAborted, abort_on, mailbox_of
+from taskrt.transport.worker_reads import TIMED_OUT
 
 KEPT_PLANS = 4  # plans whose programs stay on the workers (IST makes a plan per round)
 WINDOW_S = 0.25  # `fit`'s automatic steps per program: about this long (`auto_steps_per_program`)
@@ -161,7 +161,7 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: l
         if isinstance(instruction, Compute):
             run = instruction.run
             if args.profiled:
-                from taskrt.task_timing import ProfiledRun
+                from taskrt.observing.task_timing import ProfiledRun
 
                 run = ProfiledRun(run.steps, run.exports, (), None, args.key)
             env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
@@ -183,7 +183,7 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: l
 
 
 def _for_client(output: str, value, gpu: bool):
-    """A loss part's value as the sum of its losses (left where it is: `taskrt.executor.loss_sum`);
+    """A loss part's value as the sum of its losses (left where it is: `taskrt.execution.executor.loss_sum`);
     on a GPU, what the client reads brought to host memory; the state as it is."""
     if output == "loss":
         return loss_sum(value)
@@ -193,7 +193,7 @@ def _for_client(output: str, value, gpu: bool):
 
 
 def read_tiles(reads: tuple, gpu: bool, *sources) -> tuple:
-    """A device's data tiles of a step read from a dataset (`taskrt.reading`), in order; each read's
+    """A device's data tiles of a step read from a dataset (`taskrt.data.reading`), in order; each read's
     source is given apart (a dataset's copy on the device is a future, which Dask resolves only
     as an argument of its own)."""
     read = tile_on_device if gpu else read_tile

@@ -2,7 +2,7 @@
 
 On a GPU worker the Python that launches a step's kernels costs more than the kernels: measured
 on an H100, an Inception-v3 step (batch 64, one device, 1,286 tasks) spent 350 ms launching what
-PyTorch's own step does in 112 ms.  A fused run (`taskrt.fusion.FusedRun`) computes the same
+PyTorch's own step does in 112 ms.  A fused run (`taskrt.planning.fusion.FusedRun`) computes the same
 function of its inputs at every step, so after `WARMUP_CALLS` ordinary calls (cuDNN's autotuner
 times its algorithms during the first) its kernels are captured once into a CUDA graph that reads
 static copies of its inputs.  Every later call copies its inputs in, replays the graph and copies
@@ -77,11 +77,11 @@ def enabled() -> bool:
     """Replay on this worker: a GPU worker whose torch has CUDA, unless TASKRT_CUDA_GRAPHS=0."""
     if os.environ.get("TASKRT_CUDA_GRAPHS", "1") == "0":
         return False
-    from taskrt.device import is_gpu
+    from taskrt.gpu.device import is_gpu
 
     if not is_gpu():
         return False
-    from ops.torch_kernels import torch_cuda_available
+    from taskrt.ops.torch_kernels import torch_cuda_available
 
     return torch_cuda_available()
 
@@ -407,7 +407,7 @@ def copy_kernel_source() -> str:
 class TorchBackend:
     """Captures with `torch.cuda.graph` (a private memory pool, shared by the worker's captures, holds
     the runs' intermediates), cupy launching on the capturing stream; cupy allocates from torch's
-    caching allocator (`taskrt.device.share_torch_allocator`), so a capture's cupy arrays come from
+    caching allocator (`taskrt.gpu.device.share_torch_allocator`), so a capture's cupy arrays come from
     that pool."""
 
     def __init__(self):
@@ -563,7 +563,7 @@ def _torch_backend():
     if _backend is None:
         if "cupy" not in sys.modules or not enabled():
             return None
-        from taskrt.device import share_torch_allocator
+        from taskrt.gpu.device import share_torch_allocator
 
         if not share_torch_allocator():
             return None

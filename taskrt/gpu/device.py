@@ -120,13 +120,13 @@ _shared = [False]
 def share_torch_allocator() -> bool:
     """Let cupy allocate from torch's caching allocator, once per process: one pool serves both
     libraries' arrays (two pools each keep what the other could use), and a CUDA graph's capture
-    (`taskrt.cuda_graphs`) gets its cupy arrays from the graph's private pool too.  False where
+    (`taskrt.gpu.cuda_graphs`) gets its cupy arrays from the graph's private pool too.  False where
     there is no GPU or no torch with CUDA."""
     if _shared[0]:
         return True
     if not is_gpu():
         return False
-    from ops.torch_kernels import load_torch, torch_cuda_available
+    from taskrt.ops.torch_kernels import load_torch, torch_cuda_available
 
     if not torch_cuda_available():
         return False
@@ -168,7 +168,7 @@ _streams: dict = {}
 
 def _copy_stream(name: str = "copy"):
     """A stream of this worker's own for copies ("copy": to the host; "in": to the device,
-    `taskrt.staging`), one that does not wait for the legacy stream the kernels run on."""
+    `taskrt.gpu.staging`), one that does not wait for the legacy stream the kernels run on."""
     import cupy
 
     if name not in _streams:

@@ -92,7 +92,7 @@ def to_device_async(tile: np.ndarray):
     into a landing buffer (`Landing`); the kernels queued after it wait for the copy."""
     import cupy
 
-    from taskrt.device import _copy_stream
+    from taskrt.gpu.device import _copy_stream
 
     tile = np.ascontiguousarray(tile)
     stream = _copy_stream("in")  # a stream of its own, not the one copies to the host take

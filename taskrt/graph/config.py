@@ -7,10 +7,10 @@ from functools import lru_cache
 from itertools import product
 from math import prod
 
-from ops.rect import Rect
+from taskrt.ops.rect import Rect
 
 DIMS = ("n", "c", "h", "w")
-# How the replicas of a replicated parameter shard synchronize (see taskrt.lowering):
+# How the replicas of a replicated parameter shard synchronize (see taskrt.planning.lowering):
 #   "ps": a parameter server, the shard's first device, sums the gradients and sends weights back;
 #   "allreduce": reduce-scatter then all-gather, each replica keeping a chunk of the master copy.
 SYNC_METHODS = ("ps", "allreduce")

@@ -17,7 +17,7 @@ from numbers import Integral
 
 import networkx as nx
 
-from ops import (
+from taskrt.ops import (
     OPS,
     Add,
     BatchNorm,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-from taskrt.graph import Graph, Tensor
+from taskrt.graph.graph import Graph, Tensor
 
 # Smallest image each network accepts: below it some window no longer fits its input.
 MIN_IMAGE = {"lenet5": 16, "alexnet": 8, "vgg16": 32, "inception_v3": 75, "resnet50": 1, "splitbrain_vgg": 8}

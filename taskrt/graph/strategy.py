@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from taskrt.config import DIMS, FIELDS, ParallelConfig
-from taskrt.files import write_atomic
+from taskrt.graph.config import DIMS, FIELDS, ParallelConfig
+from taskrt.graph.files import write_atomic
 
 FORMAT = "taskrt-strategy/1"
 
@@ -31,7 +31,7 @@ class Strategy:
         self.meta = dict(meta or {})  # JSON-ready notes, e.g. the search's predicted costs
         # How to make a strategy for the devices left after a lost worker, `replan(graph, machine)
         # -> Strategy`, given by whoever built this one (search.optimize: search again); None: the
-        # trainer re-maps this one (taskrt.elastic.remap).  Not saved with the strategy.
+        # trainer re-maps this one (taskrt.training.elastic.remap).  Not saved with the strategy.
         self.replan = replan
 
     def __getitem__(self, layer: str) -> ParallelConfig:

@@ -2,7 +2,7 @@
 per dependent hop, a graph's submission and intake, scatters, the client's bandwidth, the end of
 a run to the client, a device's memory bandwidth, the processor time the runtime itself
 spends per task, message and byte, and the scheduler's own time per task; for the programs
-executor (taskrt.program_executor), a value's hop from one program to another through the
+executor (taskrt.execution.program_executor), a value's hop from one program to another through the
 mailboxes, its processor time, and a program's own time per task.  The cost model prices the runtime with it
 (search.runtime_costs); the functions whose names start with an underscore run on workers."""
 
@@ -16,9 +16,9 @@ from operator import getitem
 
 import numpy as np
 
-from taskrt.link_probe import _payload, _touch
+from taskrt.machines.link_probe import _payload, _touch
 
-INLINE_PROBE_BYTES = 2**20  # the most a graph carries (taskrt.executor.INLINE_DATA_BYTES)
+INLINE_PROBE_BYTES = 2**20  # the most a graph carries (taskrt.execution.executor.INLINE_DATA_BYTES)
 # Hops are timed between tasks that compute this long (a short kernel): a worker's event loop then
 # shares the processor with the task, as in a step.  Between no-op tasks a hop cost 0.1-0.8 ms
 # less on local(2), on one device and between two (three rounds of chains of 50).
@@ -58,7 +58,7 @@ def calibrate(machine) -> dict:
         big.append(time.perf_counter() - start)
         del f, g
     inline, first = {8: [], INLINE_PROBE_BYTES: []}, []
-    for r in range(7):  # a graph carrying a step's data (taskrt.executor.INLINE_DATA_BYTES), small and not
+    for r in range(7):  # a graph carrying a step's data (taskrt.execution.executor.INLINE_DATA_BYTES), small and not
         for nbytes in inline:
             key = (f"taskrt-inline-{tag}-{r}-{nbytes}", 0)
             with dask.annotate(resources={machine.tag(0): 1}):
@@ -69,10 +69,10 @@ def calibrate(machine) -> dict:
             if nbytes == 8:  # the least a step waits for its first task (the hosts' clocks agree)
                 first.append(started - sent)
             del future
-    from taskrt.worker_reads import ask
+    from taskrt.transport.worker_reads import ask
 
     answer = []
-    for r in range(5):  # a step's reads on its workers (taskrt.worker_reads): end of a run to the client
+    for r in range(5):  # a step's reads on its workers (taskrt.transport.worker_reads): end of a run to the client
         key = (f"taskrt-answer-{tag}-{r}", 0)
         with dask.annotate(resources={machine.tag(0): 1}):
             [future] = client.get({key: (_sleep_until_done, 0.02)}, [key], sync=False)
@@ -155,9 +155,9 @@ LARGE_MESSAGE_BYTES = 32 * 2**20
 
 
 def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 5, large_rounds: int = 5) -> dict:
-    """What the programs executor (taskrt.program_executor) costs beyond kernels and links: a
+    """What the programs executor (taskrt.execution.program_executor) costs beyond kernels and links: a
     small value's hop from one device's program to another's (`program_hop_s`: half the median
-    round trip of a ping-pong through the mailboxes, taskrt.mailbox), the processor time of all
+    round trip of a ping-pong through the mailboxes, taskrt.transport.mailbox), the processor time of all
     processes per such message (`program_cpu_per_message_s`), and a program's own time per task
     (`program_task_s`: a run of no-op tasks, as a program runs a device's tasks); on one host, a
     32 MiB value's rate between two programs (`program_bandwidth`), the processor time per byte
@@ -210,18 +210,18 @@ def program_costs(machine, rounds: int = 200, tasks: int = 2000, repeats: int = 
 def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: str = "auto",
                reused: bool = False, ipc: bool = True):
     """On a worker: `rounds` round trips with the program at `peer`, through the mailboxes
-    (taskrt.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers once the value
+    (taskrt.transport.mailbox): "a" sends `nbytes` and waits for a one-byte answer, "b" answers once the value
     is on its device; "a" returns the seconds of each round trip, "b" whether the first value
     arrived equal and whether every one came through CUDA IPC.  `link`: as `Mailbox.send`'s.
     `reused`: the value made on `ops.reuse`'s memory, as kernels make weights and gradients (on one
     host: lent, not copied); else on the heap, as other values are.  On a GPU worker the value is a
     device array, as programs exchange there (`ipc` False: through host memory, as without
-    `taskrt.gpu_ipc`)."""
+    `taskrt.transport.gpu_ipc`)."""
     from distributed import get_worker
 
-    from ops import reuse
-    from taskrt.device import is_gpu, synchronize, to_device
-    from taskrt.mailbox import mailbox_of
+    from taskrt.gpu.device import is_gpu, synchronize, to_device
+    from taskrt.ops import reuse
+    from taskrt.transport.mailbox import mailbox_of
 
     box = mailbox_of(get_worker())
     if ipc:
@@ -256,8 +256,8 @@ def _ping_pong(role: str, peer: str, rounds: int, nbytes: int, tag: str, link: s
 
 def _run_seconds(tasks: int, repeats: int) -> list:
     """Seconds per task of a run of `tasks` no-op tasks, each reading the one before (as a program
-    runs a device's tasks: taskrt.fusion.FusedRun), `repeats` times after one untimed run."""
-    from taskrt.fusion import FusedRun
+    runs a device's tasks: taskrt.planning.fusion.FusedRun), `repeats` times after one untimed run."""
+    from taskrt.planning.fusion import FusedRun
 
     steps = ((0, _noop, ()),) + tuple((i, _noop, (("own", i - 1),)) for i in range(1, tasks))
     run = FusedRun(steps, (tasks - 1,))
@@ -327,7 +327,7 @@ def task_overhead(machine, independent: int = 200, chain: int = 50, repeats: int
 
     import dask
 
-    from taskrt.worker_setup import INLINE
+    from taskrt.machines.worker_setup import INLINE
 
     client, tag = machine.client, uuid.uuid4().hex[:8]
     per_task, per_hop, per_export = [], [], []
@@ -398,8 +398,8 @@ def _sleep_until_done(seconds):
 def _conv_seconds(repeats):
     """Median seconds of a mid-sized convolution's forward and backward (a typical kernel)."""
 
-    from ops import Conv2d
-    from ops.rect import Rect
+    from taskrt.ops import Conv2d
+    from taskrt.ops.rect import Rect
 
     op = Conv2d(((8, 64, 28, 28),), 64, (3, 3), (1, 1), (1, 1), "relu")
     rng = np.random.default_rng(0)
@@ -426,7 +426,7 @@ def _copy_rate(dask_worker=None, fresh=False, nbytes=32 * 2**20, repeats=5):
     """Bytes per second of an array copy on this worker's device: into a reused buffer (read and
     write counted once each), or with `fresh` the bytes copied into newly allocated memory (what a
     slice task does: its output is fresh, so the copy pays the page faults too)."""
-    from taskrt import device
+    from taskrt.gpu import device
 
     xp = device.array_module()
     src = xp.ones(nbytes // 8)

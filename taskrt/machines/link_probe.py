@@ -10,7 +10,7 @@ import numpy as np
 
 def _payload(nbytes):
     """An array on the worker's device: GPU workers' links are probed with what they send (cupy)."""
-    from taskrt import device
+    from taskrt.gpu import device
 
     return device.array_module().ones(nbytes // 8, dtype=np.float64)
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 import os
 
-from taskrt.machine import MachineError, resource_tag
+from taskrt.machines.devices import MachineError, resource_tag
 
 DASK_SETTINGS = {
     "distributed.scheduler.active-memory-manager.start": False,
     # Dask's debugging logs (transitions, events, each message stream's recent messages with their
     # task specs) 100 entries long, not 1000: fewer objects for Python's full garbage collections
-    # to walk in the scheduler (taskrt.worker_setup); the workers' transfer logs stay long
+    # to walk in the scheduler (taskrt.machines.worker_setup); the workers' transfer logs stay long
     "distributed.admin.low-level-log-length": 100,
     "distributed.worker.daemon": False,
     # A step's temporaries must land on memory the worker already has.  Dask's nanny gives its workers
@@ -41,12 +41,12 @@ DASK_SETTINGS = {
 
 def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
     """(client, cluster, GPUs used) of a new local cluster of `n` workers, each tagged with its
-    device's resource (taskrt.machine.resource_tag); see Machine.local."""
+    device's resource (taskrt.machines.machine.resource_tag); see Machine.local."""
     import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
-    import taskrt.dashboard  # noqa: F401  (registers the dashboard's taskrt page before the scheduler starts)
-    from taskrt.batching import shorten_batching
+    import taskrt.observing.dashboard  # noqa: F401  (registers the dashboard's taskrt page before the scheduler starts)
+    from taskrt.machines.batching import shorten_batching
 
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
@@ -77,7 +77,7 @@ def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=level, name="taskrt")
     client = Client(cluster, set_as_default=False)
     client.wait_for_workers(n)
-    shorten_batching(client)  # this cluster is ours: steps wait on its messages (taskrt.batching)
+    shorten_batching(client)  # this cluster is ours: steps wait on its messages (taskrt.machines.batching)
     return client, cluster, gpus
 
 

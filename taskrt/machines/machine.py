@@ -7,41 +7,25 @@
 Each device is pinned by a Dask resource tag `dev<i>` rather than by worker address, so a
 worker that a nanny restarts on a new port still receives its device's tasks.
 
-Its other jobs have rooms of their own: starting a local cluster (`taskrt.local_cluster`),
-probing links (`taskrt.link_probe`), measuring the runtime's costs (`taskrt.calibration`) and
-the data sheets of simulated device kinds (`taskrt.device_kinds`).
+Its other jobs have rooms of their own: starting a local cluster (`taskrt.machines.local_cluster`),
+probing links (`taskrt.machines.link_probe`), measuring the runtime's costs (`taskrt.machines.calibration`) and
+the data sheets of simulated device kinds (`taskrt.machines.device_kinds`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
-from taskrt import calibration
-from taskrt.calibration import HOP_WORK_S, INLINE_PROBE_BYTES
-from taskrt.device_kinds import DEVICE_KINDS, INFINIBAND_100G, NVLINK
-from taskrt.link_probe import probe_links
+from taskrt.machines import calibration
+from taskrt.machines.calibration import HOP_WORK_S, INLINE_PROBE_BYTES
+from taskrt.machines.device_kinds import DEVICE_KINDS, INFINIBAND_100G, NVLINK
+from taskrt.machines.devices import Device, MachineError, resource_tag
+from taskrt.machines.link_probe import probe_links
 
 __all__ = ["DEVICE_KINDS", "HOP_WORK_S", "INFINIBAND_100G", "INLINE_PROBE_BYTES", "NVLINK", "Device", "Machine",
            "MachineError", "probe_links", "resource_tag", "worker_info"]
-
-
-class MachineError(RuntimeError):
-    """A cluster that cannot serve as a machine, or a device that was lost."""
-
-
-@dataclass(frozen=True)
-class Device:
-    id: int
-    node: int
-    kind: str
-    memory: float | None  # bytes available to tasks, if known
-
-
-def resource_tag(device: int) -> str:
-    return f"dev{device}"
 
 
 class Machine:
@@ -69,7 +53,7 @@ class Machine:
         otherwise worker i sees GPU i % count, so several workers may share one GPU (the only way
         to run multi-device plans on a one-GPU machine; their timings are not those of separate
         GPUs)."""
-        from taskrt import local_cluster
+        from taskrt.machines import local_cluster
 
         client, cluster, gpus = local_cluster.start(n, memory_limit, quiet, gpu)
         machine = cls._adopt(client, cluster=cluster, probe=probe)
@@ -115,13 +99,13 @@ class Machine:
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
-        from taskrt.mailbox import Mailbox
-        from taskrt.worker_reads import StepWatch
-        from taskrt.worker_setup import WorkerSetup, freeze_heap
+        from taskrt.machines.worker_setup import WorkerSetup, freeze_heap
+        from taskrt.transport.mailbox import Mailbox
+        from taskrt.transport.worker_reads import StepWatch
 
         client.register_plugin(WorkerSetup())
         client.register_plugin(StepWatch())
-        client.register_plugin(Mailbox())  # values sent between devices' programs (taskrt.program_executor)
+        client.register_plugin(Mailbox())  # values sent between devices' programs (taskrt.execution.program_executor)
         # The scheduler's process once, now (with Machine.local it is this process): its modules and
         # Dask's state, not the trainers to come, which must stay collectable when dropped
         client.run_on_scheduler(freeze_heap)
@@ -189,8 +173,8 @@ class Machine:
 
     def freeze_worker_heaps(self) -> None:
         """Move what the workers hold now out of the reach of Python's garbage collector
-        (`taskrt.worker_setup`).  A Trainer calls it after its first step: its kernels compiled."""
-        from taskrt.worker_setup import freeze_heap
+        (`taskrt.machines.worker_setup`).  A Trainer calls it after its first step: its kernels compiled."""
+        from taskrt.machines.worker_setup import freeze_heap
 
         self.client.run(freeze_heap, on_error="ignore")  # a worker being lost just now is not an error here
 
@@ -205,11 +189,11 @@ class Machine:
         return out
 
     def calibrate(self) -> dict:
-        """What the runtime costs on this cluster, measured (`taskrt.calibration.calibrate`)."""
+        """What the runtime costs on this cluster, measured (`taskrt.machines.calibration.calibrate`)."""
         return calibration.calibrate(self)
 
     def task_overhead(self, independent: int = 200, chain: int = 50, repeats: int = 3) -> dict:
-        """Dask's own cost on this cluster per task, hop and export (`taskrt.calibration.task_overhead`)."""
+        """Dask's own cost on this cluster per task, hop and export (`taskrt.machines.calibration.task_overhead`)."""
         return calibration.task_overhead(self, independent, chain, repeats)
 
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
@@ -263,8 +247,8 @@ async def _set_resource(tag, dask_worker=None):
 
 
 def _describe_device(dask_worker=None) -> dict:
-    """This worker's device kind and memory (taskrt.device), and which GPU it is (PCI bus id)."""
-    from taskrt import device
+    """This worker's device kind and memory (taskrt.gpu.device), and which GPU it is (PCI bus id)."""
+    from taskrt.gpu import device
 
     out = device.describe()
     if device.is_gpu():

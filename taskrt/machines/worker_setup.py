@@ -26,7 +26,7 @@ INLINE = "taskrt-inline"  # the worker executor (Dask's `executor` annotation) o
 
 class InlineExecutor(Executor):
     """Runs each task at once, on the worker's event loop: for tasks that take microseconds (a
-    fused run's exports, `taskrt.fusion`), where the hand-off to the worker's thread and back
+    fused run's exports, `taskrt.planning.fusion`), where the hand-off to the worker's thread and back
     costs more than the task.  On Machine.local(1) a LeNet-5 step, with six exports, took about
     1 ms less (25.8 against 27.0 ms, A/B in one process, 30 rounds)."""
 
@@ -60,7 +60,7 @@ def keep_free_memory(worker) -> None:
     local(2), data parallel VGG-16-32's parameter server freed more than 1 GiB within a step, and
     each step after made 2-3 large arrays in new memory again (5,000-10,000 page faults and 30 ms
     of system time a step).  Dask's worker pauses at 80% of its limit: a quarter stays clear."""
-    from ops import reuse
+    from taskrt.ops import reuse
 
     limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
     if limit:
@@ -77,9 +77,9 @@ class WorkerSetup(WorkerPlugin):
     name = "taskrt-worker-setup"
 
     def setup(self, worker):
-        import ops  # noqa: F401  (the kernels, before freezing: imported now rather than in the first step)
-        import taskrt.tasks  # noqa: F401
-        from taskrt.device import share_torch_allocator
+        import taskrt.planning.tasks  # noqa: F401
+        from taskrt import ops  # noqa: F401  (the kernels, before freezing: imported now rather than in the first step)
+        from taskrt.gpu.device import share_torch_allocator
 
         share_torch_allocator()  # on a GPU worker: cupy's arrays from torch's pool (nothing on a CPU worker)
         keep_free_memory(worker)

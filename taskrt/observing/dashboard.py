@@ -71,7 +71,7 @@ class Publisher:
         self._measured, self._measured_at = None, 0.0
 
     def profiled(self, profile):
-        """Show the last step of `profile` (a taskrt.profile.Profile) from now on."""
+        """Show the last step of `profile` (a taskrt.observing.profile.Profile) from now on."""
         try:
             self.trainer.machine.client.set_metadata([PROFILE_KEY], {**profile_data(profile), "updated": time.time()})
         except Exception as error:  # noqa: BLE001  (the page is a view, as in `publish`)
@@ -100,8 +100,8 @@ class Publisher:
 def profile_data(profile) -> dict:
     """The last profiled step as plain data for the page: one row per device and source (measured
     above simulated), its spans as bars (ms from the step's start) in the Gantt chart's bands and
-    colors (taskrt.gantt)."""
-    from taskrt.gantt import BANDS, span_color
+    colors (taskrt.observing.gantt)."""
+    from taskrt.observing.gantt import BANDS, span_color
 
     step = profile.last
     timelines = [t for t in (step, profile.simulated_at(step)) if t is not None]

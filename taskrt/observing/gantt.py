@@ -4,7 +4,7 @@ transfers out, and waiting (colored by what it waits for)."""
 
 from __future__ import annotations
 
-from taskrt.timeline import DATA, KERNELS, TRANSFERS_IN, TRANSFERS_OUT, WAITING, WAITS
+from taskrt.observing.timeline import DATA, KERNELS, TRANSFERS_IN, TRANSFERS_OUT, WAITING, WAITS
 
 PHASE_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "loss": "#8172b3", "sync": "#55a868", "data": "#da8bc3",
                 "other": "#937860"}

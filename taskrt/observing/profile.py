@@ -6,10 +6,10 @@
 
 The steps are ordinary training steps (they update the parameters as any step does), sent one at a
 time so that each one's timeline is its own, with every task timed on its worker
-(`taskrt.task_timing`); the transfers come from the workers' transfer logs, the Dask tasks from the
+(`taskrt.observing.task_timing`); the transfers come from the workers' transfer logs, the Dask tasks from the
 scheduler's task stream.  The same plan's step as a cost model given by the caller simulates it
 is laid beside each measured step.  Later steps are not profiled.  The trace opens in Perfetto (ui.perfetto.dev) or
-chrome://tracing (`taskrt.trace`); the PNG (`taskrt.gantt`) shows the last step.
+chrome://tracing (`taskrt.observing.trace`); the PNG (`taskrt.observing.gantt`) shows the last step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from taskrt.timeline import TRANSFERS_IN, TRANSFERS_OUT, WAITS, StepTimeline, measured_step, simulated_step
+from taskrt.observing.timeline import TRANSFERS_IN, TRANSFERS_OUT, WAITS, StepTimeline, measured_step, simulated_step
 
 __all__ = ["Profile", "profile"]
 
@@ -29,7 +29,7 @@ class Profile:
     """Profiled steps: `measured` (one timeline per step, on one time axis from the first step's
     start) and `simulated` (one step of the same plan as the cost model predicts it, from 0; None
     without a cost model); `reference_kernel_s`: per device, the step's kernels timed one after
-    another on one worker, alone (`taskrt.inprocess.run_plan`; None on GPU devices)."""
+    another on one worker, alone (`taskrt.planning.inprocess.run_plan`; None on GPU devices)."""
 
     graph: str
     strategy: str
@@ -91,7 +91,7 @@ class Profile:
             measured = ", ".join(f"{last.kernel_s(d) * 1e3:.1f}" for d in last.devices)
             reference = ", ".join(f"{self.reference_kernel_s.get(d, 0.0) * 1e3:.1f}" for d in last.devices)
             lines.append(f"kernels per device: {measured} ms in the step, {reference} ms one after another "
-                         "on one worker (taskrt.inprocess.run_plan)")
+                         "on one worker (taskrt.planning.inprocess.run_plan)")
         if self.path or self.png:
             lines.append("written: " + ", ".join(p for p in (self.path, self.png) if p))
         return "\n".join(lines)
@@ -122,7 +122,7 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
     `simulate(plan, fused)`, e.g. `search.CostModel(machine)`, which the caller, above the
     runtime, builds; None or False: no simulated timeline).  `reference`: time the
     step's kernels one after another on a worker too (CPU devices only)."""
-    from taskrt.data import bind_inputs
+    from taskrt.data.arrays import bind_inputs
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -164,11 +164,11 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
                   simulated, _reference(trainer, plan, arrays) if reference else None,
                   None if path is None else str(path), None if png is None else str(png))
     if path is not None:
-        from taskrt.trace import write_trace
+        from taskrt.observing.trace import write_trace
 
         write_trace(out, path)
     if png is not None:
-        from taskrt.gantt import write_gantt
+        from taskrt.observing.gantt import write_gantt
 
         write_gantt(out, png)
     trainer._publisher.profiled(out)
@@ -210,7 +210,7 @@ def _measured(trainer, runs, windows) -> list[StepTimeline]:
 
 @dataclass(frozen=True)
 class WorkerClocks:
-    """Puts the workers' times on the client's clock.  Their own records (taskrt.task_timing) are
+    """Puts the workers' times on the client's clock.  Their own records (taskrt.observing.task_timing) are
     their wall clock, Dask's are that plus the `scheduler_delay` the worker estimated then, which
     each of their runs kept beside its times: the estimate of the run nearest in time is taken off.
     offsets: address -> the worker's wall clock less the client's (0 on the client's host)."""
@@ -260,7 +260,7 @@ def _offsets(client, addresses) -> dict:
 
 
 def _take_records(dask_worker=None):
-    from taskrt.task_timing import take_records
+    from taskrt.observing.task_timing import take_records
 
     return take_records(dask_worker)
 
@@ -278,7 +278,7 @@ def _simulated(trainer, cost_model) -> StepTimeline | None:
     """The plan's step as `cost_model` simulates it (see `profile`)."""
     if cost_model is None or cost_model is False:
         return None
-    from taskrt.fusion import fused_plan
+    from taskrt.planning.fusion import fused_plan
 
     plan, fused = trainer.plan, trainer.executor.fused
     simulation = cost_model.simulate(plan, fused, executor=trainer.executor_kind)
@@ -288,7 +288,7 @@ def _simulated(trainer, cost_model) -> StepTimeline | None:
 
 def _reference(trainer, plan, arrays) -> dict | None:
     """Per device, the seconds of the step's kernels run one after another on device 0's worker (the
-    faster of two runs of each; `taskrt.inprocess.run_plan`), nothing else running there; None on GPU
+    faster of two runs of each; `taskrt.planning.inprocess.run_plan`), nothing else running there; None on GPU
     devices."""
     if trainer.executor.gpu_devices:
         return None
@@ -307,8 +307,8 @@ def _plan_seconds(graph, plan, arrays, hyper, dtype, repeats: int = 2) -> dict:
     initial parameters (a kernel's time does not depend on the values)."""
     import numpy as np
 
-    from taskrt.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
-    from taskrt.params import init_buffers, init_parameters
+    from taskrt.planning.inprocess import buffer_tiles, data_tiles, run_plan, shard_states
+    from taskrt.planning.params import init_buffers, init_parameters
 
     params = init_parameters(graph, 0, np.dtype(dtype))
     velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}

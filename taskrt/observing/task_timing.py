@@ -16,7 +16,7 @@ time: a CUDA event is recorded before and after each task on the stream the kern
 run synchronizes once at its end, and each task's device time is placed at its events' offsets
 from the run's first event, anchored at the wall-clock time that event was recorded (the stream
 is idle then: the run before synchronized at its end).  A profiled run is never replayed as a
-CUDA graph (`taskrt.cuda_graphs`): a replay has no per-task events.
+CUDA graph (`taskrt.gpu.cuda_graphs`): a replay has no per-task events.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from operator import getitem
 
-from taskrt.fusion import FusedRun
+from taskrt.planning.fusion import FusedRun
 
 MAX_RECORDS = 200_000  # tasks a worker remembers until the client takes them
 # (Dask key, task key, start ns, end ns, the worker's scheduler_delay then in seconds)
@@ -84,7 +84,7 @@ class _CudaClock:
 
 
 def _clock():
-    from taskrt.device import is_gpu
+    from taskrt.gpu.device import is_gpu
 
     return _CudaClock() if is_gpu() else _HostClock()
 

@@ -4,7 +4,7 @@
 
 Each span lies on one device's lane:
 
-    kernels        the plan's tasks (a profiled step times each on its worker: taskrt.task_timing)
+    kernels        the plan's tasks (a profiled step times each on its worker: taskrt.observing.task_timing)
     data           a device reading or receiving its data tiles (the '-data', '-todevice', '-read' tasks)
     transfers in   values arriving from another device (the receiving worker's transfer log)
     transfers out  values leaving for another device (the sending worker's transfer log)
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from taskrt.fusion import export_source
+from taskrt.planning.fusion import export_source
 
 KERNELS, DATA, TRANSFERS_IN, TRANSFERS_OUT, WAITING, DASK = (
     "kernels", "data", "transfers in", "transfers out", "waiting", "dask tasks")
@@ -191,7 +191,7 @@ def measured_step(step: int, tag: str, window: tuple, graph: dict, device_of: di
 
     window: (start, end) of the step as the client saw it.  graph, device_of: the step's graph
     (key -> (callable, *args)) and each key's device.  records: (Dask key, task key, start, end) of
-    each timed task (taskrt.task_timing).  stream: the scheduler's task stream records (key,
+    each timed task (taskrt.observing.task_timing).  stream: the scheduler's task stream records (key,
     startstops).  transfers: (receiving device, sending device or None, start, end, {key: bytes},
     direction 'in' or 'out' as the logging worker saw it).  Spans are clipped to the window."""
     begin, finish = window[0] - origin, window[1] - origin
@@ -280,10 +280,10 @@ def _inputs_ready(key, graph, device_of, ended, arrived, tag) -> tuple:
 # ---- simulated ------------------------------------------------------------------------------------
 def simulated_step(plan, simulation, devices, start_s: float = 0.0, step: int = 0, runs: dict | None = None,
                    ) -> StepTimeline:
-    """The simulator's timeline of one step of `plan` (`taskrt.simulate.simulate`'s result), from
+    """The simulator's timeline of one step of `plan` (`taskrt.planning.simulate.simulate`'s result), from
     `start_s`.  runs: {Dask task key: plan tasks it runs} of the fused view (`fused_plan`), shown on
     the 'dask tasks' lane.  A task's kernel starts after the runtime's own time for its Dask task."""
-    from taskrt.plan import TASK
+    from taskrt.planning.plan import TASK
 
     busy, other = [], []
     finish = simulation.finish

@@ -5,7 +5,7 @@ chrome://tracing open.
 
 One process per device and source: pid = device for the measured timeline ("device 0 (measured)"),
 SIMULATED_PID + device for the simulated one ("device 0 (simulated)"), sorted so that each device's
-two processes sit one above the other.  One thread per lane of `taskrt.timeline` (kernels, data,
+two processes sit one above the other.  One thread per lane of `taskrt.observing.timeline` (kernels, data,
 transfers in, transfers out, waiting, dask tasks) and one for the steps themselves.  Every event
 is complete ("X", with its duration) or metadata ("M"); times are microseconds from the first
 profiled step's start.  The simulated step is laid at the start of each measured step.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from taskrt.timeline import LANES
+from taskrt.observing.timeline import LANES
 
 SIMULATED_PID = 1000
 STEP_LANE = "steps"

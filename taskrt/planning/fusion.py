@@ -33,7 +33,7 @@ class FusedRun:
     ("own", key) for an earlier step's value, or ("lit", value).  after: keys of the same device
     this run waits for without reading them (they are its last inputs).  program: a name the run
     keeps from step to step (None: none), under which a GPU worker replays it as a CUDA graph
-    (`taskrt.cuda_graphs`); the same name always names the same steps."""
+    (`taskrt.gpu.cuda_graphs`); the same name always names the same steps."""
 
     steps: tuple
     exports: tuple
@@ -42,7 +42,7 @@ class FusedRun:
 
     def __call__(self, *inputs):
         if self.program is not None:
-            from taskrt import cuda_graphs
+            from taskrt.gpu import cuda_graphs
 
             return cuda_graphs.call(self, inputs)
         return self.run(inputs)
@@ -105,7 +105,7 @@ class RunValue:
 def given_elsewhere(dsk: dict, device: dict, given=frozenset()) -> set:
     """The tasks of `given` that a task on another device reads.  `given`: tasks that read no other
     task and stand for what the plan has as data and state (a data tile the step's graph carries,
-    `taskrt.executor.INLINE_DATA_BYTES`; a value taken out of an earlier step's run).  Each of
+    `taskrt.execution.executor.INLINE_DATA_BYTES`; a value taken out of an earlier step's run).  Each of
     these stays a task of its own, there from the step's start like the data and state a step is
     given as futures, so reading it raises no stage: the groups are those of the plan, which the
     simulator schedules (`fused_plan`).  (Fused into its device's first run, its readers elsewhere
@@ -164,7 +164,7 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=fr
     on Machine.local(1) (a LeNet-5 step with its state and loss kept: 19.3 against 24.5 ms with
     each named).  They are returned as (run, index).  `given`: see `given_elsewhere`; `apart`:
     tasks of `given` never fused, even where only their own device reads them (a step's reads
-    from a dataset, which then run as soon as the step is submitted: `taskrt.reading`).
+    from a dataset, which then run as soon as the step is submitted: `taskrt.data.reading`).
     `program(device, index)`: the run's `FusedRun.program` (None where not given)."""
     groups: dict[tuple, list] = {}
     for key, group in groups_of(dsk, device, given, apart).items():
@@ -241,7 +241,7 @@ def step_done_keys(outputs: dict, source) -> list:
     about 1 ms each, that the next step waits for anyway).  `outputs`: name -> keys (a list or a
     dict's values, or `RunValue`s of values kept in their run); `source(key)`: the run an export
     takes its value from; None or the key itself for any other."""
-    from taskrt.plan import keys_of
+    from taskrt.planning.plan import keys_of
 
     keys = []
     for name, value in outputs.items():
@@ -271,7 +271,7 @@ def fused_plan(plan) -> tuple:
     same device, the original size), except values kept in their run (`fuse`'s `held`), which the
     view's outputs name by their run; tasks left unfused stay.  `members[key]` lists the plan
     tasks a fused task runs, in order.  Bytes moved between devices are those of `plan`."""
-    from taskrt.plan import TASK, Dep, Plan, Task, map_outputs, output_keys
+    from taskrt.planning.plan import TASK, Dep, Plan, Task, map_outputs, output_keys
 
     skeleton, device = _skeleton(plan)
     dsk, where, kept = fuse(skeleton, device, set(output_keys(plan.outputs)), _run_name,
@@ -297,7 +297,8 @@ def fused_plan(plan) -> tuple:
     return view, members
 
 
-HELD = ("state", "buffers", "loss")  # outputs read by the next step, or read on the workers (taskrt.worker_reads)
+# outputs read by the next step, or read on the workers (taskrt.transport.worker_reads)
+HELD = ("state", "buffers", "loss")
 
 
 def state_read_as_keys(plan) -> frozenset:
@@ -307,7 +308,7 @@ def state_read_as_keys(plan) -> frozenset:
     and named by one at the start of the next (a task the scheduler must hear has ended before it
     sends its readers).  Found on the plan's own tasks, whose runs are those the executor fuses
     (`given_elsewhere`), once per plan (`Plan.derived`): the executor asks at every step."""
-    from taskrt.plan import BUFFER, STATE, output_keys
+    from taskrt.planning.plan import BUFFER, STATE, output_keys
 
     if "state_read_as_keys" in plan.derived:
         return plan.derived["state_read_as_keys"]
@@ -328,7 +329,7 @@ def state_read_as_keys(plan) -> frozenset:
 def _skeleton(plan) -> tuple[dict, dict]:
     """The plan's tasks as a graph of their task dependencies (its data and state are not tasks),
     and each task's device."""
-    from taskrt.plan import TASK
+    from taskrt.planning.plan import TASK
 
     return ({t.key: (t.spec, *[d.key for d in t.deps if d.kind == TASK]) for t in plan.tasks},
             {t.key: t.device for t in plan.tasks})
@@ -341,7 +342,7 @@ def _run_name(device, stage) -> tuple:
 def held_outputs(outputs: dict) -> frozenset:
     """The outputs a client may keep as values of their runs (`fuse`'s `held`): the new state and
     running statistics, which the next step reads, and the losses, which the client reads on the
-    workers (taskrt.worker_reads)."""
-    from taskrt.plan import keys_of
+    workers (taskrt.transport.worker_reads)."""
+    from taskrt.planning.plan import keys_of
 
     return frozenset(k for name in HELD for k in keys_of(outputs.get(name) or ()))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from ops.rect import Rect
-from taskrt.params import pack, slice_params
-from taskrt.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import pack, slice_params
+from taskrt.planning.plan import BUFFER, DATA, HYPER, STATE, TASK, Plan
 
 
 def data_tiles(plan: Plan, arrays: dict) -> dict:

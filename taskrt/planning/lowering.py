@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from math import prod
 
-from ops.rect import Rect
-from taskrt.params import shard_sizes
-from taskrt.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task, output_keys
-from taskrt.tasks import (
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import shard_sizes
+from taskrt.planning.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task, output_keys
+from taskrt.planning.tasks import (
     Alias,
     Backward,
     CombineStats,
@@ -451,7 +451,7 @@ def lower(graph, strategy, mode: str = "train", itemsize: int = 4, target: str |
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     strategy = strategy.validated(graph)
     if mode == "predict" and target is None:
-        from taskrt.data import logits_layer
+        from taskrt.data.arrays import logits_layer
 
         target = logits_layer(graph)
     return _Lowering(graph, strategy, mode, itemsize).build(target)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from taskrt.plan import DATA, TASK, Plan
+from taskrt.planning.plan import DATA, TASK, Plan
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "transient")
 

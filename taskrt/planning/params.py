@@ -12,8 +12,8 @@ from math import prod
 
 import numpy as np
 
-from ops import reuse
-from ops.rect import Rect
+from taskrt.ops import reuse
+from taskrt.ops.rect import Rect
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 

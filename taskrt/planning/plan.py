@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ops.rect import Rect
-from taskrt.config import Part, blocks
+from taskrt.graph.config import Part, blocks
+from taskrt.ops.rect import Rect
 
 TASK, STATE, DATA, HYPER, BUFFER = "task", "state", "data", "hyper", "buffer"
 # phases whose values are a shard's weights or gradient (or a chunk of one), as large as the shard:
@@ -116,7 +116,7 @@ class Plan:
     def __post_init__(self):
         self.by_key = {t.key: t for t in self.tasks}
         self._transfers: list[Transfer] | None = None  # a plan does not change: derived once
-        self.derived: dict = {}  # and so what other modules derive from it, found once (taskrt.fusion)
+        self.derived: dict = {}  # and so what other modules derive from it, found once (taskrt.planning.fusion)
 
     def device_of(self, dep: Dep) -> int | None:
         if dep.kind == TASK:

@@ -1,17 +1,17 @@
 """A step as one program per device (control replication): plain data, built once per plan.
 
-Each device runs its part of the plan in the order the fused plan gives (`taskrt.fusion.fused_plan`:
+Each device runs its part of the plan in the order the fused plan gives (`taskrt.planning.fusion.fused_plan`:
 stage by stage, the values another device waits for first), and exchanges values with the other
 devices itself: it receives each value another device computes for it (`Recv`), and sends each of
 its own values another device reads as soon as the task computing it ends (`Send`).  Between
 those, its tasks run as `FusedRun`s (`Compute`), so that a GPU worker replays each as a CUDA graph
-(`taskrt.cuda_graphs`).  Every device takes its tasks in one order of dependencies and sends
+(`taskrt.gpu.cuda_graphs`).  Every device takes its tasks in one order of dependencies and sends
 without waiting, so no program waits for a value whose sender waits for it in turn.
 
-A value is named by its plan dependency (`taskrt.plan.Dep`): a task's output, a state chunk, a
+A value is named by its plan dependency (`taskrt.planning.plan.Dep`): a task's output, a state chunk, a
 data tile, a running-statistics group or the hyper-parameters.  Between devices it travels under
 its key in the step (`value_key`), the key the per-task executor gives it, so that bytes are
-counted per key as there (`taskrt.mailbox`).
+counted per key as there (`taskrt.transport.mailbox`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from taskrt.fusion import FusedRun, fused_plan
-from taskrt.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Dep, Plan, keys_of
-from taskrt.tasks import Received
+from taskrt.planning.fusion import FusedRun, fused_plan
+from taskrt.planning.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Dep, Plan, keys_of
+from taskrt.planning.tasks import Received
 
 GIVEN = (STATE, DATA, BUFFER)  # what a step is given rather than computes
 
@@ -113,7 +113,7 @@ def device_order(plan: Plan) -> dict[int, list]:
 def device_programs(plan: Plan, gpu_devices=frozenset(), program_names: bool = False) -> dict[int, DeviceProgram]:
     """{device: its DeviceProgram} of every device with tasks in `plan`, found once per plan
     (`Plan.derived`).  `program_names`: each Compute's run on a GPU device is named, the same at
-    every step, so that its worker replays it as a CUDA graph (`taskrt.cuda_graphs`)."""
+    every step, so that its worker replays it as a CUDA graph (`taskrt.gpu.cuda_graphs`)."""
     cache_key = ("programs", frozenset(gpu_devices), program_names)
     if cache_key not in plan.derived:
         plan.derived[cache_key] = _build(plan, frozenset(gpu_devices), program_names)
@@ -217,7 +217,7 @@ def _computes(plan, device, code, wanted, name) -> list:
 
 def _through_messages(plan: Plan, dep: Dep, device: int) -> bool:
     """Whether a value arrives in a message (from another device, or given to the step), and so may
-    lie misaligned in the message's buffer (`taskrt.tasks.Received`)."""
+    lie misaligned in the message's buffer (`taskrt.planning.tasks.Received`)."""
     if dep.kind == TASK:
         return plan.by_key[dep.key].device != device
     return dep.kind in GIVEN

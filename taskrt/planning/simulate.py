@@ -13,13 +13,13 @@ then for its device to fetch what it reads from other devices (`fetch_s` per mes
 link), and costs its device some time beyond its kernel (`task_s`); a step starts after the
 client's own work on it (asking which devices have a worker, building and serializing its graph),
 its data sent and its graph submitted (`start_s`), and ends when the client has the values it reads,
-`answer_s` after the runs computing them end (taskrt.worker_reads).  Dask's scheduler is one
+`answer_s` after the runs computing them end (taskrt.transport.worker_reads).  Dask's scheduler is one
 server for every device: each task it sends out occupies it for `scheduler_per_task_s`, so
 dispatches of many devices wait for each other.
 
-With `programs` (taskrt.program_executor, the Trainer's default) the scheduler sends each device
+With `programs` (taskrt.execution.program_executor, the Trainer's default) the scheduler sends each device
 one program per step, once, at its start; the program then runs the device's tasks in its fixed
-order (taskrt.programs.device_order), each costing `task_s` beyond its kernel, and sends each value
+order (taskrt.planning.programs.device_order), each costing `task_s` beyond its kernel, and sends each value
 another device reads as soon as the task computing it ends, one message per value and reader,
 which arrives `message_s` (in place of the link's latency) after its bytes crossed the link; no
 scheduler between runs.
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from taskrt.fusion import fused_plan
-from taskrt.plan import HYPER, PARAMETER_PHASES, STATE, TASK, Dep, Plan, output_keys
-from taskrt.programs import device_order
+from taskrt.planning.fusion import fused_plan
+from taskrt.planning.plan import HYPER, PARAMETER_PHASES, STATE, TASK, Dep, Plan, output_keys
+from taskrt.planning.programs import device_order
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Runtime:
     answer_s: float = 0.0  # from the last run the client reads ending to the client having its values
     task_s: float = 0.0  # device time per task beyond its kernel
     # device time of an export (a value taken out of a fused run), which workers run on their event
-    # loop (taskrt.worker_setup.InlineExecutor); None: the same as any task
+    # loop (taskrt.machines.worker_setup.InlineExecutor); None: the same as any task
     export_s: float | None = None
     # before the first task: the client's own work on the step, sending its data, submitting its graph
     start_s: float = 0.0
@@ -62,31 +62,31 @@ class Runtime:
     cpu_per_message_s: float = 0.0  # processor time per message between devices, beyond its bytes
     cpu_per_byte_s: float = 0.0  # processor time per byte moved between devices (both ends)
     # The runtime runs each device's run of tasks between two waits for another device as one
-    # task, and each of its values read elsewhere as a small task of its own (taskrt.fusion)
+    # task, and each of its values read elsewhere as a small task of its own (taskrt.planning.fusion)
     fused: bool = False
     # Dask's scheduler is one server shared by every device: each dispatch occupies it this long
     scheduler_per_task_s: float = 0.0
-    # Each device runs its part of the step as one program (taskrt.programs): one dispatch per device
+    # Each device runs its part of the step as one program (taskrt.planning.programs): one dispatch per device
     # and step, values pushed to their readers' mailboxes (`message_s` each beyond the link)
     programs: bool = False
     # With programs, a message's latency in place of the link's: a value's one-way time between two
-    # programs through the mailboxes (taskrt.mailbox), measured with the wire's latency in it.  (A
+    # programs through the mailboxes (taskrt.transport.mailbox), measured with the wire's latency in it.  (A
     # link's latency probed on a Dask cluster is Dask's fetch: a request and its answer.)
     message_s: float = 0.0
     # With programs, a message's latency between nodes, where it is not `message_s` (on one host
-    # programs message each other over Unix sockets, between hosts over TCP ones: taskrt.local_link;
+    # programs message each other over Unix sockets, between hosts over TCP ones: taskrt.transport.local_link;
     # on a TLS cluster over distributed's comms); None: `message_s`
     remote_message_s: float | None = None
     # With programs, the bytes per second of a large value between two programs where that is not
-    # the link's (on one host they go through shared memory: taskrt.shared_memory); 0: the link's
+    # the link's (on one host they go through shared memory: taskrt.transport.shared_memory); 0: the link's
     message_bandwidth: float = 0.0
     # With programs on one host, a parameter-sized value (a shard's weights or gradient: `lent`) of
-    # at least this many bytes is lent where it lies (taskrt.shared_memory.Blocks): no bytes copied,
+    # at least this many bytes is lent where it lies (taskrt.transport.shared_memory.Blocks): no bytes copied,
     # the message's latency only; 0: none is
     lent_min_bytes: int = 0
     # With programs, steps sent ahead as `Trainer.fit` sends them: a device's program is on its
     # worker before the one of the step before ends there (it reads that one's state on the worker:
-    # taskrt.program_executor), so the client's work on a step, its graph's intake, the dispatch and
+    # taskrt.execution.program_executor), so the client's work on a step, its graph's intake, the dispatch and
     # the answer happen while earlier steps run.  A step then lasts as long as the longest of the
     # devices' work with every program starting at once, the scheduler's time sending the step's
     # programs (`scheduler_per_task_s` each) and the client's own time on it (`start_s`).
@@ -346,7 +346,7 @@ def _schedule(plan: Plan, task_time, corun_time, machine, runtime: Runtime, per_
                              if stuck else "the plan has several tasks with the same key")
     # A step in training is the time from one step to the next.  The client has the step when it
     # has read its outputs on their workers, `answer_s` after the runs computing them end
-    # (taskrt.worker_reads), and sends the next step.  The getitems naming each value end later,
+    # (taskrt.transport.worker_reads), and sends the next step.  The getitems naming each value end later,
     # while that step is being sent: its runs, which read them, start `origin` after it does, so
     # only what is left of them beyond that lengthens the step.
     # So does what is left after the last task ends of the runtime's work (`now`: when it is done).

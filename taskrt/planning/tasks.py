@@ -14,9 +14,9 @@ from functools import cached_property
 
 import numpy as np
 
-from ops import Op, array_module, reuse, sgd_update
-from ops.rect import Rect
-from taskrt.params import pack, unpack
+from taskrt.ops import Op, array_module, reuse, sgd_update
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import pack, unpack
 
 
 class Spec:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from taskrt.files import write_atomic
+from taskrt.graph.files import write_atomic
 
 FORMAT = "taskrt-checkpoint/1"
 PREFIX = "step-"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from taskrt.config import DIMS, ParallelConfig
-from taskrt.strategy import Strategy
+from taskrt.graph.config import DIMS, ParallelConfig
+from taskrt.graph.strategy import Strategy
 
 # Snapshots by default cost at most this share of the step time (see snapshot_interval).
 SNAPSHOT_SHARE = 0.05
@@ -45,7 +45,7 @@ class Snapshot:
 class LoggedStep:
     """What replaying a step needs: its inputs and hyper-parameters.  A step fed from numpy arrays
     keeps them (`arrays`); a step read from a dataset keeps only which samples it read (`batch`:
-    a `taskrt.datasets.Batch`, the dataset by reference), and its replay reads them again."""
+    a `taskrt.data.datasets.Batch`, the dataset by reference), and its replay reads them again."""
 
     step: int
     arrays: dict | None

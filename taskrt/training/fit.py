@@ -20,7 +20,7 @@ from itertools import islice
 
 import numpy as np
 
-from taskrt.datasets import DatasetError
+from taskrt.data.datasets import DatasetError
 
 LAST = ("drop", "wrap")  # what becomes of an epoch's last partial batch
 MAX_PREFETCH = 4  # steps in flight at most: Trainer.submit waits beyond its MAX_IN_FLIGHT
@@ -147,7 +147,7 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     steps; `Trainer.steps_per_program`).  Everything is checked before the first step."""
     from tqdm import tqdm
 
-    from taskrt.program_executor import MAX_WINDOW
+    from taskrt.execution.program_executor import MAX_WINDOW
 
     check_options(epochs, shuffle, seed, last, prefetch, progress)
     _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "train")
@@ -224,10 +224,10 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
     workers read the images in batches (the last one filled with sample 0, its rows unused), the
     client reads the labels.  `steps_per_program`: batches each device's program predicts as one
     Dask task ("auto": one until three are timed, then as many as take about a quarter of a second,
-    `taskrt.program_executor.auto_steps_per_program`); then two programs in flight at most."""
-    from taskrt.data import data_inputs
-    from taskrt.datasets import Batch
-    from taskrt.program_executor import MAX_WINDOW, auto_steps_per_program
+    `taskrt.execution.program_executor.auto_steps_per_program`); then two programs in flight at most."""
+    from taskrt.data.arrays import data_inputs
+    from taskrt.data.datasets import Batch
+    from taskrt.execution.program_executor import MAX_WINDOW, auto_steps_per_program
 
     binding = trainer._bind(dataset)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= MAX_PREFETCH:

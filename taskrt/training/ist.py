@@ -19,7 +19,7 @@ Plan for the same executor as a training step:
 
 Parameters live on the home device (device 0) between rounds, as futures; only blocks travel, and
 the plan counts every byte.  Without a machine (`ISTTrainer(g, None, sites=8, ...)`) the same
-plan runs in this process, the sites one after another (`taskrt.inprocess`): any number of sites
+plan runs in this process, the sites one after another (`taskrt.planning.inprocess`): any number of sites
 trained on one core, each task's seconds in `trainer.stats.task_seconds`.
 
 `LocalSGDTrainer` is the same round with every site holding the whole network and the
@@ -35,16 +35,16 @@ from math import prod
 
 import numpy as np
 
-from ops import array_module
-from ops.rect import Rect
-from taskrt.config import Part
-from taskrt.data import bind_inputs
-from taskrt.executor import Executor, futures_of
-from taskrt.graph import Graph, GraphError
-from taskrt.inprocess import data_tiles, run_plan
-from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
-from taskrt.plan import BUFFER, DATA, TASK, Buffer, Dep, Plan, Task
-from taskrt.tasks import Spec
+from taskrt.data.arrays import bind_inputs
+from taskrt.execution.executor import Executor, futures_of
+from taskrt.graph.config import Part
+from taskrt.graph.graph import Graph, GraphError
+from taskrt.ops import array_module
+from taskrt.ops.rect import Rect
+from taskrt.planning.inprocess import data_tiles, run_plan
+from taskrt.planning.params import init_buffers, init_parameters, resolve_dtype, unpack
+from taskrt.planning.plan import BUFFER, DATA, TASK, Buffer, Dep, Plan, Task
+from taskrt.planning.tasks import Spec
 
 HOME = 0  # the device that keeps the whole network between rounds
 
@@ -467,7 +467,7 @@ class _RoundTrainer:
         new = run.outputs["state"]
         from distributed import wait
 
-        computed = futures_of(new.values())  # a run keeps the values nothing else reads (taskrt.fusion)
+        computed = futures_of(new.values())  # a run keeps the values nothing else reads (taskrt.planning.fusion)
         with self.machine.client.as_current():
             wait(computed)
         for future in computed:

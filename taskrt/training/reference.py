@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ops import sgd_update
-from ops.rect import Rect
-from taskrt.data import batches_for_predict, bind_inputs, logits_layer
-from taskrt.params import init_buffers, init_parameters, resolve_dtype
+from taskrt.data.arrays import batches_for_predict, bind_inputs, logits_layer
+from taskrt.ops import sgd_update
+from taskrt.ops.rect import Rect
+from taskrt.planning.params import init_buffers, init_parameters, resolve_dtype
 
 
 class SingleDeviceTrainer:

@@ -3,7 +3,7 @@
     trainer = Trainer(graph, strategy, machine, lr=0.05, momentum=0.9, seed=0)
     loss = trainer.step(images, labels)        # numpy in, float out
     run = trainer.submit(images, labels)       # same, without waiting: several steps may be in flight
-    history = trainer.fit(dataset, epochs=3)   # a taskrt.datasets dataset, read by the workers (taskrt.fit)
+    history = trainer.fit(dataset, epochs=3)   # a dataset (taskrt.data.datasets), read by the workers
     run = trainer.submit_from(dataset, indices)  # one step of the samples `indices`, read by the workers
     trainer.save("ckpt.npz"); Trainer.load("ckpt.npz", machine)
 
@@ -20,7 +20,7 @@ snapshot, replays the steps since it (reading a dataset's samples again) and goe
 warning naming what was lost.
 
 A step whose data cannot be read (a dataset file gone or cut short while training) raises
-taskrt.datasets.DataReadError; it and the steps submitted after it never happen, and the
+taskrt.data.datasets.DataReadError; it and the steps submitted after it never happen, and the
 parameters stay those of the last finished step.
 """
 
@@ -35,27 +35,27 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ops.precision import PRECISIONS, set_precision
-from ops.rect import Rect
-from taskrt.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from taskrt.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
-from taskrt.data import batches_for_predict, bind_inputs, logits_layer
-from taskrt.datasets import Batch, DataReadError, batch_indices, bind_dataset
-from taskrt.device import to_device
-from taskrt.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
-from taskrt.executor import StepRun, futures_of
-from taskrt.fusion import run_of
-from taskrt.graph import Graph
-from taskrt.inprocess import buffer_tiles, shard_states
-from taskrt.lowering import lower
-from taskrt.machine import MachineError
-from taskrt.mailbox import PeerLost
-from taskrt.memory import plan_memory
-from taskrt.params import init_buffers, init_parameters, resolve_dtype, unpack
-from taskrt.program_executor import MAX_WINDOW, make_executor
-from taskrt.reading import TileRead
-from taskrt.strategy import Strategy
-from taskrt.worker_reads import TIMED_OUT
+from taskrt.data.arrays import batches_for_predict, bind_inputs, logits_layer
+from taskrt.data.datasets import Batch, DataReadError, batch_indices, bind_dataset
+from taskrt.data.reading import TileRead
+from taskrt.execution.executor import StepRun, futures_of
+from taskrt.execution.program_executor import MAX_WINDOW, make_executor
+from taskrt.gpu.device import to_device
+from taskrt.graph.graph import Graph
+from taskrt.graph.strategy import Strategy
+from taskrt.machines.machine import MachineError
+from taskrt.ops.precision import PRECISIONS, set_precision
+from taskrt.ops.rect import Rect
+from taskrt.planning.fusion import run_of
+from taskrt.planning.inprocess import buffer_tiles, shard_states
+from taskrt.planning.lowering import lower
+from taskrt.planning.memory import plan_memory
+from taskrt.planning.params import init_buffers, init_parameters, resolve_dtype, unpack
+from taskrt.training.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from taskrt.training.checkpoint import CheckpointError, Checkpoints, read_checkpoint, write_checkpoint
+from taskrt.training.elastic import DeviceLost, LoggedStep, Snapshot, remap, snapshot_interval
+from taskrt.transport.mailbox import PeerLost
+from taskrt.transport.worker_reads import TIMED_OUT
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
 CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; workers keep the task states in between
@@ -81,7 +81,7 @@ class StepStats:
     tasks: int
     tasks_by_phase: dict
     planned_bytes: dict  # (source device, destination device) -> bytes, from the plan
-    memory: dict = field(default_factory=dict)  # device -> taskrt.memory.DeviceMemory, from the plan
+    memory: dict = field(default_factory=dict)  # device -> taskrt.planning.memory.DeviceMemory, from the plan
     _measure: object = field(repr=False, default=None)
     _measured: dict | None = field(repr=False, default=None)
 
@@ -113,7 +113,7 @@ class StepFuture:
 
     def result(self) -> float:
         """Wait for the step (its loss, and the runs that computed its new parameters: see
-        `taskrt.fusion.step_done_keys`) and return the loss.  Earlier steps finish first; a lost
+        `taskrt.planning.fusion.step_done_keys`) and return the loss.  Earlier steps finish first; a lost
         worker is recovered from (the step replayed) on the way."""
         if self._error is not None:
             raise self._error
@@ -134,7 +134,7 @@ class StepFuture:
                     raise
             else:
                 raise MachineError(f"step {self.run.step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
-            # a loss part's value, or on a GPU device the sum of its losses (taskrt.executor.loss_sum)
+            # a loss part's value, or on a GPU device the sum of its losses (taskrt.execution.executor.loss_sum)
             total = sum(v[-1].sum() if isinstance(v, tuple) else float(v) for v in values)
             self._loss = float(total / trainer._batch)
             trainer._finished(self.run)
@@ -168,17 +168,17 @@ class Trainer:
         worker ends the run with an error).  `checkpoints`: periodic checkpoints on disk,
         e.g. Checkpoints("ckpts", every=100, keep=3).
         `executor`: "programs" runs each step as one Dask task per device, the devices sending
-        each other their values directly (`taskrt.program_executor`; the default); "tasks" as a Dask
-        task per plan task, or per fused run (`taskrt.executor`), to watch a small run layer by
+        each other their values directly (`taskrt.execution.program_executor`; the default); "tasks" as a Dask
+        task per plan task, or per fused run (`taskrt.execution.executor`), to watch a small run layer by
         layer in the dashboard's task stream.
         `fused` (executor "tasks"): run each device's tasks between two waits for another device as
-        one Dask task (taskrt.fusion; the default); False shows every layer's task in the task stream
+        one Dask task (taskrt.planning.fusion; the default); False shows every layer's task in the task stream
         (and so picks executor "tasks" unless another is named).
         `cuda_graphs`: GPU workers replay each fused run as a CUDA graph once it has run twice
-        (`taskrt.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
+        (`taskrt.gpu.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
         `replan(graph, machine) -> Strategy`: the strategy for the devices left after a lost worker;
         by default the strategy's own (`Strategy.replan`: a searched one searches again), else the
-        strategy re-mapped onto them (`taskrt.elastic.remap`)."""
+        strategy re-mapped onto them (`taskrt.training.elastic.remap`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         if snapshot_every not in ("auto", None) and (isinstance(snapshot_every, bool) or not isinstance(
@@ -225,7 +225,7 @@ class Trainer:
         self._walls: deque = deque(maxlen=20)
         self.recoveries: list[dict] = []
         self.snapshots_taken = 0
-        from taskrt.dashboard import Publisher
+        from taskrt.observing.dashboard import Publisher
 
         self._publisher = Publisher(self)  # the dashboard's taskrt page
         params = init_parameters(graph, seed, self.dtype)
@@ -236,7 +236,7 @@ class Trainer:
         self.snapshot = Snapshot(0, params, velocity, running=running)
         self._good = (0, self._state, self._buffers)  # the last finished step's state (see _roll_back)
         self._rollbacks = 0
-        self._bindings: dict = {}  # (id(dataset), with labels) -> taskrt.datasets.Binding
+        self._bindings: dict = {}  # (id(dataset), with labels) -> taskrt.data.datasets.Binding
         self._placed: dict = {}  # (id(dataset), field, device) -> (dataset, future of its copy there)
 
     # ---- plans and state --------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Trainer:
 
     def _collect(self, run: StepRun, name: str = "loss") -> list:
         """Wait for a training step (its losses and the runs that computed its new state:
-        `taskrt.fusion.step_done_keys`) and return the loss values (or those of output `name`, of a
+        `taskrt.planning.fusion.step_done_keys`) and return the loss values (or those of output `name`, of a
         window of predict runs); raises DeviceLost when a device it runs on is lost (and the
         trainer recovers)."""
         values = self.executor.read_when_done(run, POLL_S)
@@ -351,7 +351,7 @@ class Trainer:
 
         missing = self._missing_devices()
         errors = [f.exception() for f in failed if f.status == "error"]
-        # a program's peer (or the worker that held its state: taskrt.program_executor) gone is a lost worker
+        # a program's peer (or the worker that held its state: taskrt.execution.program_executor) gone is a lost worker
         if missing or len(errors) < len(failed) or any(isinstance(e, (KilledWorker, PeerLost)) for e in errors):
             self._lost(missing, f"step {step} lost values its tasks need" + (
                 f" with the worker(s) of device(s) {missing}" if missing else " (a worker died and was restarted)"),
@@ -465,7 +465,7 @@ class Trainer:
         once three have been timed) or an int.  Always one with executor "tasks", while profiling, or
         where a device reads state another computes; a program never runs past a checkpoint
         that is due."""
-        from taskrt.program_executor import auto_steps_per_program
+        from taskrt.execution.program_executor import auto_steps_per_program
 
         if left <= 1 or not self._windows("train"):
             return 1
@@ -480,13 +480,13 @@ class Trainer:
 
     def _windows(self, mode: str) -> bool:
         """Whether steps of `mode` ("train", "predict") can run several to a program here."""
-        from taskrt.program_executor import windowable
+        from taskrt.execution.program_executor import windowable
 
         return (hasattr(self.executor, "submit_window") and not self.executor.profiling
                 and windowable(self._plan(mode), self.executor.gpu_devices, self.executor.cuda_graphs))
 
     def _predict_window(self, batches: list) -> list[StepRun]:
-        """Predict runs of `batches` (taskrt.datasets.Batch each), all run by one program per device
+        """Predict runs of `batches` (taskrt.data.datasets.Batch each), all run by one program per device
         (`evaluate`); their StepRuns, in order, each read with `_logits`."""
         address = self._check_state(self.steps_done)
         plan = self._plan("predict")
@@ -504,36 +504,36 @@ class Trainer:
         return self._submit(arrays=bind_inputs(self.graph, data, self.dtype))
 
     def submit_from(self, dataset, indices) -> StepFuture:
-        """Start one training step on samples `indices` of `dataset` (a taskrt.datasets dataset),
+        """Start one training step on samples `indices` of `dataset` (a taskrt.data.datasets dataset),
         without waiting for it: only the indices leave the client; each device reads its part of
-        the batch itself (taskrt.reading)."""
+        the batch itself (taskrt.data.reading)."""
         batch = Batch(self._bind(dataset), batch_indices(dataset, indices, self._batch))
         return self._submit(batch=batch)
 
     def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
             eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None,
             steps_per_program="auto"):
-        """Train on `dataset` (taskrt.datasets) for `epochs` epochs of seeded shuffled batches read
-        by the workers, at most `prefetch` steps in flight; returns a taskrt.fit.History (loss per
+        """Train on `dataset` (taskrt.data.datasets) for `epochs` epochs of seeded shuffled batches read
+        by the workers, at most `prefetch` steps in flight; returns a taskrt.training.fit.History (loss per
         step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
         `last`: "drop" or "wrap" the last partial batch of an epoch.  `steps_per_program`: steps
         each device's program runs as one Dask task ("auto": short steps several at a time).
-        See taskrt.fit.fit."""
-        from taskrt.fit import fit
+        See taskrt.training.fit.fit."""
+        from taskrt.training.fit import fit
 
         return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch,
                    steps_per_program)
 
     def evaluate(self, dataset, prefetch: int = 2, steps_per_program="auto"):
-        """Mean loss and accuracy over every sample of `dataset` (taskrt.fit.Evaluation), read by
+        """Mean loss and accuracy over every sample of `dataset` (taskrt.training.fit.Evaluation), read by
         the workers in batches of the graph's batch size (several to a program where they are short:
         `steps_per_program`, as in `fit`)."""
-        from taskrt.fit import evaluate
+        from taskrt.training.fit import evaluate
 
         return evaluate(self, dataset, prefetch, steps_per_program)
 
     def _bind(self, dataset, with_labels: bool = True):
-        """`dataset` checked against the graph once (taskrt.datasets.bind_dataset)."""
+        """`dataset` checked against the graph once (taskrt.data.datasets.bind_dataset)."""
         binding = self._bindings.get((id(dataset), with_labels))
         if binding is None or binding.dataset is not dataset:
             binding = bind_dataset(self.graph, dataset, self.dtype, with_labels)
@@ -631,9 +631,9 @@ class Trainer:
         `cost_model`'s simulation of the same plan (e.g. `search.CostModel(machine)`; None: no
         simulated timeline); writes them as a Chrome trace (`path`) and a
         Gantt chart of the last step (`png`, default beside the trace) and shows that step on the
-        dashboard.  Returns a taskrt.profile.Profile (`summary()`: per device busy and waiting).
-        The steps train as any step does; later steps are not profiled.  See taskrt.profile."""
-        from taskrt.profile import profile
+        dashboard.  Returns a taskrt.observing.profile.Profile (`summary()`: per device busy and waiting).
+        The steps train as any step does; later steps are not profiled.  See taskrt.observing.profile."""
+        from taskrt.observing.profile import profile
 
         return profile(self, data, steps=steps, path=path, png=png, cost_model=cost_model, reference=reference)
 
@@ -695,7 +695,7 @@ class Trainer:
         )
         self._walls.append(self.stats.wall_s)
         self._snapshot_interval()  # the steps' time settles after the first, slow ones: the interval follows
-        if not self._heaps_frozen:  # once, after the first step (outside its time): taskrt.worker_setup
+        if not self._heaps_frozen:  # once, after the first step (outside its time): taskrt.machines.worker_setup
             self._heaps_frozen = True
             self.machine.freeze_worker_heaps()
         self._publisher.step_finished(run.step, self.stats.wall_s)
@@ -710,7 +710,7 @@ class Trainer:
         self._publisher.publish()
 
     def memory(self) -> dict:
-        """Bytes per device of a training step, by kind (taskrt.memory): {device: DeviceMemory}."""
+        """Bytes per device of a training step, by kind (taskrt.planning.memory): {device: DeviceMemory}."""
         if self._memory is None:
             self._memory = plan_memory(self.plan, self.dtype.itemsize)
         return self._memory
@@ -782,7 +782,7 @@ class Trainer:
 
     def _snapshot_interval(self):
         """With automatic snapshots, the interval that keeps their cost at the target share of the
-        steps' recent time (`taskrt.elastic.snapshot_interval`)."""
+        steps' recent time (`taskrt.training.elastic.snapshot_interval`)."""
         if self._auto_snapshots and self._walls and self.snapshot.seconds:
             logs_arrays = not self._log or self._log[-1].batch is None
             self.snapshot_every = snapshot_interval(self.snapshot.seconds, statistics.median(self._walls),

@@ -10,7 +10,7 @@ kernels run on wait for the event and copies the array there into memory of its 
 kernels it queued before (the caching allocator may have handed that memory back while they still
 read it) and before those it queues after, without waiting on the host.
 
-A buffer holds one array at a time, as a shared-memory segment does (`taskrt.shared_memory`): its
+A buffer holds one array at a time, as a shared-memory segment does (`taskrt.transport.shared_memory`): its
 byte in the sender's flags file (host shared memory) says whether it is in use; the sender sets it
 before copying, the receiver clears it once its copy has run, and the sender copies into it again
 only once it is clear.  A sender keeps at most `POOL_BYTES` of buffers; beyond that (receivers
@@ -27,7 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from taskrt import shared_memory
+from taskrt.transport import shared_memory
 
 MIN_BYTES = shared_memory.MIN_BYTES  # smaller arrays cost less through host memory than an IPC's bookkeeping
 POOL_BYTES = 2 * 2**30  # a sender's buffers at most

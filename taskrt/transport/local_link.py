@@ -8,12 +8,12 @@ a thread of the receiving worker that does nothing but read its sockets hands it
 two thread wake-ups and a socket, a few tenths of a millisecond.
 
 Each worker listens on a Unix socket named after its own address (`path_of`), in a directory only
-its user can enter (the same trust as the shared memory segments beside it, `taskrt.shared_memory`),
+its user can enter (the same trust as the shared memory segments beside it, `taskrt.transport.shared_memory`),
 so a sender on the same host finds it without asking.  On a cluster whose workers speak plain TCP
 it also listens on a TCP port of its host, which a sender on another host asks it for once
 (`Links(resolve=)`): the same trust as distributed's own TCP comms, which carry pickles too.  On a
 TLS cluster messages between hosts stay on distributed's comms, and so do they where a socket
-cannot be reached (`taskrt.mailbox`).  A message is a pickle (protocol 5) with its arrays' buffers
+cannot be reached (`taskrt.transport.mailbox`).  A message is a pickle (protocol 5) with its arrays' buffers
 sent beside it, not copied into it; large arrays between workers of one host go through shared
 memory anyway.  Messages from one worker to another arrive in order.
 """

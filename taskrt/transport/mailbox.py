@@ -6,11 +6,11 @@ it takes it from there, waiting if it has not arrived yet.  A program sends from
 the message is written by the worker's event loop, through the worker's pool of connections, as
 a one-way message (no answer to wait for), so the program goes on computing meanwhile.  An array
 of at least `shared_memory.MIN_BYTES` to a worker on the same host goes through shared memory and
-the message says where (`taskrt.shared_memory`): in place when a kernel made it there (the large
+the message says where (`taskrt.transport.shared_memory`): in place when a kernel made it there (the large
 results on `ops.reuse`'s memory, which on a worker is shared), else copied there once; other
 values travel as the message's own frames, not copied into it (distributed's serialization).  A
 device array of at least that size to a GPU worker on the same host goes through CUDA IPC
-(`taskrt.gpu_ipc`): copied into a buffer of the sender's on the device, the message says which.
+(`taskrt.transport.gpu_ipc`): copied into a buffer of the sender's on the device, the message says which.
 
 Each value that arrives is logged in the worker's `transfer_incoming_log` (and each sent in the
 sender's `transfer_outgoing_log`) in Dask's own form, under its key: the bytes a step moved are
@@ -34,8 +34,8 @@ from dask.sizeof import sizeof
 from distributed import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from ops import reuse
-from taskrt import gpu_ipc, local_link, shared_memory
+from taskrt.ops import reuse
+from taskrt.transport import gpu_ipc, local_link, shared_memory
 
 WATCH_S = 1.0  # a program waiting this long for a value asks whether its sender is still there
 ASK_TIMEOUT_S = 10.0  # for the scheduler's answer to that
@@ -68,7 +68,7 @@ class Mailbox(WorkerPlugin):
         self.aborted: OrderedDict = OrderedDict()  # step tag -> why
         self.failed: OrderedDict = OrderedDict()  # key of a program that failed here -> its error
         self.cond = threading.Condition()
-        # arrays to a worker on the same host through shared memory (taskrt.shared_memory)
+        # arrays to a worker on the same host through shared memory (taskrt.transport.shared_memory)
         self.shm_sender = shared_memory.Sender() if shared_memory.available() else None
         self.shm_receiver = shared_memory.Receiver()
         self.shm_blocks = None
@@ -77,7 +77,7 @@ class Mailbox(WorkerPlugin):
             # large results made in shared memory, lent to workers on this host without a copy
             self.shm_blocks = shared_memory.Blocks()
             reuse.set_source(self.shm_blocks)
-        # messages over sockets of their own, past both event loops (taskrt.local_link): to workers on
+        # messages over sockets of their own, past both event loops (taskrt.transport.local_link): to workers on
         # this host over Unix sockets; to others over TCP where the cluster speaks plain TCP (not TLS)
         self.links, self.listener = None, None
         self.tcp = worker.address.startswith("tcp://")
@@ -87,7 +87,7 @@ class Mailbox(WorkerPlugin):
                 self.links = local_link.Links(resolve=self._link_port)
             except OSError:  # no socket here (a path too long, no /tmp): distributed's comms only
                 self.listener = None
-        # device arrays to a GPU worker on the same host through CUDA IPC (taskrt.gpu_ipc), made when needed
+        # device arrays to a GPU worker on the same host through CUDA IPC (taskrt.transport.gpu_ipc), made when needed
         self.gpu_sender, self.gpu_receiver, self.gpu_peers = None, None, {}
         worker.handlers["taskrt_link"] = self.link_port
         worker.handlers["taskrt_gpu"] = self.takes_gpu_ipc
@@ -115,7 +115,7 @@ class Mailbox(WorkerPlugin):
 
     def takes_gpu_ipc(self) -> bool:
         """Whether this worker takes device arrays through CUDA IPC (it computes on a GPU)."""
-        from taskrt.device import is_gpu
+        from taskrt.gpu.device import is_gpu
 
         return is_gpu() and shared_memory.available()
 
@@ -293,7 +293,7 @@ class Mailbox(WorkerPlugin):
 
     def program_failed(self, key, error: BaseException):
         """Keep the error of the program `key` for the device's next program, which reads its result
-        here (taskrt.program_executor) and fails with it, as Dask fails a task's dependents."""
+        here (taskrt.execution.program_executor) and fails with it, as Dask fails a task's dependents."""
         with self.cond:
             self.failed[key] = error
             while len(self.failed) > ABORTED_KEPT:
@@ -313,7 +313,8 @@ class Mailbox(WorkerPlugin):
 def mailbox_of(worker) -> Mailbox:
     found = getattr(worker, "_taskrt_mailbox", None)
     if found is None:
-        raise RuntimeError("this worker has no taskrt mailbox: use a Machine (it registers taskrt.mailbox.Mailbox)")
+        raise RuntimeError("this worker has no taskrt mailbox: use a Machine (it registers "
+                           "taskrt.transport.mailbox.Mailbox)")
     return found
 
 

@@ -1,7 +1,7 @@
 """Large arrays from one worker to another on the same host through shared memory.
 
 Over TCP on loopback a value is serialized into frames, written through the socket, read into a
-message buffer and copied again to align it (`taskrt.tasks.Received`): a 64 MB tile took 40-80 ms
+message buffer and copied again to align it (`taskrt.planning.tasks.Received`): a 64 MB tile took 40-80 ms
 (about 1-1.6 GB/s), and data parallelism's weights and gradients are hundreds of megabytes a step.
 Through shared memory it is one copy: the sender writes the array into a segment of its own (a
 file in /dev/shm, mapped once and reused, so its pages are already there), the message carries

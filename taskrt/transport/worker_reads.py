@@ -19,9 +19,9 @@ import asyncio
 
 from distributed import WorkerPlugin
 
-from taskrt.device import to_host_async
-from taskrt.fusion import RunValue, export_source, run_of
-from taskrt.plan import keys_of
+from taskrt.gpu.device import to_host_async
+from taskrt.planning.fusion import RunValue, export_source, run_of
+from taskrt.planning.plan import keys_of
 
 
 class StepWatch(WorkerPlugin):
@@ -41,7 +41,7 @@ class StepWatch(WorkerPlugin):
 def reads_of(dsk: dict, device_of, outputs: dict) -> dict[int, list]:
     """What the client waits for on each device: {device: [(run, index, key, loss)]}: value `index`
     of `run` (or `run` itself, for index None), also the output `key` (None for a value kept in its
-    run, `taskrt.fusion.held_outputs`), is there once `key` or `run` is in memory.  `loss`: the
+    run, `taskrt.planning.fusion.held_outputs`), is there once `key` or `run` is in memory.  `loss`: the
     loss's place in the step's losses, whose values come back; None for each of the step's
     `done` keys, awaited through one output read out of it."""
     held = [run_of(k)  # a value kept in its run: the client holds the run

@@ -1,0 +1,28 @@
+"""Every benchmark's goals in one place, below the benchmarks and their pages: a benchmark judges
+its rows by them and its page (`taskrt.bench.pages`) states them, neither importing the other."""
+
+# bench kernels
+KERNELS_GOAL, KERNELS_MOONSHOT = 0.5, 0.7  # of the GEMM rate, large conv layers
+# bench overhead
+OVERHEAD_HOP_GOAL = 1.1  # taskrt's overhead against Dask's own on the same graph (equal hops: per hop too)
+# bench programs
+TASKS_GOAL = 2  # Dask tasks per step and device
+HOP_GOAL_S, HOP_MOONSHOT_S = 1e-3, 0.3e-3
+PROGRAMS_RATE_GOAL = 5e9  # bytes/s, 64 MB between two workers on one host
+# bench data
+GOAL_BYTES = 1024  # sample data from the client per step on the dataset path
+# bench gpu
+GPU_STEP_GOAL, GPU_STEP_FLOOR = 0.8, 0.5  # taskrt's step against PyTorch eager: goal, and no network below the floor
+MEMORY_GOAL = 1.3  # taskrt's peak GPU memory against PyTorch's
+BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
+GPU_TRANSFER_RATE_GOAL = 10e9  # bytes/s, a 64 MB device array between two workers on one GPU
+# bench hypergraph: the thesis's figures its partitions are set beside
+# The thesis's forward communication volume in its "MB" (MV), batch 32, final imbalance 0.1 unless named
+THESIS_VOLUME = {
+    "layer-wise": {2: 24.5, 4: 85.7, 8: 131.6, 16: 273.5},
+    "horizontal": {2: 484, 4: 1144, 8: 2307, 16: 4556, 32: 9016, 64: 17916, 128: 35707},
+    "filter-wise incremental": {2: 42, 4: 117, 8: 372, 16: 667, 32: 1294, 64: 2212, 128: 4091},
+    "channel-wise incremental": {2: 42, 4: 118, 8: 373, 16: 663, 32: 1275, 64: 2371, 128: 4471},
+    "coarse hypergraph": {2: 27, 4: 61, 8: 298, 16: 661, 32: 1300, 64: 2388, 128: 4604},
+    "fine hypergraph": {2: 27.5, 4: 56.3, 8: 307.3, 16: 549.2, 32: 916.8, 64: 1340.1, 128: 1964.0},
+}

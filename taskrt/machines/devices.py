@@ -1,0 +1,23 @@
+"""A machine's devices: what each is, the Dask resource tag that pins tasks to it, and the error a
+machine raises.  Below `machine` and `local_cluster`, which both need them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MachineError(RuntimeError):
+    """A cluster that cannot serve as a machine, or a device that was lost."""
+
+
+@dataclass(frozen=True)
+class Device:
+    id: int
+    node: int
+    kind: str
+    memory: float | None  # bytes available to tasks, if known
+
+
+def resource_tag(device: int) -> str:
+    """The resource tag of `device`: survives a nanny restarting its worker on a new port."""
+    return f"dev{device}"
