@@ -50,7 +50,6 @@ from taskrt.graph.config import DIMS, ParallelConfig
 from taskrt.machines.device_kinds import DEVICE_KINDS
 from taskrt.ops.rect import Rect
 from taskrt.planning.params import resolve_dtype
-from taskrt.planning.plan import DATA, TASK
 from taskrt.search import runtime_costs, transfer
 from taskrt.search.cost_cache import CACHE_FORMAT, CostCache, corun_kind, default_cache_path
 from taskrt.search.helper_thread import Kernels
@@ -61,6 +60,7 @@ from taskrt.search.roofline import roofline_parts
 from taskrt.search.runtime_costs import CALIBRATION_FORMAT, STEP_FITTED, STEP_LATENCIES
 from taskrt.search.space import config_grid, layer_configs, search_space
 from taskrt.search.sync_cost import sync_times
+from taskrt.search.task_prices import task_timer
 
 # moved to rooms of their own; importable from here as before
 __all__ = ["CACHE_FORMAT", "CALIBRATION_FORMAT", "STEP_FITTED", "STEP_LATENCIES", "Breakdown", "CostCache",
@@ -424,58 +424,8 @@ class CostModel:
 
     # ---- one task, for the simulator ---------------------------------------------------------
     def timer(self, plan, corun: bool = False):
-        """A function giving the kernel seconds of each task of `plan` (the runtime's own cost per
-        task is in `runtime()`); with `corun`, of its parts while kernels run beside them on the
-        other devices (`part_time`)."""
-        sync = {}  # task key -> (device kind, phase, elements, gradients): timed like parts
-        for task in plan.tasks:
-            if task.phase in ("update", "reduce"):
-                kind = self.kinds[self.kind_index[task.device]]
-                lo, hi, _ = plan.shards[task.layer][task.key[1]].chunks[task.key[2]]
-                sync[task.key] = (kind, task.phase, hi - lo, len(task.spec.grads))
-        self._time_synchronization(set(sync.values()))
-        if not self.estimated:  # parts not timed yet: measured together, not one call each
-            missing = {}
-            for task in plan.tasks:
-                if task.phase in ("fwd", "bwd", "loss"):
-                    kind, op = self.kinds[self.kind_index[task.device]], task.spec.op
-                    self._lookup(kind, op, task.spec.out, _need_dx(task), missing)
-            self._measure_missing(missing)
-        # On CPU workers a task first copies the arrays Dask hands it out of a message, which are
-        # misaligned (taskrt.planning.tasks.Received): another device's values and the client's data tiles.
-        received = {}
-        bandwidth = self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
-        if not self.estimated:
-            for task in plan.tasks:
-                if self.kinds[self.kind_index[task.device]].startswith("cpu"):
-                    nbytes = sum(plan.nbytes_of(d) or 0 for d in task.deps
-                                 if d.kind == DATA or (d.kind == TASK and plan.device_of(d) != task.device))
-                    if nbytes:
-                        received[task.key] = nbytes / bandwidth
-
-        def task_time(task) -> float:
-            return received.get(task.key, 0.0) + kernel_time(task)
-
-        def kernel_time(task) -> float:
-            spec = task.spec
-            if task.phase == "fwd":
-                return self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[0]
-            if task.phase == "bwd":
-                return self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[1]
-            if task.phase == "loss":
-                return sum(self.part_time(spec.op, spec.out, _need_dx(task), task.device, corun))
-            if task.phase in ("slice", "gslice", "rslice", "wgather"):  # copies into a fresh array
-                return task.nbytes / self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
-            if task.phase in ("update", "reduce"):
-                return self._sync_times[sync[task.key]]
-            if task.phase in ("fstats", "bstats", "running"):  # batch norm: a sum of small per-channel arrays
-                bandwidth = self.calibration.get("fresh_copy_bandwidth", self.memory_bandwidth)
-                return task.nbytes * len(task.deps) / bandwidth
-            # fstat, bstat: batch norm's per-part statistics; the part's measured forward and backward
-            # (measure_parts runs the op's whole-tile kernels) already include computing them
-            return 0.0  # send, wfetch, grad: a reference to an array that exists already
-
-        return task_time
+        """A function giving the kernel seconds of each task of `plan` (`search.task_prices`)."""
+        return task_timer(self, plan, corun)
 
     def _time_synchronization(self, items):
         """Seconds of parameter-server updates (and gradient sums) of the given sizes: estimated
@@ -574,16 +524,6 @@ class CostModel:
         if fast is not None:
             return fast
         return lambda: transfer.general(u.parts, needs.table, self.links, itemsize, backward)
-
-
-def _need_dx(task) -> tuple:
-    """Which input gradients a forward, backward or loss task's part timing includes (a batch
-    norm's backward, taskrt.planning.tasks.NormBackward, exists only where its input needs one)."""
-    if task.phase == "fwd":
-        return tuple(False for _ in task.spec.op.in_shapes)
-    if task.phase == "loss":
-        return (True, False)
-    return tuple(getattr(task.spec, "need_dx", (True,) * len(task.spec.op.in_shapes)))
 
 
 def _plus_transpose(table: np.ndarray) -> np.ndarray:

@@ -205,9 +205,9 @@ def test_searched_strategy_is_searched_again_on_the_survivors(machine3, tmp_path
 
 @pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_losing_the_last_worker_is_a_clear_error_with_a_checkpoint_on_disk(tmp_path, monkeypatch):
-    import taskrt.training.trainer
+    from taskrt.training import recovery
 
-    monkeypatch.setattr(taskrt.training.trainer, "RESTART_GRACE_S", 1.0)
+    monkeypatch.setattr(recovery, "RESTART_GRACE_S", 1.0)
     graph = small_lenet()
     data = batches(graph, 3)
     with Machine.local(1, probe=False) as machine:

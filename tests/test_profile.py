@@ -244,7 +244,7 @@ def test_the_dashboard_shows_the_last_profiled_step(machine2, profiled):
     from taskrt.observing.dashboard import page_url
 
     trainer, profile, _ = profiled
-    trainer._publisher.profiled(profile)  # the page shows the cluster's last profile: this one again
+    trainer.publisher.profiled(profile)  # the page shows the cluster's last profile: this one again
     with pull_session(url=page_url(machine2.client)) as session:
         sources = [s.data for s in session.document.select({"type": ColumnDataSource}) if "lane" in s.data]
     [bars] = sources

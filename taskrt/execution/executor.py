@@ -89,6 +89,7 @@ class StepRun:
     window: int = 1  # steps run by the same programs (`ProgramExecutor.submit_window`)
     position: int = 0  # this step's place among them; only the last one's outputs hold the new state
     shared: dict | None = None  # a window's: what the client reads of all its steps at once, once read
+    sent: int | None = None  # its programs' place in the order programs were sent (ProgramExecutor)
 
     def futures(self) -> list:
         return futures_of(output_keys(self.outputs))
@@ -179,6 +180,9 @@ class Executor:
         from taskrt.observing.task_timing import profiled_graph
 
         return profiled_graph(dsk)
+
+    def finished(self, run: StepRun) -> None:
+        """`run` has ended: what is kept only until then can go (nothing here; see ProgramExecutor)."""
 
     def read_when_done(self, run: StepRun, timeout: float):
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as

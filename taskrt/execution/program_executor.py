@@ -208,7 +208,8 @@ class ProgramExecutor(Executor):
         self._placed: OrderedDict = OrderedDict()  # id(plan) -> (plan, {device: program future})
         # device -> the future of its last program, its worker's address and the program's Dask inputs
         self._last: dict = {}
-        self._held: list = []  # (a program's future, the future of the one before it, which it reads)
+        # (when sent, a program's future, the future of the one before it, which it reads)
+        self._held: list = []
 
     def _programs(self, plan: Plan, address: dict) -> dict:
         """{device: the future of its program on its worker}, sent once per plan."""
@@ -324,8 +325,8 @@ class ProgramExecutor(Executor):
         by_key = dict(zip(wanted, futures))
         # The programs before are held here till these have run (a step's run may be dropped before:
         # a recovery's replayed steps that no one waits for), or the worker would let their results go.
-        self._held = [(after, before) for after, before in self._held if after.status == "pending"]
-        self._held += [(by_key[program_key[d]], before) for d, before in kept_of.items()]
+        self._held = [(when, after, before) for when, after, before in self._held if after.status == "pending"]
+        self._held += [(-sent, by_key[program_key[d]], before) for d, before in kept_of.items()]
         for device, key in program_key.items():  # what the device's next program reads, and waits for
             self._last[device] = (by_key[key], address[device],
                                   [by_key[v] if isinstance(v, str) else v for v in inputs_of[device]])
@@ -357,7 +358,7 @@ class ProgramExecutor(Executor):
             keys = ({value_key(t.dep, tag) for t in plan.transfers()} | set(dsk) | {
                 f.key for f in data.values() if not isinstance(f, (np.ndarray, TileRead))})
             run = StepRun(step, tag, plan, outputs_k, keys, submitted, reads=reads if shared is None else None,
-                          profiled=profiled, window=len(steps), position=k, shared=shared)
+                          profiled=profiled, window=len(steps), position=k, shared=shared, sent=-sent)
             run.address = address
             runs.append(run)
         return runs
@@ -383,6 +384,13 @@ class ProgramExecutor(Executor):
                    else [named(name, key) for key in value] for name, value in plan.outputs.items()
                    if name in HELD or not held_only}
         return outputs, exports
+
+    def finished(self, run: StepRun) -> None:
+        """`run`'s programs have ended on every device, and so have those sent before them (each
+        device runs its programs in the order sent, each reading the one before): the programs
+        held for them are let go."""
+        if run.sent is not None:
+            self._held = [held for held in self._held if held[0] > run.sent]
 
     def read_when_done(self, run: StepRun, timeout: float):
         """As `Executor.read_when_done`; a window's steps are read all at once, as its first is

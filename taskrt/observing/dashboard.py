@@ -36,7 +36,7 @@ def page_data(trainer, measured: dict | None, step_times: list, predicted_s: flo
     """What the page shows, as plain JSON-ready data.  Devices are named by their number on the
     whole machine, also after a recovery re-planned on some of them."""
     graph, strategy, machine = trainer.graph, trainer.strategy, trainer.machine
-    whole = trainer._live  # device i of the machine in use is device whole[i] of the whole machine
+    whole = trainer.devices_in_use  # device i of the machine in use is device whole[i] of the whole machine
 
     def pairs(counts):
         return {f"{whole[s]}->{whole[d]}": int(b) for (s, d), b in sorted(counts.items())}

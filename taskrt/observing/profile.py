@@ -134,8 +134,7 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
     if not data:
         raise ValueError("profile needs the batch to train on: trainer.profile(images, labels, steps=...)")
     arrays = bind_inputs(trainer.graph, data, trainer.dtype)  # a clear error before any step
-    for future in list(trainer._in_flight):  # steps sent before belong to no profiled step
-        future.result()
+    trainer.wait()  # steps sent before belong to no profiled step
     client = trainer.machine.client
     client.get_task_stream(start=time.time())  # the scheduler keeps a task stream from now on
     shift = time.time() - time.perf_counter()  # the client's clock: perf_counter -> wall clock
@@ -160,7 +159,7 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
     devices = tuple(range(trainer.machine.num_devices))
     kinds = {d.id: d.kind for d in trainer.machine.devices}
     out = Profile(trainer.graph.name, trainer.strategy.name, trainer.machine.description,
-                  tuple(f"{trainer._live[d]} ({kinds[d]})" for d in devices), tuple(losses), tuple(measured),
+                  tuple(f"{trainer.devices_in_use[d]} ({kinds[d]})" for d in devices), tuple(losses), tuple(measured),
                   simulated, _reference(trainer, plan, arrays) if reference else None,
                   None if path is None else str(path), None if png is None else str(png))
     if path is not None:
@@ -171,7 +170,7 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
         from taskrt.observing.gantt import write_gantt
 
         write_gantt(out, png)
-    trainer._publisher.profiled(out)
+    trainer.publisher.profiled(out)
     return out
 
 
@@ -293,7 +292,7 @@ def _reference(trainer, plan, arrays) -> dict | None:
     if trainer.executor.gpu_devices:
         return None
     client, machine = trainer.machine.client, trainer.machine
-    future = client.submit(_plan_seconds, trainer.graph, plan, arrays, trainer._hyper(), trainer.dtype.name,
+    future = client.submit(_plan_seconds, trainer.graph, plan, arrays, trainer.hyper(), trainer.dtype.name,
                            resources={machine.tag(0): 1}, pure=False)
     seconds = future.result()
     out = {}

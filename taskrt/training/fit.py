@@ -153,14 +153,14 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "train")
     if lr_schedule is not None and not callable(lr_schedule):
         raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
-    batch = trainer._batch
-    trainer._bind(dataset)
+    batch = trainer.batch_size
+    trainer.bind(dataset)
     if len(dataset) < batch:
         raise DatasetError(f"dataset {dataset.name!r} has {len(dataset)} samples, fewer than the batch of {batch} "
                            f"that graph {trainer.graph.name!r} takes; use a larger dataset or a graph with a "
                            "smaller batch")
     if eval_dataset is not None:
-        trainer._bind(eval_dataset)
+        trainer.bind(eval_dataset)
     counts = steps_per_epoch(len(dataset), batch, epochs, last)
     total = sum(counts)
     losses, summaries = [], []
@@ -212,7 +212,7 @@ def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, 
                 trainer.lr = lrs[0]
             pending.append([trainer.submit_from(dataset, rows[0])])
         else:
-            pending.append(trainer._submit_window(dataset, rows, lrs))
+            pending.append(trainer.submit_window(dataset, rows, lrs))
         step, left = step + k, left - k
     while pending:
         take()
@@ -229,22 +229,22 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
     from taskrt.data.datasets import Batch
     from taskrt.execution.program_executor import MAX_WINDOW, auto_steps_per_program
 
-    binding = trainer._bind(dataset)
+    binding = trainer.bind(dataset)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= MAX_PREFETCH:
         raise ValueError(f"prefetch must be an int in [1, {MAX_PREFETCH}], got {prefetch!r}")
     _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "predict")
     (label_layer,) = [l.name for l in data_inputs(trainer.graph) if l.op.dtype == "int64"]
     labels = np.asarray(dataset.read(binding.field_of(label_layer), np.arange(len(dataset)), ()), dtype=np.int64)
-    batch, length = trainer._batch, len(dataset)
+    batch, length = trainer.batch_size, len(dataset)
     losses, correct, pending = [], 0, deque()  # lists of (run, used, rows), one list per program
-    windows = trainer._windows("predict")
+    windows = trainer.runs_windows("predict")
     started, taken = time.perf_counter(), 0
 
     def take():
         nonlocal taken
         count = 0
         for run, used, rows in pending.popleft():
-            logits = trainer._logits(run)[:used].astype(np.float64)
+            logits = trainer.logits(run)[:used].astype(np.float64)
             top = logits.max(axis=1, keepdims=True)
             log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
             losses.append(log_z - logits[np.arange(used), labels[rows]])
@@ -270,9 +270,9 @@ def evaluate(trainer, dataset, prefetch: int = 2, steps_per_program="auto") -> E
             correct += take()
         if k == 1:
             [(data, used, rows)] = batches
-            pending.append([(trainer._run("predict", data, trainer._aux_tag("eval")), used, rows)])
+            pending.append([(trainer.predict_run(data), used, rows)])
         else:
-            runs = trainer._predict_window([data for data, _, _ in batches])
+            runs = trainer.predict_window([data for data, _, _ in batches])
             pending.append([(run, used, rows) for run, (_, used, rows) in zip(runs, batches)])
     while pending:
         correct += take()
@@ -288,7 +288,7 @@ def programs_in_flight(prefetch: int, steps_per_program: int) -> int:
 def _check_steps_per_program(value, most: int, trainer, mode: str):
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
         raise ValueError(f"steps_per_program must be 'auto' or an int in [1, {most}], got {value!r}")
-    if value not in ("auto", 1) and not trainer._windows(mode):
+    if value not in ("auto", 1) and not trainer.runs_windows(mode):
         raise ValueError(f"steps_per_program={value} needs the trainer's executor 'programs' (the default; this one "
                          f"is {trainer.executor_kind!r}, which runs a Dask task per run), and a strategy whose "
                          "devices each compute the state they hold; pass 'auto' or 1")
