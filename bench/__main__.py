@@ -83,7 +83,7 @@ def _within_budget(names, args) -> int:
             continue
         start = time.perf_counter()
         print(f"== bench {name}{' (quick)' if args.quick else ''} ({left:.0f} s of the budget left)", flush=True)
-        command = [sys.executable, "-m", "bench", name, "--out", args.out] + (["--quick"] if args.quick else [])
+        command = [sys.executable, "-m", "taskrt.bench", name, "--out", args.out] + (["--quick"] if args.quick else [])
         child = subprocess.Popen(command, start_new_session=True)  # its own group: its workers stop with it
         try:
             code = child.wait(timeout=left)
