@@ -1,6 +1,7 @@
-"""python -m taskrt.bench <name>|all [--quick] [--out DIR] [--budget S]: benchmarks writing
-results/<name>.json, .md and .png.
+"""python -m taskrt.bench <name>|all [--quick] [--out DIR] [--budget S] (also: taskrt bench ...):
+benchmarks writing results/<name>.json, .md and .png.
 
+`all` runs these, in this order:
   kernels      conv forward+backward GFLOP/s next to GEMM (one thread)
   overhead     Dask scheduling overhead per training step
   search       search time, node/edge elimination vs depth-first search (the paper's Table 3)
@@ -11,6 +12,10 @@ results/<name>.json, .md and .png.
   convergence  loss curves of data parallel and layer-wise against one device
   seeds        SplitBrain (000) and the integrated grid (001): their tables and figures, plan vs model,
                the search next to their families (also writes gholami.*: Figs. 6 and 7 of 001)
+  data         datasets read by the workers against batches sent from the client: bytes from the client
+               per step (Dask's counters) and step time on 2 local devices
+
+These run by name only (long, or needing a GPU, torch or 8 cores):
   hypergraph   seed 003: VGG-16 partitions (layer-wise, naive, Mt-KaHyPar) at N = 2..128 beside the
                thesis's Tables 5.1-5.15 and Appendix A
   elastic      the cost of snapshots for elastic recovery, and of recovering from a killed worker
@@ -23,8 +28,6 @@ results/<name>.json, .md and .png.
                a value's hop between two devices' programs, a 64 MB tile's rate, step times on local(2)
   scaling_measured
                strategies on local(1/2/4/8) CPU workers measured beside the simulation (needs 8+ cores)
-  data         datasets read by the workers against batches sent from the client: bytes from the client
-               per step (Dask's counters) and step time on 2 local devices
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
 spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
@@ -49,17 +52,44 @@ BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scalin
 ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs", "scaling_measured"]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m taskrt.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", choices=BENCHMARKS + ON_REQUEST + ["all"], help="which benchmark, or all of them")
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _folder(text):
+    from pathlib import Path
+
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder for results")
+    return text
+
+
+class Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line naming the argument and what is valid."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def main(argv=None, prog="python -m taskrt.bench"):
+    parser = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=BENCHMARKS + ON_REQUEST + ["all"], metavar="name",
+                        help=f"one benchmark, or all: {', '.join(BENCHMARKS)} (the others run by name only: "
+                             f"{', '.join(ON_REQUEST)})")
     parser.add_argument("--quick", action="store_true", help="a short version (CI)")
-    parser.add_argument("--out", default="results", help="folder for results (default: results/)")
-    parser.add_argument("--budget", type=float, default=None, metavar="S",
+    parser.add_argument("--out", default="results", type=_folder, help="folder for results (default: results/)")
+    parser.add_argument("--budget", type=_seconds, default=None, metavar="S",
                         help="stop after S seconds in all; what did not run is listed (default: no limit)")
     args = parser.parse_args(argv)
-    if args.budget is not None and args.budget <= 0:
-        parser.error(f"--budget must be a positive number of seconds, got {args.budget:g}")
     names = BENCHMARKS if args.name == "all" else [args.name]
     os.environ[QUICK_VARIABLE] = "1" if args.quick else ""  # the pages say so (bench.report.quick_run)
     if args.budget is None:

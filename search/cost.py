@@ -399,7 +399,7 @@ class CostModel:
             self.cache.put_many(kind, measured)
             self._times.update({key: tuple(t) for sig, t in measured.items() for key in items[sig][0]})
             if self.corun:
-                beside = self.measure(kind, parts, corun=True, what="part kernels on every device at once")
+                beside = self.measure(kind, parts, corun=True, what="part kernels, run beside each other,")
                 self.cache.put_many(corun_kind(kind), beside)
                 self._corun_times.update({key: tuple(t) for sig, t in beside.items() for key in items[sig][0]})
 
@@ -481,7 +481,7 @@ class CostModel:
         """Time each item on a device of this kind with `timing` (default `measure_parts`; see
         `search.part_timing.time_on_devices`); returns {signature: what `timing` gave for it}."""
         out = time_on_devices(self.machine, kind, items, timing or measure_parts, self.repeats, self.dtype,
-                              corun, self.progress, what)
+                              corun, self.progress, what, self.cache.path)
         self.measurements += len(items)
         return out
 

@@ -115,26 +115,26 @@ def measure_synchronization(items, repeats, dtype):
 
 
 def time_on_devices(machine, kind, items: dict, timing, repeats: int, dtype: str, corun: bool = False,
-                    progress: bool = True, what: str = "part kernels") -> dict:
+                    progress: bool = True, what: str = "part kernels", cached_in=None) -> dict:
     """Time each item on a device of `kind` (one at a time, as in training) with `timing` (e.g.
     `measure_parts`), 8 items per task; returns {signature: what `timing` gave for it}.  With
     `corun`, devices of the kind time the same items at once, as many as the host's cores run at
     once (more would time the cores' sharing, which the simulator models apart), and each timing
-    is their mean."""
-    from tqdm import tqdm
+    is their mean.  `cached_in`: where the caller keeps the results, said with the progress."""
+    from taskrt.observing.progress import phase
 
     devices = [d.id for d in machine.devices if d.kind == kind]
     devices = devices[: max(2, os.cpu_count() or 1)] if corun else devices[:1]
     client = machine.client
     sigs = list(items)
     out = {}
-    with tqdm(total=len(sigs), desc=f"measuring {len(sigs)} {what}", disable=not progress or None,
-              leave=False) as bar:
+    where = f"{len(devices)} {kind} devices at once" if len(devices) > 1 else f"a {kind} device"
+    with phase(f"measuring {len(sigs)} {what} on {where}", len(sigs), cached_in, progress) as advance:
         for start in range(0, len(sigs), 8):
             chunk = sigs[start : start + 8]
             futures = [client.submit(timing, [items[s] for s in chunk], repeats, dtype,
                                      pure=False, resources={machine.tag(device): 1}) for device in devices]
             results = client.gather(futures)
             out.update(zip(chunk, np.mean(results, axis=0).tolist() if len(results) > 1 else results[0]))
-            bar.update(len(chunk))
+            advance(len(chunk))
     return out

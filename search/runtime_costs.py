@@ -60,20 +60,21 @@ def calibration(machine, cache, corun: bool, progress: bool = True) -> dict:
     key = calibration_key(machine)
     cached = cache.data["overhead"].get(key)
     if cached is None or cached.get("format") != CALIBRATION_FORMAT:
-        from tqdm import tqdm
+        from taskrt.observing.progress import phase
 
         timed = cpu_workers(machine)  # training steps measure the latencies (`fit_to_steps`)
         # about 8 s, and 11 s more of training steps: once per cluster, then cached
-        with tqdm(total=2 if timed else 1, desc="calibrating the runtime's costs (once per cluster)",
-                  disable=not progress or None, leave=False) as bar:
+        what = (f"calibrating the runtime's costs on {machine.num_devices} {machine.devices[0].kind} device(s): "
+                "Dask's time per task and hop" + (", then training steps" if timed else ""))
+        with phase(what, 2 if timed else 1, cache.path, progress) as advance:
             cached = {**machine.calibrate(), "format": CALIBRATION_FORMAT}
-            bar.update()
+            advance(1)
             if timed:
                 fitted = fit_to_steps(machine, cached, corun)
                 if "cpu_per_task_s" in fitted:  # the no-op tasks' kept beside the steps' fit
                     cached["noop_cpu_per_task_s"] = cached["cpu_per_task_s"]
                 cached.update(fitted)
-                bar.update()
+                advance(1)
         cache.data["overhead"][key] = cached
         cache.save()
     return cached

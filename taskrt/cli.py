@@ -1,4 +1,6 @@
-"""Command line: `taskrt run` (the main job), and the subcommands of later stages."""
+"""taskrt's command line: `taskrt run` trains LeNet-5 on the bundled digits and shows what the
+runtime did; `taskrt search` finds a layer-wise strategy for a zoo model on a machine;
+`taskrt profile` times training steps device by device; `taskrt bench` runs the benchmarks."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def predicted_step_s(trainer) -> float:
     measurements on this machine (cached on disk, so later runs measure nothing)."""
     from taskrt.search import CostModel
 
-    cost_model = CostModel(trainer.machine, progress=False)
+    cost_model = CostModel(trainer.machine)
     plan = trainer.plan
     return cost_model.simulate(plan, fused=trainer.executor.fused, executor=trainer.executor_kind).step_s
 
@@ -144,9 +146,7 @@ def profile_strategy(spec: str, graph, machine, cost_model):
 
 
 def cmd_profile(args):
-    from pathlib import Path
 
-    from taskrt import models
     from taskrt.graph.strategy import StrategyError
     from taskrt.machines.machine import Machine
     from taskrt.observing.dashboard import page_url
@@ -154,23 +154,14 @@ def cmd_profile(args):
 
     kwargs = {k: v for k, v in (("batch", args.batch), ("image_size", args.image_size),
                                 ("num_classes", args.classes)) if v is not None}
-    try:
-        graph = models.get(args.model, **kwargs)
-    except ValueError as error:
-        raise SystemExit(f"taskrt profile: {error}") from None
-    if args.strategy not in ("data-parallel", "search") and not Path(args.strategy).is_file():
-        raise SystemExit(f"--strategy {args.strategy!r}: expected data-parallel, search or a strategy JSON file "
-                         "(taskrt search --out FILE writes one)")
-    for target in (args.trace, args.png):
-        if not Path(target).resolve().parent.is_dir():
-            raise SystemExit(f"cannot write {target}: its directory does not exist")
+    graph = zoo_graph("profile", args.model, kwargs)
     batch = random_batch(graph, args.seed)
     with Machine.local(args.devices) as machine:
         cost_model = profile_cost_model(machine, args.cache)
         try:
             strategy = profile_strategy(args.strategy, graph, machine, cost_model)
         except StrategyError as error:
-            raise SystemExit(f"--strategy {args.strategy}: {error}") from None
+            raise SystemExit(f"taskrt profile: --strategy {args.strategy}: {error}") from None
         trainer = Trainer(graph, strategy, machine, lr=args.lr, momentum=0.9, seed=args.seed)
         print(f"{graph.name}, batch {graph.inputs[0].shape[0]}, on {machine.description}, strategy "
               f"{strategy.name or args.strategy!r}: {args.warmup} step(s) to warm up, then {args.steps} profiled")
@@ -187,47 +178,57 @@ def cmd_profile(args):
     return 0
 
 
-def parse_machine(spec: str, devices: int | None):
-    """'simulated:4x4[:P100]' or 'local:2' -> Machine; `devices`, when given, must agree."""
+def zoo_graph(command: str, name: str, kwargs: dict):
+    """A zoo model, or one line saying why not (a size the network cannot take), before any machine starts."""
+    from taskrt import models
+
+    try:
+        return models.get(name, **kwargs)
+    except ValueError as error:  # models.get's own checks, and shapes the layers cannot take
+        raise SystemExit(f"taskrt {command}: {error}") from None
+
+
+def machine_devices(spec: str) -> int:
+    """The device count of a --machine spec (already checked by `_machine`)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "simulated":
+        nodes, per_node = (int(v) for v in rest.partition(":")[0].lower().split("x"))
+        return nodes * per_node
+    return int(rest or 2)
+
+
+def parse_machine(spec: str):
+    """'simulated:4x4[:P100]' or 'local:2' (checked by `_machine`) -> Machine."""
     from taskrt.machines.machine import Machine
 
     kind, _, rest = spec.partition(":")
     if kind == "simulated":
         shape, _, device_kind = rest.partition(":")
-        try:
-            nodes, per_node = (int(v) for v in shape.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--machine {spec!r}: expected simulated:<nodes>x<devices per node>[:<kind>], "
-                             "e.g. simulated:4x4:P100") from None
-        machine = Machine.simulated(nodes, per_node, device_kind=device_kind or "P100")
-    elif kind == "local":
-        try:
-            machine = Machine.local(int(rest or 2))
-        except ValueError:
-            raise SystemExit(f"--machine {spec!r}: expected local:<devices>, e.g. local:2") from None
-    else:
-        raise SystemExit(f"--machine {spec!r}: expected simulated:<nodes>x<devices per node> or local:<devices>")
-    if devices is not None and devices != machine.num_devices:
-        machine.close()
-        raise SystemExit(f"--devices {devices} does not match --machine {spec} ({machine.num_devices} devices)")
-    return machine
+        nodes, per_node = (int(v) for v in shape.lower().split("x"))
+        return Machine.simulated(nodes, per_node, device_kind=device_kind or "P100")
+    return Machine.local(machine_devices(spec))
 
 
 def cmd_search(args):
-    from taskrt import models, search
+    from taskrt import search
+    from taskrt.planning.lowering import lower
 
     if args.measure and not args.machine.startswith("local"):
-        raise SystemExit(f"--measure times the candidates on a running cluster: use --machine local:<devices>, "
-                         f"not {args.machine}")
-    machine = parse_machine(args.machine, args.devices)
+        raise SystemExit(f"taskrt search: --measure times the candidates on a running cluster: use --machine "
+                         f"local:<devices>, not {args.machine}")
+    devices = machine_devices(args.machine)
+    if args.devices is not None and args.devices != devices:
+        raise SystemExit(f"taskrt search: --devices {args.devices} does not match --machine {args.machine} "
+                         f"({devices} devices)")
+    batch = args.batch_per_device * devices
+    kwargs = {"batch": batch}
+    if args.image_size:
+        kwargs["image_size"] = args.image_size
+    if args.classes:
+        kwargs["num_classes"] = args.classes
+    graph = zoo_graph("search", args.model, kwargs)
+    machine = parse_machine(args.machine)
     try:
-        batch = args.batch_per_device * machine.num_devices
-        kwargs = {"batch": batch}
-        if args.image_size:
-            kwargs["image_size"] = args.image_size
-        if args.classes:
-            kwargs["num_classes"] = args.classes
-        graph = models.get(args.model, **kwargs)
         cost_model = search.CostModel(machine, cache=args.cache, placement=args.placement)
         strategy = search.optimize(graph, machine, cost_model, check_by_measurement=args.measure)
         meta = strategy.meta
@@ -246,11 +247,20 @@ def cmd_search(args):
                                                                                key=lambda kv: kv[1]))
                   + f"; chosen: {measured['chosen']}\n")
         print(report(graph, strategy))
+        simulated = cost_model.simulate(lower(graph, strategy)).step_s
+        measured = meta.get("chosen_by_measurement", {}).get("median_step_s", {}).get(
+            meta.get("chosen_by_measurement", {}).get("chosen"))
+        print(f"\nstep time of this strategy: {simulated * 1e3:.1f} ms simulated (its plan list-scheduled with "
+              "the measured costs: the figure to expect)"
+              + (f"; {measured * 1e3:.1f} ms measured" if measured else "")
+              + "\n  equation 1 adds the layers' costs up with nothing overlapping: "
+              f"{meta['predicted_step_s'] * 1e3:.1f} ms, the search's objective for ranking strategies, "
+              "not a step time")
         print("\nmemory per device of one step (parameters, gradients, optimizer state, activations kept for "
               "backward, largest backward working set):")
         print(memory_report(strategy.meta["memory_per_device"], machine))
         if args.compare:
-            print("\npredicted step time of the standard strategies under the same cost model:")
+            print("\nequation 1 of the standard strategies under the same cost model:")
             for name, make in search.BASELINES.items():
                 total = cost_model.breakdown(graph, make(graph, machine)).total
                 ratio = total / meta["predicted_step_s"]
@@ -289,61 +299,164 @@ def report(graph, strategy) -> str:
         sync = cfg.sync if graph[name].param_shapes and (cfg.n, cfg.h, cfg.w) != (1, 1, 1) else ""
         rows.append(f"{name:<28} {graph[name].kind:<22} {degrees:<24} {span:<10} {cost['t_c'] * 1e3:9.3f} "
                     f"{cost['t_x'] * 1e3:9.3f} {cost['t_s'] * 1e3:9.3f}  {sync}")
-    rows.append(f"predicted step time: {meta['predicted_step_s'] * 1e3:.3f} ms"
+    rows.append(f"equation 1 (the sum of the columns): {meta['predicted_step_s'] * 1e3:.3f} ms"
                 + (" (t_c: roofline estimates for the simulated device kind)" if meta["estimated"] else ""))
     return "\n".join(rows)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="taskrt", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train LeNet-5 on the bundled digits and report what happened")
-    run.add_argument("--epochs", type=int, default=10)
-    run.add_argument("--batch", type=int, default=64)
-    run.add_argument("--lr", type=float, default=0.02)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
+class Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line naming the argument and what is valid, no usage dump;
+    no abbreviated options (a misspelt one is named rather than taken for another)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, least, what):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < least or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+POSITIVE = _number(int, 1, "a whole number of at least 1")
+COUNT = _number(int, 0, "a whole number of at least 0")
+RATE = _number(float, 1e-300, "a positive number")
+SECONDS = _number(float, 0.0, "a number of seconds of at least 0")
+
+
+def _model(text):
+    from taskrt.graph.models import MODELS
+
+    if text not in MODELS:
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; known models: {', '.join(MODELS)}")
+    return text
+
+
+def _machine(text):
+    """'simulated:<nodes>x<per node>[:<kind>]' or 'local:<devices>', checked before anything starts."""
+    from taskrt.machines.device_kinds import DEVICE_KINDS
+
+    kind, _, rest = text.partition(":")
+    if kind == "simulated":
+        shape, _, device_kind = rest.partition(":")
+        parts = shape.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected simulated:<nodes>x<devices per node>[:<kind>], "
+                                             "e.g. simulated:4x4:P100")
+        if device_kind and device_kind not in DEVICE_KINDS:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown device kind {device_kind!r}; known: "
+                                             f"{', '.join(DEVICE_KINDS)}")
+        return text
+    if kind == "local" and (rest == "" or (rest.isdigit() and int(rest) >= 1)):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected local:<devices> (e.g. local:2) or "
+                                     "simulated:<nodes>x<devices per node>[:<kind>] (e.g. simulated:4x4)")
+
+
+def _writable(text):
+    """A file to write: its directory must exist."""
+    from pathlib import Path
+
+    if not Path(text).expanduser().resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: its directory does not exist")
+    return text
+
+
+def _strategy(text):
+    from pathlib import Path
+
+    if text in ("data-parallel", "search") or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected data-parallel, search or a strategy JSON file "
+                                     "(taskrt search --out FILE writes one); no such file")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="taskrt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
+                                metavar="{run,search,profile,bench}")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    run = sub.add_parser("run", help="train LeNet-5 on the bundled digits and report what happened",
+                         description="Train LeNet-5 on scikit-learn's digits on local devices under a hand-written "
+                                     "layer-wise strategy, printing the strategy, the bytes a step moves, the "
+                                     "predicted and measured step times and the test accuracy per epoch.",
+                         formatter_class=defaults)
+    run.add_argument("--epochs", type=POSITIVE, default=10, help="passes over the training images")
+    run.add_argument("--batch", type=POSITIVE, default=64, help="images per step (the graph's batch size)")
+    run.add_argument("--lr", type=RATE, default=0.02, help="learning rate at the start (cosine decay to 0)")
+    run.add_argument("--seed", type=COUNT, default=0, help="initial weights and the order of the batches")
+    run.add_argument("--devices", type=POSITIVE, default=2, help="local devices (worker processes)")
     run.set_defaults(func=cmd_run)
-    find = sub.add_parser("search", help="find the best layer-wise strategy for a model on a machine")
-    find.add_argument("--model", required=True, help="lenet5, alexnet, vgg16, inception_v3, resnet50 or splitbrain_vgg")
-    find.add_argument("--machine", default="simulated:4x4", help="simulated:<nodes>x<per node>[:P100] or local:<n>")
-    find.add_argument("--devices", type=int, help="device count (checked against --machine)")
-    find.add_argument("--batch-per-device", type=int, default=32)
-    find.add_argument("--image-size", type=int, help="default: the network's published size")
-    find.add_argument("--classes", type=int, help="default: the network's published class count")
+    models = "lenet5, alexnet, vgg16, inception_v3, resnet50 or splitbrain_vgg"
+    find = sub.add_parser("search", help="find the best layer-wise strategy for a model on a machine",
+                          formatter_class=defaults)
+    find.add_argument("--model", required=True, type=_model, help=models)
+    find.add_argument("--machine", default="simulated:4x4", type=_machine,
+                      help="simulated:<nodes>x<per node>[:P100] or local:<n>")
+    find.add_argument("--devices", type=POSITIVE, help="device count (checked against --machine)")
+    find.add_argument("--batch-per-device", type=POSITIVE, default=32)
+    find.add_argument("--image-size", type=POSITIVE, help="default: the network's published size")
+    find.add_argument("--classes", type=POSITIVE, help="default: the network's published class count")
     find.add_argument("--placement", choices=["first", "aligned"], default="first")
-    find.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
-    find.add_argument("--out", help="write the strategy as JSON")
+    find.add_argument("--cache", type=_writable, help="cost cache file (default: ~/.cache/taskrt/costs.json)")
+    find.add_argument("--out", type=_writable, help="write the strategy as JSON")
     find.add_argument("--compare", action="store_true", help="also show data, model and OWT parallelism")
     find.add_argument("--measure", action="store_true",
                       help="local machines: time the result and data, model and OWT parallelism a few steps each "
                            "and keep the fastest")
     find.set_defaults(func=cmd_search)
     prof = sub.add_parser("profile", help="profile training steps of a zoo model into a per-device timeline, "
-                                          "measured beside simulated (Chrome trace and PNG)")
-    prof.add_argument("model", help="lenet5, alexnet, vgg16, inception_v3, resnet50 or splitbrain_vgg")
-    prof.add_argument("--devices", type=int, default=2, help="local devices (worker processes)")
-    prof.add_argument("--batch", type=int, help="default: the model's")
-    prof.add_argument("--image-size", type=int, help="default: the network's published size")
-    prof.add_argument("--classes", type=int, help="default: the network's published class count")
-    prof.add_argument("--strategy", default="data-parallel", help="data-parallel (default), search, or a JSON file")
-    prof.add_argument("--steps", type=int, default=3, help="steps profiled")
-    prof.add_argument("--warmup", type=int, default=3, help="steps before, not profiled")
-    prof.add_argument("--trace", default="trace.json", help="the Chrome trace (Perfetto, chrome://tracing)")
-    prof.add_argument("--png", default="trace.png", help="the Gantt chart of the last step")
-    prof.add_argument("--cache", help="cost cache file (default: ~/.cache/taskrt/costs.json)")
-    prof.add_argument("--lr", type=float, default=0.001)
-    prof.add_argument("--seed", type=int, default=0)
-    prof.add_argument("--serve", type=float, default=0.0, help="seconds to keep the dashboard up afterwards")
+                                          "measured beside simulated (Chrome trace and PNG)", formatter_class=defaults)
+    prof.add_argument("model", type=_model, help=models)
+    prof.add_argument("--devices", type=POSITIVE, default=2, help="local devices (worker processes)")
+    prof.add_argument("--batch", type=POSITIVE, help="default: the model's")
+    prof.add_argument("--image-size", type=POSITIVE, help="default: the network's published size")
+    prof.add_argument("--classes", type=POSITIVE, help="default: the network's published class count")
+    prof.add_argument("--strategy", default="data-parallel", type=_strategy,
+                      help="data-parallel, search, or a JSON file")
+    prof.add_argument("--steps", type=POSITIVE, default=3, help="steps profiled")
+    prof.add_argument("--warmup", type=COUNT, default=3, help="steps before, not profiled")
+    prof.add_argument("--trace", default="trace.json", type=_writable,
+                      help="the Chrome trace (Perfetto, chrome://tracing)")
+    prof.add_argument("--png", default="trace.png", type=_writable, help="the Gantt chart of the last step")
+    prof.add_argument("--cache", type=_writable, help="cost cache file (default: ~/.cache/taskrt/costs.json)")
+    prof.add_argument("--lr", type=RATE, default=0.001)
+    prof.add_argument("--seed", type=COUNT, default=0)
+    prof.add_argument("--serve", type=SECONDS, default=0.0, help="seconds to keep the dashboard up afterwards")
     prof.set_defaults(func=cmd_profile)
-    sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m taskrt.bench)")
+    sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m taskrt.bench)",
+                   add_help=False)
+    return parser
+
+
+def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         from taskrt.bench.__main__ import main as bench_main
 
-        return bench_main(argv[1:])
-    args = parser.parse_args(argv)
-    return args.func(args)
+        return bench_main(argv[1:], prog="taskrt bench")
+    args = build_parser().parse_args(argv)
+    from taskrt.data.datasets import DatasetError
+    from taskrt.graph.graph import GraphError
+    from taskrt.graph.strategy import StrategyError
+    from taskrt.machines.devices import MachineError
+    from taskrt.ops.errors import ShapeError
+    from taskrt.training.checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (GraphError, StrategyError, MachineError, DatasetError, CheckpointError, ShapeError) as error:
+        raise SystemExit(f"taskrt {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

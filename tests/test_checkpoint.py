@@ -81,8 +81,10 @@ def test_flipped_byte_is_caught(tmp_path):
     at = bytes(raw).index(np.arange(12.0)[5:6].tobytes())  # inside param/fc/weight's data
     raw[at] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match="corrupted.*param/fc/weight"):
+    with pytest.raises(CheckpointError, match="corrupted.*param/fc/weight") as raised:
         read_checkpoint(path)
+    message = str(raised.value)
+    assert message.count("corrupted") == 1 and "cannot read" not in message, message
 
 
 def test_an_array_changed_behind_the_digest_is_named(tmp_path):
@@ -99,6 +101,17 @@ def test_an_array_changed_behind_the_digest_is_named(tmp_path):
     assert zipfile.is_zipfile(path)
     with pytest.raises(CheckpointError, match="'velocity/fc/bias' does not match its digest"):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize("content", [b"step,loss\n1,2.30\n", b"", np.arange(3.0).tobytes()])
+def test_a_file_that_is_no_archive_is_named_so(tmp_path, content):
+    """numpy takes a file that is neither .npy nor .npz for a pickle and speaks of allow_pickle:
+    the checkpoint reader says what the file is instead."""
+    path = tmp_path / "x.npz"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="x.npz is not a taskrt checkpoint: it is .*not an .npz archive") as e:
+        read_checkpoint(path)
+    assert "pickle" not in str(e.value)
 
 
 def test_missing_file_and_foreign_archive(tmp_path):

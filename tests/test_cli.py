@@ -18,15 +18,17 @@ def test_search_prints_memory_per_device_and_saves_it(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "memory per device of one step" in text and "parameters" in text and "of capacity" in text
     assert "t_s ms  sync" in text and "(layer-wise is" in text
+    assert "ms simulated (its plan list-scheduled" in text and "equation 1 adds the layers' costs up" in text
     saved = Strategy.load(out)
     memory = json.loads(out.read_text())["meta"]["memory_per_device"]
     assert sorted(memory) == ["0", "1", "2", "3"][: len(memory)] and memory["0"]["total"] > 0
     assert saved.meta["memory_per_device"] == memory
 
 
-def test_search_rejects_a_bad_machine_spec():
-    with pytest.raises(SystemExit, match="expected simulated:<nodes>x<devices per node>"):
+def test_search_rejects_a_bad_machine_spec(capsys):
+    with pytest.raises(SystemExit):
         main(["search", "--model", "lenet5", "--machine", "simulated:four"])
+    assert "expected simulated:<nodes>x<devices per node>" in capsys.readouterr().err
 
 
 def test_search_measures_only_on_a_local_machine():
@@ -40,3 +42,4 @@ def test_search_measures_the_candidates_on_a_local_machine(tmp_path, capsys):
                  "--image-size", "16", "--measure", "--cache", str(tmp_path / "c.json")]) == 0
     text = capsys.readouterr().out
     assert "measured on the machine (median step of 3 rounds): " in text and "; chosen: " in text
+    assert "ms simulated (its plan list-scheduled" in text and " ms measured" in text

@@ -157,3 +157,61 @@ def test_the_runtimes_processor_time_per_byte_counts_moving_bytes_and_leaves_not
             break
         time.sleep(0.05)
     assert not [k for k in held if "taskrt-cpu" in k]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow  # starts `dask scheduler` and a `dask worker`, SIGKILLs the scheduler during fit
+def test_a_lost_scheduler_ends_fit_with_a_machine_error_naming_the_checkpoint(tmp_path):
+    """The scheduler of a separately started cluster killed in the middle of `fit`: one
+    MachineError that says so and names the checkpoint to resume from, which then resumes."""
+    import signal
+
+    from distributed import Client
+
+    from taskrt.data.datasets import ArrayDataset
+    from taskrt.machines.devices import MachineError
+    from taskrt.training.checkpoint import Checkpoints
+
+    dask = [sys.executable, "-m", "dask"]
+    scheduler_file = tmp_path / "scheduler.json"
+    processes = [subprocess.Popen(
+        [*dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+         "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_for(scheduler_file, processes[0])
+        processes.append(subprocess.Popen(
+            [*dask, "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1", "--host", "127.0.0.1",
+             "--dashboard-address", "127.0.0.1:0", "--resources", "dev0=1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        graph = models.lenet5(batch=8, image_size=16, width=0.5)
+        rng = np.random.default_rng(0)
+        data = ArrayDataset({"images": rng.standard_normal((80, 1, 16, 16)).astype(np.float32),
+                             "labels": rng.integers(0, 10, 80)})
+        client = Client(scheduler_file=str(scheduler_file), timeout="60s")
+        client.wait_for_workers(1, timeout=120)
+        machine = Machine.from_client(client, probe=False)
+        strategy = Strategy({l.name: P() for l in graph if not l.is_input})
+        trainer = Trainer(graph, strategy, machine, lr=0.01, checkpoints=Checkpoints(tmp_path / "ckpts", every=4))
+
+        def kill_the_scheduler_at_step_12(step, total):
+            if step == 11:
+                processes[0].send_signal(signal.SIGKILL)
+            return 0.01
+
+        started = time.monotonic()
+        with pytest.raises(MachineError, match="lost the connection to the Dask scheduler") as lost:
+            trainer.fit(data, epochs=3, progress=False, lr_schedule=kill_the_scheduler_at_step_12)
+        assert time.monotonic() - started < 60  # said at once, not after the client's reconnect timeout
+        message = str(lost.value)
+        assert "The last checkpoint on disk is" in message and "Trainer.load(path, machine)" in message
+        latest = Checkpoints(tmp_path / "ckpts", every=4).latest()
+        assert str(latest) in message
+        client.close(timeout=5)
+        with Machine.local(1, probe=False) as fresh:
+            resumed = Trainer.load(latest, fresh)
+            assert resumed.steps_done == int(latest.stem.split("-")[-1]) >= 4
+            assert np.isfinite(resumed.fit(data, epochs=1, progress=False).losses).all()
+    finally:
+        for process in reversed(processes):
+            process.kill()
+            process.wait(timeout=20)

@@ -4,8 +4,10 @@ through dask-cuda when it is installed."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import sys
 
 from taskrt.machines.devices import MachineError, resource_tag
 
@@ -50,6 +52,12 @@ def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
 
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"Machine.local needs a positive number of devices, got {n!r}")
+    where = outside_main_guard()
+    if where:
+        raise MachineError(
+            f"Machine.local is called at {where}, outside `if __name__ == \"__main__\":`. Its workers are "
+            "processes that import your script again, and each would run this line too. Put the code that "
+            "creates the machine (and trains) under `if __name__ == \"__main__\":`.")
     gpus = local_gpu_count() if gpu else 0
     if not gpu and n > (os.cpu_count() or 1):
         logging.getLogger("taskrt").warning(
@@ -79,6 +87,45 @@ def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
     client.wait_for_workers(n)
     shorten_batching(client)  # this cluster is ours: steps wait on its messages (taskrt.machines.batching)
     return client, cluster, gpus
+
+
+def outside_main_guard() -> str | None:
+    """'file:line' where the main script, run as a file, calls Machine.local at its top level
+    outside `if __name__ == "__main__":` (directly, or through functions called from there);
+    None otherwise (a guarded call, an interactive session, a notebook, `python -c`, a test
+    runner).  Worker processes are spawned, so they import the main script again: such a call
+    would run in each of them, and distributed reports only "Nanny failed to start"."""
+    import dask
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or dask.config.get(
+            "distributed.worker.multiprocessing-method", "spawn") == "fork":
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") in (
+            "__main__", "__mp_main__") and frame.f_code.co_filename == path):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.lineno <= line <= node.end_lineno:
+            return None
+    return f"{path}:{line}"
+
+
+def _is_main_test(test) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]).__name__ == "Eq"):
+        return False
+    sides = [test.left, *test.comparators]
+    return any(getattr(s, "id", None) == "__name__" for s in sides) and any(
+        getattr(s, "value", None) == "__main__" for s in sides)
 
 
 def local_gpu_count() -> int:

@@ -58,6 +58,17 @@ def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
     are in meta["running"] ({layer: (2, C) array})."""
     path = Path(path)
     try:
+        with open(path, "rb") as f:
+            start = f.read(4)
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot read checkpoint {path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    if start != b"PK\x03\x04":  # every .npz archive is a zip file (numpy would take it for a pickle)
+        what = "an empty file" if not start else f"a file that starts with {start!r}"
+        raise CheckpointError(f"{path} is not a taskrt checkpoint: it is {what}, not an .npz archive "
+                              "(Trainer.save and Checkpoints write those)")
+    try:
         with np.load(path, allow_pickle=False) as f:
             names = list(f.files)
             arrays = {}
@@ -67,6 +78,8 @@ def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
                 except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
                     raise CheckpointError(f"checkpoint {path} is corrupted: entry {name!r} cannot be read "
                                           f"({e})") from None
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"cannot read checkpoint {path}: no such file") from None
     except (zipfile.BadZipFile, EOFError) as e:

@@ -39,12 +39,57 @@ class Recovery:
         try:
             return self.machine.client.gather(futures)
         except Exception as error:
+            self._check_scheduler(error)
             self._check_devices(step, error)
+            raise
+
+    def _check_scheduler(self, error: Exception | None = None) -> None:
+        """Raise MachineError, naming where to resume from, when the client lost its scheduler
+        (the workers' state went with it: nothing to recover from on this cluster)."""
+        client = self.cluster_machine.client
+        if client is None:
+            return
+        deadline = time.monotonic() + (NOTICE_S if isinstance(error, OSError) else 0.0)
+        while client.status in ("running", "newly-created"):  # a comm error may come before the client knows
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+        try:
+            address = client.scheduler.address
+        except Exception:  # noqa: BLE001  (a client that is closing: its address is only for the message)
+            address = "?"
+        raise MachineError(
+            f"lost the connection to the Dask scheduler at {address} (it stopped, or cannot be reached; the "
+            f"client is {client.status!r}): the state on the workers is gone with it, training cannot go on "
+            f"here. {self._where_to_resume()}") from error
+
+    def _where_to_resume(self) -> str:
+        """Where training can resume from: the last checkpoint on disk (the snapshot written as one
+        first, when it is newer), or the snapshot in memory."""
+        if self.checkpoints is None:
+            return (f"No checkpoint directory was given (Trainer(checkpoints=Checkpoints(...))); the snapshot of "
+                    f"step {self.snapshot.step} is still in trainer.snapshot.")
+        latest = self.checkpoints.latest()
+        if latest is None or int(latest.stem.split("-")[-1]) < self.snapshot.step:
+            self.checkpoints.write(self.snapshot.step, self._meta(self.snapshot.step), self.snapshot.params,
+                                   self.snapshot.velocity, self.snapshot.running)
+        latest = self.checkpoints.latest()
+        return (f"The last checkpoint on disk is {latest} (step {int(latest.stem.split('-')[-1])}): "
+                "resume with Trainer.load(path, machine) on a new cluster.")
+
+    def _live_devices(self) -> dict:
+        """The devices in use that have a worker (`Machine.live_devices`), or MachineError when the
+        scheduler is gone."""
+        self._check_scheduler()
+        try:
+            return self.machine.live_devices()
+        except OSError as error:  # distributed's CommClosedError too
+            self._check_scheduler(error)
             raise
 
     def _missing_devices(self) -> list[int]:
         """Devices in use without a worker, by their number on the whole machine."""
-        live = self.machine.live_devices()
+        live = self._live_devices()
         return [self.devices_in_use[d.id] for d in self.machine.devices if d.id not in live]
 
     def _failed(self, failed, step):
@@ -64,6 +109,7 @@ class Recovery:
         self._gather(failed, step)  # raises the task's error
 
     def _lost(self, devices, reason, step):
+        self._check_scheduler()
         if not self.elastic:
             raise MachineError(f"step {step} failed: {reason}; parameters on it are gone. Restore the last "
                                "checkpoint with Trainer.load(path, machine).")
@@ -81,10 +127,11 @@ class Recovery:
     def _check_state(self, step) -> dict:
         """Fail clearly, before any work, when a device or the parameters it held are gone (or,
         when elastic, recover); returns the devices' current addresses."""
+        self._check_scheduler()
         for _ in range(MAX_RECOVERIES):
             lost = [key for key, f in self._state.items() if run_of(f).status in LOST_STATUSES]
             lost_buffers = [key for key, f in self._buffers.items() if run_of(f).status in LOST_STATUSES]
-            address = self.machine.live_devices()
+            address = self._live_devices()
             missing = [d.id for d in self.machine.devices if d.id not in address]
             if not lost and not lost_buffers and not missing:
                 return address
@@ -111,6 +158,7 @@ class Recovery:
     def _recover_sending(self, error: Exception, entries: list) -> list[StepRun]:
         """The logged steps `entries` failed to be sent with `error`: where a device was lost
         meanwhile, recover (which replays them from the log) and return their runs; else raise."""
+        self._check_scheduler(error)
         if not self.elastic:
             raise error
         missing = self._missing_devices()
@@ -128,6 +176,7 @@ class Recovery:
     def _recover(self, lost: DeviceLost) -> dict:
         """Re-plan on the devices left, restore the snapshot, replay the logged steps; returns
         {step: run} of the replayed steps (in-flight StepFutures get theirs)."""
+        self._check_scheduler()
         started = time.perf_counter()
         client = self.cluster_machine.client
         stale = [f for future in self._in_flight for f in future.run.futures()] + futures_of(self._state.values())
@@ -204,17 +253,5 @@ class Recovery:
         self.plan = self._plan("train")
 
     def _all_lost(self, lost: DeviceLost):
-        where = ""
-        if self.checkpoints is not None:
-            latest = self.checkpoints.latest()
-            if latest is None or int(latest.stem.split("-")[-1]) < self.snapshot.step:
-                self.checkpoints.write(self.snapshot.step, self._meta(self.snapshot.step), self.snapshot.params,
-                                       self.snapshot.velocity, self.snapshot.running)
-            latest = self.checkpoints.latest()
-            where = (f"The last checkpoint on disk is {latest} (step {int(latest.stem.split('-')[-1])}): "
-                     "resume with Trainer.load(path, machine) on a new cluster.")
-        else:
-            where = (f"No checkpoint directory was given (Trainer(checkpoints=Checkpoints(...))); the snapshot of "
-                     f"step {self.snapshot.step} is still in trainer.snapshot.")
         raise MachineError(f"{lost.reason}, and no worker is left (none came back within {RESTART_GRACE_S:.0f} s): "
-                           f"training cannot go on. {where}")
+                           f"training cannot go on. {self._where_to_resume()}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field, replace
 
 from taskrt.data.arrays import bind_inputs
@@ -84,6 +85,9 @@ class StepFuture:
                 except DataReadError as error:  # the step's data could not be read: it never happened
                     trainer._roll_back(error)
                     raise
+                except (OSError, TimeoutError, CancelledError) as error:  # the scheduler gone? say so
+                    trainer._check_scheduler(error)
+                    raise
             else:
                 raise MachineError(f"step {self.run.step}: workers kept being lost ({MAX_RECOVERIES} times in a row)")
             # a loss part's value, or on a GPU device the sum of its losses (taskrt.execution.executor.loss_sum)
@@ -124,7 +128,20 @@ class Submission:
             return values
         self._await(run.outputs["done"], run.step)
         devices = [run.plan.by_key[key].device for key in run.plan.outputs[name]]
-        return self._gather(self.executor.host_futures(run.outputs[name], devices), run.step)
+        try:
+            return self.machine.client.gather(self.executor.host_futures(run.outputs[name], devices))
+        except Exception as error:  # noqa: BLE001  (looked at, then raised again)
+            from distributed.client import FutureCancelledError
+
+            # The runs ended, then a worker went with their values before they were read (its
+            # devices missing, or the values cancelled as lost dependencies: restarted already)
+            self._check_scheduler(error)
+            missing = self._missing_devices()
+            if missing or isinstance(error, FutureCancelledError):
+                self._lost(missing, f"step {run.step} lost its values with a worker" + (
+                    f" (device(s) {missing})" if missing else " (it died and was restarted)"), run.step)
+            self._check_devices(run.step, error)
+            raise
 
     def _await(self, futures, step):
         """Wait for `futures`, checking every POLL_S that the devices are still there."""
