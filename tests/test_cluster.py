@@ -215,3 +215,58 @@ def test_a_lost_scheduler_ends_fit_with_a_machine_error_naming_the_checkpoint(tm
         for process in reversed(processes):
             process.kill()
             process.wait(timeout=20)
+
+
+def readme_section_blocks(heading: str) -> tuple[str, str]:
+    """(shell, python) blocks of the README section `heading`, as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index(f"## {heading}"):]
+    section = section[:section.index("\n## ", 3)]
+    shell = re.search(r"^```\n(.*?)^```$", section, re.M | re.S).group(1)
+    python = re.search(r"^```python\n(.*?)^```$", section, re.M | re.S).group(1)
+    return shell, python
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow  # the README's cluster section, as written: openssl, `dask scheduler`, two `dask worker`s
+def test_the_readme_cluster_section_runs_as_written(tmp_path):
+    """A new user's copy of the section on one host: a throwaway certificate, a TLS scheduler and two
+    workers started by the shell lines, then the Python block trains the digits."""
+    import shutil
+    import signal
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command")
+    shell, python = readme_section_blocks("Clusters of several hosts, over TLS")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "TASKRT_CACHE": str(tmp_path / "cache")}
+    started = subprocess.Popen(["bash", "-c", shell], cwd=tmp_path, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "cluster.json").exists():
+            assert time.monotonic() < deadline, "the scheduler wrote no cluster.json"
+            time.sleep(0.2)
+        (tmp_path / "wait.py").write_text(
+            "from distributed import Client, Security\n"
+            "s = Security(tls_ca_file='ca.pem', tls_client_cert='cert.pem', tls_client_key='key.pem',"
+            " require_encryption=True)\n"
+            "Client(scheduler_file='cluster.json', security=s).wait_for_workers(2, timeout=120)\n")
+        subprocess.run([sys.executable, "wait.py"], cwd=tmp_path, env=env, check=True, timeout=180)
+        (tmp_path / "train.py").write_text(python)
+        done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        accuracies = json.loads(done.stdout.strip().splitlines()[-1].replace("(", "[").replace(")", "]"))
+        assert len(accuracies) == 3 and accuracies[-1] >= 0.95, done.stdout
+        assert json.loads((tmp_path / "cluster.json").read_text())["address"].startswith("tls://127.0.0.1:")
+    finally:
+        os.killpg(started.pid, signal.SIGTERM)
+        time.sleep(2)
+        try:
+            os.killpg(started.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -13,10 +13,33 @@ def data_inputs(graph, with_labels=True):
     return [l for l in graph.inputs if with_labels or l.op.dtype != "int64"]
 
 
+class PrecisionWarning(UserWarning):
+    """Values given in a wider float type than the trainer computes in, converted."""
+
+
+def narrowed(what: str, given, dtype) -> None:
+    """Warn (once per place in the caller's code) that floats of `given` dtype are converted to
+    the narrower `dtype` the trainer computes in: a float64 array to a float32 trainer."""
+    given, dtype = np.dtype(given), np.dtype(dtype)
+    if given.kind == "f" and dtype.kind == "f" and given.itemsize > dtype.itemsize:
+        import os
+        import sys
+        import warnings
+
+        inside = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # taskrt's own frames
+        frame, level = sys._getframe(1), 2
+        while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside + os.sep):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(f"{what} given as {given.name}, converted to the trainer's {dtype.name} (give {dtype.name} "
+                      f"arrays to skip the copy, or Trainer(dtype={given.name!r}) to compute in {given.name})",
+                      PrecisionWarning, stacklevel=level)
+
+
 def bind_inputs(graph, args, dtype, with_labels=True) -> dict[str, np.ndarray]:
     """Match positional arrays (in the order the inputs were added) or a dict to input layers.
 
-    Checks shape and dtype kind; casts floats to the trainer's dtype and labels to int64.
+    Checks shape and dtype kind; casts floats to the trainer's dtype (saying so, once per place in
+    the caller's code, where that narrows them: `narrowed`) and labels to int64.
     """
     layers = data_inputs(graph, with_labels)
     names = [l.name for l in layers]
@@ -45,6 +68,7 @@ def bind_inputs(graph, args, dtype, with_labels=True) -> dict[str, np.ndarray]:
                 raise InputError(f"input {layer.name!r} needs numbers, got dtype {value.dtype}")
             if not np.isfinite(value).all():
                 raise InputError(f"input {layer.name!r} contains NaN or infinite values")
+            narrowed(layer.name, value.dtype, dtype)
             value = value.astype(dtype, copy=False)
         bound[layer.name] = np.ascontiguousarray(value)
     return bound

@@ -353,7 +353,7 @@ def bind_dataset(graph, dataset, dtype, with_labels: bool = True, min_length: in
     """Check `dataset` against `graph`'s inputs (the float inputs, and the labels `with_labels`):
     per-sample shapes and dtypes, labels within the classes, at least `min_length` samples.
     Raises DatasetError naming the dataset (or file), the input layer and what would fit."""
-    from taskrt.data.arrays import data_inputs
+    from taskrt.data.arrays import data_inputs, narrowed
 
     if not isinstance(dataset, Dataset):
         raise DatasetError(f"expected a taskrt dataset (ArrayDataset, NpyDataset, Synthetic, digits()), got "
@@ -385,6 +385,7 @@ def bind_dataset(graph, dataset, dtype, with_labels: bool = True, min_length: in
         else:
             if spec.dtype.kind not in "fiub":
                 raise DatasetError(f"{where} holds dtype {spec.dtype}; input {layer.name!r} needs numbers")
+            narrowed(where, spec.dtype, dtype)
             bound.append((layer.name, name, np.dtype(dtype).name))
     if min_length is not None and len(dataset) < min_length:
         raise DatasetError(f"dataset {dataset.name!r} has {len(dataset)} samples, fewer than the batch of "

@@ -14,6 +14,8 @@ the data sheets of simulated device kinds (`taskrt.machines.device_kinds`).
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -58,6 +60,9 @@ class Machine:
         client, cluster, gpus = local_cluster.start(n, memory_limit, quiet, gpu)
         machine = cls._adopt(client, cluster=cluster, probe=probe)
         machine._owns_client = True
+        # A script that never closes its machine: closed in order at exit, before Python tears the
+        # cluster down under the scheduler (which then reports its workers' values lost, as errors)
+        atexit.register(_close_at_exit, weakref.ref(machine))
         what = "local devices" if not gpu else (
             f"GPU workers on {gpus} GPU(s)" + (" (workers share GPUs: timings are not those of separate GPUs)"
                                                if n > gpus else ""))
@@ -228,6 +233,12 @@ class Machine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _close_at_exit(machine_ref) -> None:
+    machine = machine_ref()
+    if machine is not None and not machine.closed:
+        machine.close()
 
 
 def worker_info(client) -> dict:
