@@ -3,7 +3,7 @@
 It is built from the graph itself, so both train exactly the same network: the same layers and
 hyper-parameters, the same initial parameters (`taskrt.planning.params.init_parameters`), the same loss (mean
 softmax cross-entropy over the batch) and the same update (SGD with momentum and weight decay in
-PyTorch's formulation, which `ops.sgd_update` follows).
+PyTorch's formulation, which `ops.optim.SGD` follows).
 
     peer = TorchPeer(graph, init_parameters(graph, 0), lr=0.01, momentum=0.9, device="cuda")
     loss = peer.step(images, labels)           # numpy or torch tensors on the peer's device

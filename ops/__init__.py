@@ -5,6 +5,7 @@ linear layers on cupy arrays run through torch (cuDNN, cuBLAS) when it is import
 (`ops.torch_kernels`).  GPU float32 precision is an explicit choice: `ops.set_precision`.
 """
 
+from taskrt.ops import optim
 from taskrt.ops.base import Op, array_module, dims_of
 from taskrt.ops.batchnorm import BatchNorm
 from taskrt.ops.concat import Concat
@@ -18,13 +19,12 @@ from taskrt.ops.loss import SoftmaxCrossEntropy
 from taskrt.ops.pool import Pool2d
 from taskrt.ops.precision import get_precision, set_precision
 from taskrt.ops.rect import Rect
-from taskrt.ops.sgd import sgd_update
 
 OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy,
                               BatchNorm)}
 
 __all__ = [
-    "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "sgd_update", "set_precision", "get_precision",
+    "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "optim", "set_precision", "get_precision",
     "Input", "Conv2d", "Pool2d", "Linear", "Relu", "Add", "Concat", "Flatten", "SoftmaxCrossEntropy",
     "BatchNorm",
 ]

@@ -48,6 +48,7 @@ import numpy as np
 
 from taskrt.graph.config import DIMS, ParallelConfig
 from taskrt.machines.device_kinds import DEVICE_KINDS
+from taskrt.ops.optim import SGD
 from taskrt.ops.rect import Rect
 from taskrt.planning.params import resolve_dtype
 from taskrt.search import runtime_costs, transfer
@@ -111,8 +112,10 @@ class Breakdown:
 
 class CostModel:
     def __init__(self, machine, cache=None, repeats=5, dtype="float32", overhead=None, powers_of_two=True,
-                 placement="first", progress=True):
+                 placement="first", progress=True, optimizer=None):
+        """`optimizer` (`taskrt.optim`): whose updates the simulator prices (default: SGD with momentum)."""
         self.machine = machine
+        self.optimizer = optimizer if optimizer is not None else SGD(0.01, momentum=0.9)
         self.estimated = machine.is_simulated
         self.itemsize = resolve_dtype(dtype).itemsize
         self.dtype = resolve_dtype(dtype).name
@@ -431,22 +434,26 @@ class CostModel:
         """Seconds of parameter-server updates (and gradient sums) of the given sizes: estimated
         from memory bandwidth on simulated devices, otherwise run on a device and cached."""
         missing = {}
+        rule = self.optimizer.kind
+        slots = len(self.optimizer.slots)
         for item in items:
             if item in self._sync_times:
                 continue
             kind, phase, elements, grads = item
-            if self.estimated:
-                passes = grads + (4 if phase == "update" else 1)  # read gradients, w, v; write w, v
+            if self.estimated:  # read the gradients, the weights and slots; write the weights and slots
+                passes = grads + (2 + 2 * slots if phase == "update" else 1)
                 self._sync_times[item] = passes * elements * self.itemsize / DEVICE_KINDS[kind]["memory_bandwidth"]
                 continue
-            sig = json.dumps(["synchronize", phase, elements, grads, self.dtype])
+            # SGD's signature as before, so caches measured before optimizers had names keep serving
+            sig = json.dumps(["synchronize", phase, elements, grads, self.dtype]
+                             + ([rule] if phase == "update" and rule != "sgd" else []))
             cached = self.cache.get(kind, sig)
             if cached is not None:
                 self._sync_times[item] = cached[0]
             else:
                 missing.setdefault(kind, {})[sig] = item
         for kind, items_of_kind in missing.items():
-            seconds = self.measure(kind, {sig: item[1:] for sig, item in items_of_kind.items()},
+            seconds = self.measure(kind, {sig: (*item[1:], rule) for sig, item in items_of_kind.items()},
                                    measure_synchronization, "synchronizations")
             self.cache.put_many(kind, {sig: [t, 0.0] for sig, t in seconds.items()})
             for sig, t in seconds.items():

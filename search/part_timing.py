@@ -87,16 +87,20 @@ def _l2_bytes() -> int:
 
 
 def measure_synchronization(items, repeats, dtype):
-    """Median seconds of an SGD update (or a gradient sum) over `elements` parameters from
-    `grads` replicas, for each (phase, elements, grads), as the Update / ReduceGrads tasks run it."""
+    """Median seconds of an update (or a gradient sum) over `elements` parameters from `grads`
+    replicas, for each (phase, elements, grads, optimizer rule), as the Update / ReduceGrads tasks
+    run it."""
     from taskrt.gpu.device import synchronize, to_device
+    from taskrt.ops.optim import OPTIMIZERS
     from taskrt.planning.tasks import ReduceGrads, Update
 
     rng = np.random.default_rng(0)
-    hyper = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4}
     out = []
-    for phase, elements, grads in items:
-        state = to_device((rng.standard_normal(elements).astype(dtype), np.zeros(elements, dtype=dtype)))
+    for phase, elements, grads, rule in items:
+        optimizer = OPTIMIZERS[rule](1e-3, weight_decay=1e-4, **({"momentum": 0.9} if rule == "sgd" else {}))
+        hyper = optimizer.hyper()
+        slots = tuple(np.zeros(elements, dtype=dtype) for _ in optimizer.slots)
+        state = to_device((rng.standard_normal(elements).astype(dtype), *slots))
         values = [to_device(rng.standard_normal(elements).astype(dtype)) for _ in range(grads)]
         if phase == "update":
             spec, args = Update(tuple((i + 1, None, None) for i in range(grads))), (state, *values, hyper)

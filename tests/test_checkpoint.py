@@ -32,8 +32,9 @@ def batches(graph, count, seed=0):
 
 
 def state():
+    """Parameters, and the optimizer's state under its slot names (here SGD's momentum buffer)."""
     params = {"fc": {"weight": np.arange(12.0).reshape(3, 4), "bias": np.ones(3)}}
-    velocity = {"fc": {"weight": np.zeros((3, 4)), "bias": np.zeros(3)}}
+    velocity = {"momentum_buffer": {"fc": {"weight": np.zeros((3, 4)), "bias": np.zeros(3)}}}
     return params, velocity
 
 
@@ -43,8 +44,9 @@ def test_round_trip_and_no_temporary_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
     meta, p, v = read_checkpoint(tmp_path / "c.npz")
     np.testing.assert_array_equal(p["fc"]["weight"], params["fc"]["weight"])
-    np.testing.assert_array_equal(v["fc"]["bias"], velocity["fc"]["bias"])
-    assert set(meta["digests"]) == {"param/fc/weight", "param/fc/bias", "velocity/fc/weight", "velocity/fc/bias"}
+    np.testing.assert_array_equal(v["momentum_buffer"]["fc"]["bias"], velocity["momentum_buffer"]["fc"]["bias"])
+    assert set(meta["digests"]) == {"param/fc/weight", "param/fc/bias", "state/momentum_buffer/fc/weight",
+                                    "state/momentum_buffer/fc/bias"}
 
 
 def test_a_failed_write_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
@@ -94,12 +96,12 @@ def test_an_array_changed_behind_the_digest_is_named(tmp_path):
     write_checkpoint(path, {"graph": {"name": "g", "layers": []}}, params, velocity)
     with np.load(path) as f:
         arrays = {k: f[k] for k in f.files}
-    arrays["velocity/fc/bias"] = arrays["velocity/fc/bias"] + 1
+    arrays["state/momentum_buffer/fc/bias"] = arrays["state/momentum_buffer/fc/bias"] + 1
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     path.write_bytes(buffer.getvalue())
     assert zipfile.is_zipfile(path)
-    with pytest.raises(CheckpointError, match="'velocity/fc/bias' does not match its digest"):
+    with pytest.raises(CheckpointError, match="'state/momentum_buffer/fc/bias' does not match its digest"):
         read_checkpoint(path)
 
 
@@ -120,7 +122,7 @@ def test_missing_file_and_foreign_archive(tmp_path):
     np.savez(tmp_path / "other.npz", a=np.zeros(3))
     with pytest.raises(CheckpointError, match="not a taskrt checkpoint"):
         read_checkpoint(tmp_path / "other.npz")
-    meta = json.dumps({"format": "taskrt-checkpoint/1"}).encode()
+    meta = json.dumps({"format": "taskrt-checkpoint/2"}).encode()
     np.savez(tmp_path / "old.npz", meta=np.frombuffer(meta, dtype=np.uint8))
     with pytest.raises(CheckpointError, match="no digests"):
         read_checkpoint(tmp_path / "old.npz")

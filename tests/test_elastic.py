@@ -150,6 +150,37 @@ def test_kill_during_steps_in_flight(machine3, uninterrupted):
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.slow  # SIGKILLs a worker and waits for its restart: minutes on 2 cores
+def test_kill_with_adamw_and_clipping_ends_with_the_parameters_and_both_moments(machine3):
+    """AdamW's moments live beside each shard, are kept by snapshots and restored with them: a
+    worker killed with steps in flight ends with the parameters and both moments of a run without
+    a loss (and Adam's step count, which the bias correction reads, replayed as it was)."""
+    import taskrt as tr
+
+    wait_for_all(machine3)
+    graph = small_lenet()
+    data = batches(graph, 6, seed=2)
+    options = {"optimizer": tr.optim.AdamW(0.01, weight_decay=0.05, no_decay=("bias",)), "clip_grad_norm": 1.0}
+    whole = Trainer(graph, mixed(graph), machine3, **options)
+    losses = [whole.step(x, y) for x, y in data]
+    trainer = Trainer(graph, mixed(graph), machine3, snapshot_every=2, **options)
+    first = [trainer.step(x, y) for x, y in data[:2]]
+    futures = [trainer.submit(x, y) for x, y in data[2:5]]
+    kill(machine3, 1)
+    with pytest.warns(WorkerLostWarning, match="lost"):
+        got = first + [f.result() for f in futures] + [trainer.step(*data[5])]
+    assert got == pytest.approx(losses, rel=RTOL)
+    assert_same(trainer.parameters(), whole.parameters())
+    moments, expected = trainer.optimizer_state(), whole.optimizer_state()
+    assert set(moments) == {"exp_avg", "exp_avg_sq"}
+    for slot in moments:  # relative to each tensor's largest value: the moments are small numbers
+        for layer in expected[slot]:
+            for name, value in expected[slot][layer].items():
+                error = np.max(np.abs(moments[slot][layer][name] - value)) / np.max(np.abs(value))
+                assert error < RTOL, (slot, layer, name, error)
+
+
+@pytest.mark.timeout(1200)
 @pytest.mark.slow  # SIGKILLs workers and waits for their restart: minutes on 2 cores
 def test_two_kills_and_the_worker_that_came_back_is_used_again(machine3, uninterrupted):
     data, losses, expected = uninterrupted

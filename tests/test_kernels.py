@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskrt.ops import conv_kernels, sgd_update, winograd
+from taskrt.ops import conv_kernels, optim, winograd
 from taskrt.ops.conv import Conv2d
 from taskrt.ops.pool import max_grad_whole_tile
 from tests.test_ops import make_inputs, random_rect, tile_inputs, windowed_ops
@@ -147,7 +147,8 @@ def test_sgd_loop_rounds_as_the_array_operations(dtype, momentum, weight_decay):
     lr = 0.05
     step = g + dtype(weight_decay) * w if weight_decay else g
     v_expected = dtype(momentum) * v + step if momentum else step
-    w_new, v_new = sgd_update(w, v, g, lr, momentum, weight_decay)
+    sgd = optim.SGD(lr, momentum=momentum, weight_decay=weight_decay)
+    w_new, v_new = (a.reshape(w.shape) for a in sgd.update(sgd.hyper(), w.ravel(), (v.ravel(),), g.ravel()))
     assert w_new.dtype == v_new.dtype == dtype and w_new.shape == w.shape
     np.testing.assert_array_equal(v_new, v_expected)
     np.testing.assert_array_equal(w_new, w - dtype(lr) * v_expected)

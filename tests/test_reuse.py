@@ -6,8 +6,7 @@ import gc
 
 import numpy as np
 
-from taskrt.ops import reuse
-from taskrt.ops.sgd import sgd_update
+from taskrt.ops import optim, reuse
 
 
 def test_memory_is_reused_only_after_every_view_is_gone():
@@ -45,7 +44,8 @@ def test_updates_on_reused_memory_leave_earlier_results_intact():
         g = rng.standard_normal(n).astype(np.float32)
         expected_v = 0.9 * v + g
         expected_w = w - 0.1 * expected_v
-        w, v = sgd_update(w, v, g, 0.1, 0.9, 0.0)
+        sgd = optim.SGD(0.1, momentum=0.9)
+        w, v = sgd.update(sgd.hyper(), w, (v,), g)
         np.testing.assert_allclose(w, expected_w, rtol=1e-6)
         history.append((w, w.copy()))
     for kept, value in history:

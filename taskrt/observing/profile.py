@@ -310,8 +310,11 @@ def _plan_seconds(graph, plan, arrays, hyper, dtype, repeats: int = 2) -> dict:
     from taskrt.planning.params import init_buffers, init_parameters
 
     params = init_parameters(graph, 0, np.dtype(dtype))
-    velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
-    state = shard_states(plan, params, velocity)
+    from taskrt.ops.optim import OPTIMIZERS
+
+    slots = [{name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+             for _ in OPTIMIZERS[hyper["rule"]].slots]
+    state = shard_states(plan, params, *slots)
     buffers = buffer_tiles(plan, init_buffers(graph, np.dtype(dtype)))
     tiles = data_tiles(plan, arrays)
     best = {}

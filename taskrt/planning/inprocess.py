@@ -47,16 +47,16 @@ def run_plan(plan: Plan, state=None, data=None, hyper=None, buffers=None, second
     return values
 
 
-def shard_states(plan: Plan, params: dict, velocity: dict) -> dict:
-    """{(layer, shard, chunk): (weights, velocity)}: each chunk of each shard's flat state, the
-    values a training plan's STATE dependencies name."""
+def shard_states(plan: Plan, params: dict, *slots: dict) -> dict:
+    """{(layer, shard, chunk): (weights, *slots)}: each chunk of each shard's flat state, the
+    values a training plan's STATE dependencies name.  `slots`: the optimizer's state, one
+    {layer: {name: array}} per slot (SGD's momentum buffer; Adam's two moments)."""
     out = {}
     for layer, shards in plan.shards.items():
         for shard in shards:
-            w = pack(slice_params(params[layer], shard.rects))
-            v = pack(slice_params(velocity[layer], shard.rects))
+            flats = [pack(slice_params(values[layer], shard.rects)) for values in (params, *slots)]
             for k, (lo, hi, _) in enumerate(shard.chunks):
-                out[(layer, shard.index, k)] = (w[lo:hi].copy(), v[lo:hi].copy())
+                out[(layer, shard.index, k)] = tuple(flat[lo:hi].copy() for flat in flats)
     return out
 
 

@@ -30,6 +30,7 @@ from taskrt.planning.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, D
 from taskrt.planning.tasks import (
     Alias,
     Backward,
+    ClipCoefficient,
     CombineStats,
     Element,
     Forward,
@@ -44,6 +45,7 @@ from taskrt.planning.tasks import (
     Piece,
     ReduceGrads,
     Slice,
+    SquaredNorm,
     SumArrays,
     Update,
     UpdateRunning,
@@ -67,8 +69,10 @@ class _Deps:
 
 
 class _Lowering:
-    def __init__(self, graph, strategy, mode, itemsize):
+    def __init__(self, graph, strategy, mode, itemsize, clip=False):
         self.graph, self.mode, self.itemsize = graph, mode, itemsize
+        self.clip = clip and mode == "train"
+        self.clipped: list[tuple] = []  # (layer, shard, chunk, device, summed gradient, segments) to update
         self.sync = {layer.name: strategy[layer.name].sync for layer in graph}
         self.parts = {layer.name: strategy[layer.name].parts(layer.shape) for layer in graph}
         self.needed = graph.needs_backward() if mode != "predict" else set()
@@ -357,7 +361,8 @@ class _Lowering:
             replicas = [p for p in self.parts[layer.name] if self.shard_of[(layer.name, p.index)] == shard.index]
             chunks = shard.chunks
             for k, (lo, hi, home) in enumerate(chunks):
-                deps = _Deps([Dep(STATE, (layer.name, shard.index, k))] if self.mode == "train" else [])
+                updates_here = self.mode == "train" and not self.clip
+                deps = _Deps([Dep(STATE, (layer.name, shard.index, k))] if updates_here else [])
                 span = None if len(chunks) == 1 else (lo, hi)
                 grads = []
                 if layer.op.reduces_statistics:  # the group's summed gradient, already on its readers
@@ -380,13 +385,49 @@ class _Lowering:
                         grads.append((deps.add(cut), None, None))
                 flops = 4 * (hi - lo) * len(grads)
                 key = (shard.index, k)
-                if self.mode == "train":
+                segments = chunk_segments(shard.layout, lo, hi)
+                if updates_here:
                     deps.add(HYPER_DEP)
                     self.add(Task((f"{layer.name}-update", *key), "update", layer.name, home,
-                                  Update(tuple(grads)), tuple(deps.deps), None, flops))
-                else:
-                    self.add(Task((f"{layer.name}-reduce", *key), "reduce", layer.name, home,
-                                  ReduceGrads(tuple(grads)), tuple(deps.deps), (hi - lo) * self.itemsize, flops))
+                                  Update(tuple(grads), layer.name, segments), tuple(deps.deps), None, flops))
+                else:  # the gradients' sum; clipping updates from it once the global norm is known
+                    reduced = self.add(Task((f"{layer.name}-reduce", *key), "reduce", layer.name, home,
+                                            ReduceGrads(tuple(grads)), tuple(deps.deps), (hi - lo) * self.itemsize,
+                                            flops))
+                    if self.clip:
+                        self.clipped.append((layer.name, shard.index, k, home, reduced, segments, hi - lo))
+
+    def clip_updates(self):
+        """Gradient clipping by the global norm: each device sums the squares of the gradients it
+        updates ("gnorm"), one device adds them up into the clipping coefficient ("gtotal": 8
+        bytes from each device, 8 to each), and every chunk is updated from its summed gradient
+        scaled by it."""
+        by_device: dict[int, list] = {}
+        for entry in self.clipped:
+            by_device.setdefault(entry[3], []).append(entry)
+        if not by_device:
+            return
+        where = min(by_device)
+        combine = _Deps()
+        for device, entries in sorted(by_device.items()):
+            deps = _Deps()
+            chunks = tuple((deps.add(reduced), deps.add(Dep(STATE, (layer, shard, k))))
+                           for layer, shard, k, _, reduced, _, _ in entries)
+            deps.add(HYPER_DEP)
+            partial = self.add(Task(("clip-gnorm", device), "gnorm", "clip", device, SquaredNorm(chunks),
+                                    tuple(deps.deps), 8, 2 * sum(e[6] for e in entries)))
+            combine.add(self.route(partial, device, where, "clip"))
+        combine.add(HYPER_DEP)
+        total = self.add(Task(("clip-gtotal", 0), "gtotal", "clip", where, ClipCoefficient(), tuple(combine.deps), 8,
+                              2 * len(by_device)))
+        for layer, shard, k, home, reduced, segments, size in self.clipped:
+            deps = _Deps([Dep(STATE, (layer, shard, k))])
+            grad = deps.add(reduced)
+            coefficient = deps.add(self.route(total, where, home, "clip"))
+            deps.add(HYPER_DEP)
+            self.add(Task((f"{layer}-update", shard, k), "update", layer, home,
+                          Update(((grad, None, None),), layer, segments, coefficient), tuple(deps.deps), None,
+                          4 * size))
 
     # ---- whole step -------------------------------------------------------------------------
     def build(self, target=None) -> Plan:
@@ -405,6 +446,8 @@ class _Lowering:
                 self.backward(layer)
                 if layer.param_shapes:
                     self.synchronize(layer)
+        if self.clip:
+            self.clip_updates()
         outputs = self.outputs(target)
         tasks = _prune(self.tasks, outputs)
         used = {dep.key[0] for t in tasks for dep in t.deps if dep.kind == DATA}
@@ -443,10 +486,24 @@ def _prune(tasks: dict[tuple, Task], outputs) -> list[Task]:
     return [t for k, t in tasks.items() if k in wanted]
 
 
-def lower(graph, strategy, mode: str = "train", itemsize: int = 4, target: str | None = None) -> Plan:
-    """The plan of one step.  `mode`: "train" (forward, backward, synchronization and SGD update),
-    "gradients" (the same, summing gradients instead of updating) or "predict" (forward up to
-    `target`, by default the logits of the graph's loss)."""
+def chunk_segments(layout, lo: int, hi: int) -> tuple[tuple[str, int, int], ...]:
+    """(parameter name, lo, hi) of each parameter of a shard's flat `layout` within its chunk
+    [lo, hi), relative to the chunk."""
+    out, start = [], 0
+    for name, shape in layout:
+        stop = start + prod(shape)
+        if start < hi and stop > lo:
+            out.append((name, max(start, lo) - lo, min(stop, hi) - lo))
+        start = stop
+    return tuple(out)
+
+
+def lower(graph, strategy, mode: str = "train", itemsize: int = 4, target: str | None = None,
+          clip: bool = False) -> Plan:
+    """The plan of one step.  `mode`: "train" (forward, backward, synchronization and the
+    optimizer's update), "gradients" (the same, summing gradients instead of updating) or
+    "predict" (forward up to `target`, by default the logits of the graph's loss).  `clip`
+    (training): the update scales the gradients to a global norm first (`clip_updates`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     strategy = strategy.validated(graph)
@@ -454,4 +511,4 @@ def lower(graph, strategy, mode: str = "train", itemsize: int = 4, target: str |
         from taskrt.data.arrays import logits_layer
 
         target = logits_layer(graph)
-    return _Lowering(graph, strategy, mode, itemsize).build(target)
+    return _Lowering(graph, strategy, mode, itemsize, clip).build(target)

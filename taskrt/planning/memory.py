@@ -8,7 +8,8 @@ Kinds (bytes):
   otherwise the copy it fetched or gathered), plus the master chunks it owns under "allreduce";
 - gradients: its parameter gradients, plus the replicas' gradients it receives to sum (a
   parameter server receives whole shards, an all-reduce owner one chunk from each replica);
-- optimizer: the velocity of the state chunks it owns (SGD with momentum);
+- optimizer: the optimizer's state of the chunks it owns (`slots` arrays per chunk: SGD's
+  momentum buffer, Adam's two moments), and an accumulated gradient when accumulating;
 - activations: what forward keeps for backward: its outputs, the slices it cut for others, the
   data tiles it was sent and every piece it received (backward reuses what forward fetched);
 - transient: the largest working set of one task beyond those (an output gradient assembled
@@ -54,8 +55,10 @@ def part_footprint(op, out, itemsize: int) -> DeviceMemory:
                         (inputs + out.volume) * itemsize, (inputs + out.volume) * itemsize)
 
 
-def plan_memory(plan: Plan, itemsize: int = 4) -> dict[int, DeviceMemory]:
-    """Bytes per device, by kind, for one step of `plan` (see the module docstring)."""
+def plan_memory(plan: Plan, itemsize: int = 4, slots: int = 1,
+                accumulating: bool = False) -> dict[int, DeviceMemory]:
+    """Bytes per device, by kind, for one step of `plan` (see the module docstring): `slots`
+    arrays of optimizer state per chunk (SGD 1, Adam 2), one more when `accumulating`."""
     devices = {t.device for t in plan.tasks} | {p.device for parts in plan.data.values() for p in parts}
     out = {d: dict.fromkeys(KINDS, 0) for d in devices}
     training = plan.mode != "predict"
@@ -69,7 +72,7 @@ def plan_memory(plan: Plan, itemsize: int = 4) -> dict[int, DeviceMemory]:
             replicas = len(shard.devices)
             for lo, hi, d in chunks:
                 chunk = (hi - lo) * itemsize
-                out[d]["optimizer"] += chunk
+                out[d]["optimizer"] += chunk * (slots + accumulating)
                 if len(chunks) > 1:  # a master chunk beside the gathered copy
                     out[d]["parameters"] += chunk
                 if training:

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from taskrt.ops import Op, array_module, reuse, sgd_update
+from taskrt.ops import Op, array_module, optim, reuse
 from taskrt.ops.rect import Rect
 from taskrt.planning.params import pack, unpack
 
@@ -216,18 +216,87 @@ def _sum_grads(values, grads):
 
 @dataclass(frozen=True)
 class Update(Spec):
-    """Parameter server of one shard: sum the replicas' gradients, apply SGD.
+    """Parameter server of one chunk of a shard's state: sum the replicas' gradients and apply the
+    optimizer (`ops.optim`), or, on a micro-batch of an accumulation, add them to the chunk's
+    accumulated gradient.
 
-    Dependencies: the state (weights, velocity), the gradients, and last the step's
-    hyper-parameters {"lr", "momentum", "weight_decay"}.
-    """
+    Dependencies: the state (weights, *optimizer slots[, accumulated gradient]), the gradients,
+    the clipping coefficient when `clip` is its position, and last the step's hyper-parameters
+    (`ops.optim.Optimizer.hyper`, with "accumulate": (micro-batch, of k) when accumulating).
+    `segments`: (parameter name, lo, hi) of the chunk, for the parameters left out of weight
+    decay (`hyper["no_decay"]`)."""
 
     grads: tuple[tuple[int, int | None, tuple[int, int] | None], ...]
+    layer: str = ""
+    segments: tuple[tuple[str, int, int], ...] = ()
+    clip: int | None = None
 
     def __call__(self, state, *values):
-        hyper = values[-1]
+        hyper = optim.as_hyper(values[-1])
         g = _sum_grads((state, *values), self.grads)
-        return sgd_update(state[0], state[1], g, hyper["lr"], hyper["momentum"], hyper["weight_decay"])
+        return apply_update(hyper, state, g, self.decays(hyper),
+                            None if self.clip is None else values[self.clip - 1])
+
+    def decays(self, hyper) -> tuple | None:
+        """((start, weight decay), ...) where a parameter of the chunk is left out, else None."""
+        left_out = hyper.get("no_decay") or ()
+        if not any((self.layer, name) in left_out for name, _, _ in self.segments):
+            return None
+        return tuple((lo, 0.0 if (self.layer, name) in left_out else hyper["weight_decay"])
+                     for name, lo, _ in self.segments)
+
+
+def apply_update(hyper: dict, state: tuple, g, decays=None, clip=None) -> tuple:
+    """The new state of a chunk given its summed gradient `g` (see `Update`)."""
+    slots = len(optim.OPTIMIZERS[hyper["rule"]].slots)
+    accumulated = state[1 + slots] if len(state) > 1 + slots else None
+    position, count = hyper.get("accumulate", (0, 1))
+    if position < count - 1:  # a micro-batch before the last: add, keep weights and slots as they are
+        xp = array_module(g)
+        total = g.copy() if accumulated is None else xp.add(accumulated, g)
+        return (*state[: 1 + slots], total)
+    if accumulated is not None:
+        g = array_module(g).add(accumulated, g)
+    scale = 1.0 / count if clip is None else float(clip[0]) / count
+    return optim.update(hyper, state[0], tuple(state[1 : 1 + slots]), g, decays, scale)
+
+
+@dataclass(frozen=True)
+class SquaredNorm(Spec):
+    """One device's share of the gradients' global norm: the sum of squares of the (summed)
+    gradients of the chunks it updates, each as its update will see it (with the accumulated
+    micro-batches, over their count); 0 on a micro-batch before the last.
+
+    Dependencies: per chunk its summed gradient and its state (for the accumulated gradient),
+    then the hyper-parameters."""
+
+    chunks: tuple[tuple[int, int], ...]  # (gradient dependency, state dependency)
+
+    def __call__(self, *values):
+        hyper = optim.as_hyper(values[-1])
+        position, count = hyper.get("accumulate", (0, 1))
+        if position < count - 1:
+            return np.zeros(1)
+        slots = len(optim.OPTIMIZERS[hyper["rule"]].slots)
+        total = 0.0
+        for grad, state in self.chunks:
+            g = values[grad]
+            if len(values[state]) > 1 + slots:
+                g = array_module(g).add(values[state][1 + slots], g)
+            flat = g.reshape(-1) / count if count > 1 else g.reshape(-1)
+            total += float(flat @ flat)
+        return np.array([total])  # an array: it travels (and is counted) as 8 bytes
+
+
+@dataclass(frozen=True)
+class ClipCoefficient(Spec):
+    """`torch.nn.utils.clip_grad_norm_`'s coefficient from every device's sum of squares:
+    min(1, max_norm / (norm + 1e-6)); hyper-parameters last ("max_norm")."""
+
+    def __call__(self, *values):
+        hyper = values[-1]
+        norm = float(sum(float(v[0]) for v in values[:-1])) ** 0.5
+        return np.array([min(1.0, hyper["max_norm"] / (norm + 1e-6))])
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """Checkpoint files: written atomically, checked on reading, kept periodically.
 
-A checkpoint is an .npz archive: a JSON `meta` entry (format, graph, strategy, hyper-parameters,
-step count, and a SHA-256 digest of every array) beside the arrays `param/<layer>/<name>` and
-`velocity/<layer>/<name>`.  Reading checks the archive, the digests and, when the caller says
+A checkpoint is an .npz archive: a JSON `meta` entry (format, graph, strategy, optimizer and
+hyper-parameters, step count, and a SHA-256 digest of every array) beside the arrays
+`param/<layer>/<name>`, the optimizer's state `state/<slot>/<layer>/<name>` (its slots under
+`torch.optim`'s names) and `running/<layer>/stats`.  Format 1 (SGD's `velocity/<layer>/<name>`)
+is still read, as the momentum buffer.  Reading checks the archive, the digests and, when the caller says
 which graph it expects, that the checkpoint is for that graph, and names what differs.
 
     Checkpoints("ckpts", every=100, keep=3)   # a Trainer option: a checkpoint every 100 steps
@@ -21,7 +23,8 @@ import numpy as np
 
 from taskrt.graph.files import write_atomic
 
-FORMAT = "taskrt-checkpoint/1"
+FORMAT = "taskrt-checkpoint/2"
+READ_FORMATS = ("taskrt-checkpoint/1", FORMAT)
 PREFIX = "step-"
 
 
@@ -36,14 +39,16 @@ def array_digest(value: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def write_checkpoint(path, meta: dict, params: dict, velocity: dict, running: dict | None = None) -> None:
-    """Write `meta` and the state ({layer: {name: array}} twice, and the batch norms' running
-    statistics {layer: (2, C) array}) to `path` atomically."""
+def write_checkpoint(path, meta: dict, params: dict, slots: dict, running: dict | None = None) -> None:
+    """Write `meta` and the state (parameters {layer: {name: array}}, the optimizer's `slots`
+    {slot: {layer: {name: array}}}, the batch norms' running statistics {layer: (2, C) array}) to
+    `path` atomically."""
     arrays = {}
     for layer, p in params.items():
         for k, v in p.items():
             arrays[f"param/{layer}/{k}"] = np.asarray(v)
-            arrays[f"velocity/{layer}/{k}"] = np.asarray(velocity[layer][k])
+            for slot, values in slots.items():
+                arrays[f"state/{slot}/{layer}/{k}"] = np.asarray(values[layer][k])
     for layer, r in (running or {}).items():
         arrays[f"running/{layer}/stats"] = np.asarray(r)
     meta = {**meta, "format": FORMAT, "digests": {name: array_digest(v) for name, v in arrays.items()}}
@@ -53,9 +58,9 @@ def write_checkpoint(path, meta: dict, params: dict, velocity: dict, running: di
 
 
 def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
-    """(meta, params, velocity) of a checkpoint, every array checked against its digest; with
-    `graph`, also checked to be a checkpoint of that graph.  The batch norms' running statistics
-    are in meta["running"] ({layer: (2, C) array})."""
+    """(meta, params, optimizer slots {slot: {layer: {name: array}}}) of a checkpoint, every array
+    checked against its digest; with `graph`, also checked to be a checkpoint of that graph.  The
+    batch norms' running statistics are in meta["running"] ({layer: (2, C) array})."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -92,8 +97,8 @@ def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} is corrupted: its metadata is not JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") not in READ_FORMATS:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} is not one of {', '.join(READ_FORMATS)}")
     digests = meta.get("digests")
     if not isinstance(digests, dict):
         raise CheckpointError(f"{path}: no digests in its metadata (written by an older taskrt?)")
@@ -107,15 +112,21 @@ def read_checkpoint(path, graph=None) -> tuple[dict, dict, dict]:
             raise CheckpointError(f"checkpoint {path} is corrupted: array {name!r} does not match its digest")
     if graph is not None:
         check_same_graph(meta["graph"], graph.to_dict(), path)
-    params, velocity, running = {}, {}, {}
+    params, slots, running = {}, {}, {}
     for key, value in arrays.items():
         kind, _, rest = key.partition("/")
+        if kind == "state":
+            slot, _, rest = rest.partition("/")
+        elif kind == "velocity":  # format 1: SGD's momentum
+            slot = "momentum_buffer"
         layer, name = rest.rsplit("/", 1)
         if kind == "running":
             running[layer] = value
+        elif kind == "param":
+            params.setdefault(layer, {})[name] = value
         else:
-            (params if kind == "param" else velocity).setdefault(layer, {})[name] = value
-    return {**meta, "running": running}, params, velocity
+            slots.setdefault(slot, {}).setdefault(layer, {})[name] = value
+    return {**meta, "running": running}, params, slots
 
 
 def check_same_graph(saved: dict, expected: dict, path) -> None:
@@ -167,9 +178,9 @@ class Checkpoints:
         saved = self.saved()
         return saved[-1] if saved else None
 
-    def write(self, step: int, meta: dict, params: dict, velocity: dict, running: dict | None = None) -> Path:
+    def write(self, step: int, meta: dict, params: dict, slots: dict, running: dict | None = None) -> Path:
         path = self.path(step)
-        write_checkpoint(path, meta, params, velocity, running)
+        write_checkpoint(path, meta, params, slots, running)
         for old in self.saved()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path

@@ -32,11 +32,12 @@ class DeviceLost(Exception):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Parameters and momentum after `step`, as numpy arrays held by the client."""
+    """Parameters and the optimizer's state after `step`, as numpy arrays held by the client
+    (`slots`: one {layer: {name: array}} per slot of the optimizer, in its order)."""
 
     step: int
     params: dict
-    velocity: dict
+    slots: tuple
     seconds: float = 0.0  # what taking it cost
     running: dict | None = None  # the batch norms' running statistics, {layer: (2, C) array}
 

@@ -28,7 +28,8 @@ MAX_PREFETCH = 4  # steps in flight at most: Trainer.submit waits beyond its MAX
 
 @dataclass(frozen=True)
 class EpochStats:
-    """One epoch of `fit`: its steps' mean loss and wall time, and the evaluation after it."""
+    """One epoch of `fit`: its steps' mean loss and wall time, and the evaluation after it.  A
+    step is one update (with `accumulate`, of k micro-batches: its loss their mean)."""
 
     epoch: int  # from 1
     steps: int
@@ -132,7 +133,7 @@ def check_options(epochs, shuffle, seed, last, prefetch, progress):
 
 def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
         eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None,
-        steps_per_program="auto") -> History:
+        steps_per_program="auto", accumulate: int = 1) -> History:
     """Train `trainer` on `dataset` for `epochs` epochs; returns the History.
 
     `prefetch`: steps in flight at most (submitted, result not yet taken).  A step's reads run
@@ -144,24 +145,33 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     0 of `total`), else the trainer's.  `on_epoch(EpochStats)`: called after each epoch.
     `eval_dataset`: evaluated after each epoch.  `steps_per_program`: steps each device's program
     runs as one Dask task ("auto": as many as take about a quarter of a second, one for long
-    steps; `Trainer.steps_per_program`).  Everything is checked before the first step."""
+    steps; `Trainer.steps_per_program`).  `accumulate`: micro-batches (of the graph's batch
+    size) per update: their gradients are summed on the devices and the update takes their mean,
+    as one step on a k-times larger batch would (batch norm aside: its statistics are each
+    micro-batch's, as in PyTorch); each update's k micro-batches run in one program per device
+    where programs run several steps.  An epoch's micro-batches beyond a whole number of updates
+    are left out.  Everything is checked before the first step."""
     from tqdm import tqdm
 
     from taskrt.execution.program_executor import MAX_WINDOW
 
     check_options(epochs, shuffle, seed, last, prefetch, progress)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
     _check_steps_per_program(steps_per_program, MAX_WINDOW, trainer, "train")
     if lr_schedule is not None and not callable(lr_schedule):
         raise ValueError(f"lr_schedule must be a function (step, total steps) -> learning rate, got {lr_schedule!r}")
     batch = trainer.batch_size
     trainer.bind(dataset)
-    if len(dataset) < batch:
-        raise DatasetError(f"dataset {dataset.name!r} has {len(dataset)} samples, fewer than the batch of {batch} "
+    if len(dataset) < batch * accumulate:
+        what = f"the batch of {batch}" if accumulate == 1 else f"{accumulate} micro-batches of {batch}"
+        raise DatasetError(f"dataset {dataset.name!r} has {len(dataset)} samples, fewer than {what} "
                            f"that graph {trainer.graph.name!r} takes; use a larger dataset or a graph with a "
                            "smaller batch")
     if eval_dataset is not None:
         trainer.bind(eval_dataset)
-    counts = steps_per_epoch(len(dataset), batch, epochs, last)
+    micro = steps_per_epoch(len(dataset), batch, epochs, last)
+    counts = [m // accumulate for m in micro]  # updates per epoch
     total = sum(counts)
     losses, summaries = [], []
     stream = (indices for _, indices in batches(len(dataset), batch, epochs, seed, shuffle, last))
@@ -171,9 +181,11 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
                    disable=None if progress else True)  # None: a bar on a terminal, none in a log
         try:
             epoch_losses = _steps(trainer, dataset, stream, count, prefetch, lr_schedule, len(losses), total, bar,
-                                  steps_per_program)
+                                  steps_per_program, accumulate)
         finally:
             bar.close()
+        for _ in range(micro[epoch] - count * accumulate):  # the epoch's micro-batches short of an update
+            next(stream)
         summary = EpochStats(epoch + 1, count, float(np.mean(epoch_losses)) if epoch_losses else float("nan"),
                              time.perf_counter() - start)
         losses += epoch_losses
@@ -188,32 +200,45 @@ def fit(trainer, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, 
     return History(tuple(losses), tuple(summaries))
 
 
-def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, bar, per_program) -> list[float]:
-    """`count` steps of `stream` (index arrays), at most `prefetch` in flight, several to a program
-    where `trainer.steps_per_program` says so (then two programs in flight at most: the next one
-    already on its workers as the one before ends); their losses."""
+def _steps(trainer, dataset, stream, count, prefetch, lr_schedule, step, total, bar, per_program,
+           accumulate=1) -> list[float]:
+    """`count` updates of `stream` (index arrays, `accumulate` per update), at most `prefetch`
+    steps in flight, several to a program where `trainer.steps_per_program` says so (then two
+    programs in flight at most: the next one already on its workers as the one before ends);
+    each update's loss (the mean of its micro-batches')."""
     pending, losses = deque(), []  # lists of StepFutures, one list per program
+    micro_losses = []
 
     def take():
         for future in pending.popleft():
-            losses.append(future.result())
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            micro_losses.append(future.result())
+            if len(micro_losses) == accumulate:
+                losses.append(float(np.mean(micro_losses)))
+                micro_losses.clear()
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
 
-    left = count
+    left = count * accumulate  # micro-batches
+    position = 0  # within the current update's micro-batches
     while left:
         k = trainer.steps_per_program(left, per_program)
+        if accumulate > 1 and k >= accumulate:  # whole updates to a program where it holds one or more
+            k = k // accumulate * accumulate
         rows = list(islice(stream, k))
-        lrs = [None if lr_schedule is None else float(lr_schedule(step + i, total)) for i in range(k)]
+        updates = [step + (position + i) // accumulate for i in range(k)]
+        lrs = [None if lr_schedule is None else float(lr_schedule(u, total)) for u in updates]
+        micro = None if accumulate == 1 else [((position + i) % accumulate, accumulate) for i in range(k)]
         while len(pending) >= programs_in_flight(prefetch, k):
             take()
         if k == 1:
             if lrs[0] is not None:
                 trainer.lr = lrs[0]
-            pending.append([trainer.submit_from(dataset, rows[0])])
+            pending.append([trainer.submit_from(dataset, rows[0], None if micro is None else micro[0])])
         else:
-            pending.append(trainer.submit_window(dataset, rows, lrs))
-        step, left = step + k, left - k
+            pending.append(trainer.submit_window(dataset, rows, lrs, micro))
+        step += (position + k) // accumulate
+        position = (position + k) % accumulate
+        left -= k
     while pending:
         take()
     return losses

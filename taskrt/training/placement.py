@@ -22,11 +22,11 @@ from taskrt.training.elastic import DeviceLost
 class Placement:
     """The Trainer's part that places state on devices and reads it back."""
 
-    def _place(self, params, velocity):
-        """Put each chunk of each shard's state, (weights, velocity), on its device."""
+    def _place(self, params, slots: tuple):
+        """Put each chunk of each shard's state, (weights, *optimizer slots), on its device."""
         address = self.machine.addresses()
         self._state = {}
-        for (layer, index, k), chunk in shard_states(self.plan, params, velocity).items():
+        for (layer, index, k), chunk in shard_states(self.plan, params, *slots).items():
             device = self.plan.shards[layer][index].chunks[k][2]
             [future] = self.machine.client.scatter([chunk], workers=[address[device]], hash=False, direct=True)
             if device in self.executor.gpu_devices:  # created once on the GPU, updated there
@@ -76,26 +76,32 @@ class Placement:
         return out
 
     def _states(self, state=None, plan=None) -> list:
-        """The (weights, velocity) of every state chunk, as numpy, in the order of `state`
+        """The (weights, *optimizer slots) of every state chunk, as numpy, in the order of `state`
         (default: the current state)."""
         state, plan = state or self._state, plan or self.plan
         devices = [plan.shards[layer][shard].chunks[k][2] for layer, shard, k in state]
         return self._gather(self.executor.host_futures(list(state.values()), devices), self.steps_done)
 
-    def _host_state(self, state=None, plan=None) -> tuple[dict, dict]:
-        """(parameters, velocity) as full numpy tensors, fetched in one gather."""
+    def _host_state(self, state=None, plan=None) -> tuple[dict, tuple]:
+        """(parameters, optimizer slots) as full numpy tensors, fetched in one gather; the slots
+        in the optimizer's order (an accumulated gradient after them is left out)."""
         state = state or self._state
         values = self._states(state, plan)
-        return (self._assemble({key: v[0] for key, v in zip(state, values)}, plan),
-                self._assemble({key: v[1] for key, v in zip(state, values)}, plan))
+        params = self._assemble({key: v[0] for key, v in zip(state, values)}, plan)
+        return params, tuple(self._assemble({key: v[i] for key, v in zip(state, values)}, plan)
+                             for i in range(1, 1 + len(self.optimizer.slots)))
 
     def parameters(self) -> dict:
         """Current parameters as full numpy tensors: {layer: {"weight": ..., "bias": ...}}."""
         self._check_state(self.steps_done)
         return self._host_state()[0]
 
-    def _velocity(self) -> dict:
-        return self._host_state()[1]
+    def optimizer_state(self) -> dict:
+        """The optimizer's state as full numpy tensors, under `torch.optim`'s names:
+        {slot: {layer: {"weight": ..., "bias": ...}}} ("momentum_buffer" for SGD; "exp_avg" and
+        "exp_avg_sq" for Adam and AdamW)."""
+        self._check_state(self.steps_done)
+        return dict(zip(self.optimizer.slots, self._host_state()[1]))
 
     def logits(self, run: StepRun) -> np.ndarray:
         """The logits a predict run computed, as one numpy array of the batch."""

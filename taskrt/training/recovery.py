@@ -72,7 +72,7 @@ class Recovery:
         latest = self.checkpoints.latest()
         if latest is None or int(latest.stem.split("-")[-1]) < self.snapshot.step:
             self.checkpoints.write(self.snapshot.step, self._meta(self.snapshot.step), self.snapshot.params,
-                                   self.snapshot.velocity, self.snapshot.running)
+                                   self._named_slots(self.snapshot.slots), self.snapshot.running)
         latest = self.checkpoints.latest()
         return (f"The last checkpoint on disk is {latest} (step {int(latest.stem.split('-')[-1])}): "
                 "resume with Trainer.load(path, machine) on a new cluster.")
@@ -190,7 +190,7 @@ class Recovery:
                 self._all_lost(lost)
             try:
                 self._use(live)
-                self._place(self.snapshot.params, self.snapshot.velocity)
+                self._place(self.snapshot.params, self.snapshot.slots)
                 self._place_buffers({**init_buffers(self.graph, self.dtype), **(self.snapshot.running or {})})
                 restored = (self.snapshot.step, self._state, self._buffers)
                 runs = {entry.step: self._run_logged(entry, replay=len(self.recoveries) * MAX_RECOVERIES + attempt)

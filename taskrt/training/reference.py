@@ -1,6 +1,10 @@
 """The single-device network: whole tensors in one process, no partitioning, no Dask.
 
 It is what every parallel configuration must reproduce, and the trainer `make run` starts from.
+The same optimizers (`ops.optim`), clipping and accumulation as `Trainer`:
+
+    t = SingleDeviceTrainer(g, optimizer=tr.optim.AdamW(1e-3), clip_grad_norm=1.0)
+    t.accumulate(x1, y1); t.step(x2, y2)     # one update from the two micro-batches' mean gradient
 """
 
 from __future__ import annotations
@@ -8,20 +12,42 @@ from __future__ import annotations
 import numpy as np
 
 from taskrt.data.arrays import batches_for_predict, bind_inputs, logits_layer
-from taskrt.ops import sgd_update
+from taskrt.ops import optim
 from taskrt.ops.rect import Rect
 from taskrt.planning.params import init_buffers, init_parameters, resolve_dtype
 
 
 class SingleDeviceTrainer:
-    def __init__(self, graph, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32", seed=0):
+    def __init__(self, graph, lr=None, momentum=None, weight_decay=None, dtype="float32", seed=0, optimizer=None,
+                 clip_grad_norm=None):
+        """`optimizer`, `lr`/`momentum`/`weight_decay` and `clip_grad_norm` as `Trainer`'s."""
         self.graph = graph
-        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        self.optimizer = optim.optimizer_of(optimizer, lr, momentum, weight_decay)
+        self.lr = self.optimizer.lr
+        self.clip_grad_norm = optim.check_clip(clip_grad_norm)
+        self._left_out = self.optimizer.left_out(graph)
         self.dtype = resolve_dtype(dtype)
         self.params = init_parameters(graph, seed, self.dtype)
-        self.velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in self.params.items()}
+        # the optimizer's state under torch.optim's names: {slot: {layer: {name: array}}}
+        self.state = {slot: {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in self.params.items()}
+                      for slot in self.optimizer.slots}
         self.running = init_buffers(graph, self.dtype)  # batch norm: (2, C) running mean and variance
         self.steps_done = 0
+        self.updates_done = 0
+        self._accumulated, self._micro_batches = None, 0  # gradients summed by `accumulate`
+
+    @property
+    def velocity(self) -> dict:
+        """SGD's momentum buffer."""
+        return self.state["momentum_buffer"]
+
+    @property
+    def momentum(self) -> float:
+        return getattr(self.optimizer, "momentum", 0.0)
+
+    @property
+    def weight_decay(self) -> float:
+        return self.optimizer.weight_decay
 
     # ---- the network ------------------------------------------------------------------------
     def _forward(self, data, stop_at=None, mode="gradients"):
@@ -76,14 +102,47 @@ class SingleDeviceTrainer:
     def loss(self, *data) -> float:
         return self._loss(self._forward(bind_inputs(self.graph, data, self.dtype)))
 
-    def step(self, *data) -> float:
+    def accumulate(self, *data) -> float:
+        """Forward and backward of a micro-batch, its gradients added to those of the micro-batches
+        before it; the next `step` updates from their mean.  Returns the micro-batch's loss."""
         acts = self._forward(bind_inputs(self.graph, data, self.dtype), mode="train")
         grads = self._backward(acts)
+        if self._accumulated is None:
+            self._accumulated = grads
+        else:
+            for name, layer_grads in grads.items():
+                for key, g in layer_grads.items():
+                    self._accumulated[name][key] = self._accumulated[name][key] + g
+        self._micro_batches += 1
+        self.steps_done += 1
+        return self._loss(acts)
+
+    def step(self, *data) -> float:
+        """One update: from this batch's gradients, or with the micro-batches `accumulate` summed
+        before it, from the mean over all of them (clipped to `clip_grad_norm`)."""
+        acts = self._forward(bind_inputs(self.graph, data, self.dtype), mode="train")
+        grads = self._backward(acts)
+        count = 1 + self._micro_batches
+        if self._accumulated is not None:
+            grads = {name: {key: self._accumulated[name][key] + g for key, g in layer_grads.items()}
+                     for name, layer_grads in grads.items()}
+        scale = 1.0 / count
+        if self.clip_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ on the mean gradient
+            norm = float(np.sqrt(sum(float(np.sum((g * scale) ** 2)) for p in grads.values() for g in p.values())))
+            scale *= min(1.0, self.clip_grad_norm / (norm + 1e-6))
+        self.updates_done += 1
+        hyper = self.optimizer.hyper(self.lr, self.updates_done, self._left_out)
         for name, layer_grads in grads.items():
             for key, g in layer_grads.items():
-                self.params[name][key], self.velocity[name][key] = sgd_update(
-                    self.params[name][key], self.velocity[name][key], g, self.lr, self.momentum, self.weight_decay
-                )
+                w = self.params[name][key]
+                slots = tuple(self.state[slot][name][key] for slot in self.optimizer.slots)
+                decays = [(0, 0.0)] if (name, key) in self._left_out else None
+                w_new, *new = optim.update(hyper, w.reshape(-1), tuple(s.reshape(-1) for s in slots),
+                                           np.asarray(g).reshape(-1), decays, scale)
+                self.params[name][key] = w_new.reshape(w.shape)
+                for slot, value in zip(self.optimizer.slots, new):
+                    self.state[slot][name][key] = value.reshape(w.shape)
+        self._accumulated, self._micro_batches = None, 0
         self.steps_done += 1
         return self._loss(acts)
 

@@ -22,6 +22,13 @@ from taskrt.training.recovery import LOST_STATUSES, MAX_RECOVERIES, POLL_S
 from taskrt.transport.worker_reads import TIMED_OUT
 
 MAX_IN_FLIGHT = 4  # steps submitted and not yet finished
+
+
+def applies(hyper: dict) -> bool:
+    """Whether a step with these hyper-parameters updates the parameters (not a micro-batch before
+    the last of an accumulation)."""
+    position, count = hyper.get("accumulate", (0, 1))
+    return position == count - 1
 CUT_LINEAGE_EVERY = 8  # steps: a cut is three round trips to the cluster; workers keep the task states in between
 
 
@@ -162,8 +169,24 @@ class Submission:
             if missing:
                 self._lost(missing, f"step {step} was running when device(s) {missing} lost their worker", step)
 
-    def hyper(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+    def hyper(self, accumulate: tuple[int, int] | None = None) -> dict:
+        """The next step's hyper-parameters: the optimizer's at the current learning rate, for the
+        update it makes (or, a micro-batch `accumulate` = (i, of k), contributes to)."""
+        hyper = self.optimizer.hyper(self.lr, self.updates_done + 1, self._left_out)
+        if self.clip_grad_norm is not None:
+            hyper["max_norm"] = self.clip_grad_norm
+        if accumulate is not None and accumulate[1] > 1:
+            hyper["accumulate"] = tuple(accumulate)
+        return hyper
+
+    def _count_step(self, accumulate) -> dict:
+        """A new step number and its hyper-parameters; the update count follows where it updates."""
+        self.steps_done += 1
+        hyper = self.hyper(accumulate)
+        if applies(hyper):
+            self.updates_done += 1
+        self._updates_after[self.steps_done] = self.updates_done
+        return hyper
 
     def _aux_tag(self, what) -> str:
         self._aux_runs += 1
@@ -258,12 +281,13 @@ class Submission:
         """Start one training step without waiting for it; returns a StepFuture."""
         return self._submit(arrays=bind_inputs(self.graph, data, self.dtype))
 
-    def submit_from(self, dataset, indices) -> StepFuture:
+    def submit_from(self, dataset, indices, accumulate: tuple[int, int] | None = None) -> StepFuture:
         """Start one training step on samples `indices` of `dataset` (a taskrt.data.datasets dataset),
         without waiting for it: only the indices leave the client; each device reads its part of
-        the batch itself (taskrt.data.reading)."""
+        the batch itself (taskrt.data.reading).  `accumulate`: (micro-batch, of k) of an
+        accumulation of gradients: only the last one updates the parameters (`fit`'s accumulate)."""
         batch = Batch(self.bind(dataset), batch_indices(dataset, indices, self.batch_size))
-        return self._submit(batch=batch)
+        return self._submit(batch=batch, accumulate=accumulate)
 
     def bind(self, dataset, with_labels: bool = True):
         """`dataset` checked against the graph once (taskrt.data.datasets.bind_dataset)."""
@@ -293,7 +317,7 @@ class Submission:
             self._placed[key] = held = (dataset, future)
         return held[1]
 
-    def _submit(self, arrays=None, batch=None) -> StepFuture:
+    def _submit(self, arrays=None, batch=None, accumulate=None) -> StepFuture:
         # At most MAX_IN_FLIGHT steps: wait for the oldest only (bounds the history Dask keeps, see
         # _cut_lineage).  Its result() waits for the steps before it, none after it; the steps
         # behind it stay in flight
@@ -302,8 +326,8 @@ class Submission:
             unfinished[0].result()
         started = time.perf_counter()  # the step's time begins with checking its devices, as in _run
         address = self._check_state(self.steps_done + 1)  # recovers first, if a device was lost since
-        self.steps_done += 1
-        entry = LoggedStep(self.steps_done, arrays, self.hyper(), batch)
+        hyper = self._count_step(accumulate)
+        entry = LoggedStep(self.steps_done, arrays, hyper, batch)
         if self.elastic:
             self._log.append(entry)
         try:
@@ -312,7 +336,8 @@ class Submission:
             run = self._recover_sending(error, [entry])[0]
         future = StepFuture(self, run)
         self._in_flight = [f for f in self._in_flight if not f.finished] + [future]
-        self._plan_snapshot(run)
+        if applies(hyper):  # snapshots and checkpoints hold no micro-batch's accumulated gradient
+            self._plan_snapshot(run)
         return future
 
     def wait(self) -> None:
@@ -325,21 +350,22 @@ class Submission:
         its StepRun, whose logits `logits(run)` reads."""
         return self._run("predict", batch, self._aux_tag("eval"))
 
-    def submit_window(self, dataset, indices: list, lrs: list) -> list[StepFuture]:
+    def submit_window(self, dataset, indices: list, lrs: list, accumulate: list | None = None) -> list[StepFuture]:
         """Start one training step per index array of `indices` (on samples of `dataset`, with the
         learning rates `lrs`, None: the trainer's), all run by one program per device
-        (`steps_per_program`); their StepFutures, in order."""
+        (`steps_per_program`); their StepFutures, in order.  `accumulate`: per step, None or its
+        (micro-batch, of k) in an accumulation of gradients."""
         binding = self.bind(dataset)
         while len({id(f.run.outputs.get("done")) for f in self._in_flight if not f.finished}) >= MAX_IN_FLIGHT:
             next(f for f in self._in_flight if not f.finished).result()
         started = time.perf_counter()
         address = self._check_state(self.steps_done + 1)
         entries = []
-        for rows, lr in zip(indices, lrs):
+        for i, (rows, lr) in enumerate(zip(indices, lrs)):
             if lr is not None:
                 self.lr = float(lr)
-            self.steps_done += 1
-            entries.append(LoggedStep(self.steps_done, None, self.hyper(),
+            hyper = self._count_step(None if accumulate is None else accumulate[i])
+            entries.append(LoggedStep(self.steps_done, None, hyper,
                                       Batch(binding, batch_indices(dataset, rows, self.batch_size))))
         if self.elastic:
             self._log += entries
@@ -349,7 +375,8 @@ class Submission:
             runs = self._recover_sending(error, entries)
         futures = [StepFuture(self, run) for run in runs]
         self._in_flight = [f for f in self._in_flight if not f.finished] + futures
-        self._plan_snapshot(runs[-1])
+        if applies(entries[-1].hyper):
+            self._plan_snapshot(runs[-1])
         return futures
 
     def _cut_lineage(self, run: StepRun):
@@ -375,6 +402,8 @@ class Submission:
             self._good = (run.step, self._state, self._buffers)
         else:
             self._good = (run.step, run.outputs["state"], run.outputs["buffers"])
+        for step in [s for s in self._updates_after if s < run.step]:
+            del self._updates_after[step]
 
     def _roll_back(self, error: Exception):
         """A step failed on its own (its data could not be read): it and the steps after it never
@@ -391,6 +420,7 @@ class Submission:
                 future._error = error
         self._in_flight = [f for f in self._in_flight if f.finished]
         self._state, self._buffers, self.steps_done = state, buffers, step
+        self.updates_done = self._updates_after.get(step, self.updates_done)
         self._log = [entry for entry in self._log if entry.step <= step]
         self._pending = [pending for pending in self._pending if pending[0] <= step]
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from taskrt.data.arrays import batches_for_predict, bind_inputs, logits_layer
 from taskrt.execution.program_executor import make_executor
+from taskrt.ops.optim import check_clip, optimizer_of
 from taskrt.ops.precision import PRECISIONS, set_precision
 from taskrt.planning.lowering import lower
 from taskrt.planning.memory import plan_memory
@@ -45,6 +46,13 @@ from taskrt.training.recovery import Recovery, WorkerLostWarning
 from taskrt.training.snapshots import Snapshots
 from taskrt.training.steps import MAX_IN_FLIGHT, StepFuture, StepStats, Submission
 
+
+def zero_slots(optimizer, params: dict) -> tuple[dict, ...]:
+    """The optimizer's state at the start: one {layer: {name: zeros}} per slot, in its order."""
+    return tuple({name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+                 for _ in optimizer.slots)
+
+
 __all__ = ["Trainer", "StepFuture", "StepStats", "Checkpoints", "CheckpointError", "CHECKPOINT_FORMAT",
            "WorkerLostWarning", "MAX_IN_FLIGHT"]
 
@@ -55,10 +63,17 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
     (`taskrt.training.recovery`), snapshots and checkpoints (`taskrt.training.snapshots`), the
     state's placement on devices (`taskrt.training.placement`)."""
 
-    def __init__(self, graph, strategy, machine, lr=0.01, momentum=0.0, weight_decay=0.0, dtype="float32",
+    def __init__(self, graph, strategy, machine, lr=None, momentum=None, weight_decay=None, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True, cuda_graphs=True, executor=None, replan=None):
-        """`precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
+                 fused=True, cuda_graphs=True, executor=None, replan=None, optimizer=None, clip_grad_norm=None):
+        """`optimizer`: `taskrt.optim.SGD`, `Adam` or `AdamW` (`torch.optim`'s update rules; its
+        state lives beside each parameter shard on its device); `lr`, `momentum` and
+        `weight_decay` are SGD's shorthand (default: SGD at lr 0.01).  `trainer.lr` is the learning
+        rate of the next step (`fit`'s `lr_schedule` sets it).  `clip_grad_norm`: clip the
+        gradients to this global norm before each update, as `torch.nn.utils.clip_grad_norm_`
+        (one scalar reduced across the devices per step).
+
+        `precision` of GPU workers: strict float32 "fp32" (the default), "tf32" (tensor cores, about
         1e-3 relative error) or "bf16" (convolutions and products in bfloat16, everything else and
         the parameters float32: `ops.precision`); it is set on every worker of the machine.  CPU
         kernels ignore it.
@@ -93,7 +108,10 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         self._given_strategy = strategy
         self._replan = replan if replan is not None else strategy.replan
         self.strategy = strategy.validated(graph, machine)
-        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        self.optimizer = optimizer_of(optimizer, lr, momentum, weight_decay)
+        self.lr = self.optimizer.lr
+        self.clip_grad_norm = check_clip(clip_grad_norm)
+        self._left_out = self.optimizer.left_out(graph)  # (layer, parameter) without weight decay
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
         if executor is None:
@@ -105,6 +123,9 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         self.plan = self._plan("train")
         self.batch_size = graph.losses[0].shape[0] if graph.losses else None
         self.steps_done = 0  # steps submitted
+        self.updates_done = 0  # optimizer updates submitted (fewer than steps when accumulating)
+        self._updates_after: dict[int, int] = {}  # step -> updates_done after it, for a roll-back
+        self._last_update_step = 0  # the last step submitted that updated (see _plan_snapshot)
         self._token = uuid.uuid4().hex[:6]  # keeps keys of two trainers on one cluster apart
         self._in_flight: list[StepFuture] = []
         self._last_finished = 0.0
@@ -129,19 +150,28 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
 
         self.publisher = Publisher(self)  # the dashboard's taskrt page
         params = init_parameters(graph, seed, self.dtype)
-        velocity = {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in params.items()}
+        slots = zero_slots(self.optimizer, params)
         running = init_buffers(graph, self.dtype)
-        self._place(params, velocity)
+        self._place(params, slots)
         self._place_buffers(running)
-        self.snapshot = Snapshot(0, params, velocity, running=running)
+        self.snapshot = Snapshot(0, params, slots, running=running)
         self._good = (0, self._state, self._buffers)  # the last finished step's state (see _roll_back)
         self._rollbacks = 0
         self._bindings: dict = {}  # (id(dataset), with labels) -> taskrt.data.datasets.Binding
         self._placed: dict = {}  # (id(dataset), field, device) -> (dataset, future of its copy there)
 
+    @property
+    def momentum(self) -> float:
+        return getattr(self.optimizer, "momentum", 0.0)
+
+    @property
+    def weight_decay(self) -> float:
+        return self.optimizer.weight_decay
+
     def _plan(self, mode):
         if mode not in self._plans:
-            self._plans[mode] = lower(self.graph, self.strategy, mode, self.dtype.itemsize)
+            self._plans[mode] = lower(self.graph, self.strategy, mode, self.dtype.itemsize,
+                                      clip=self.clip_grad_norm is not None)
         return self._plans[mode]
 
     def step(self, *data) -> float:
@@ -150,17 +180,18 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
 
     def fit(self, dataset, epochs: int = 1, shuffle: bool = True, seed: int = 0, last: str = "drop",
             eval_dataset=None, prefetch: int = 3, progress: bool = True, lr_schedule=None, on_epoch=None,
-            steps_per_program="auto"):
+            steps_per_program="auto", accumulate: int = 1):
         """Train on `dataset` (taskrt.data.datasets) for `epochs` epochs of seeded shuffled batches read
         by the workers, at most `prefetch` steps in flight; returns a taskrt.training.fit.History (loss per
         step, seconds and loss per epoch, and the evaluation on `eval_dataset` after each epoch).
         `last`: "drop" or "wrap" the last partial batch of an epoch.  `steps_per_program`: steps
         each device's program runs as one Dask task ("auto": short steps several at a time).
-        See taskrt.training.fit.fit."""
+        `accumulate`: micro-batches per update (their mean gradient, as one step on a k-times
+        larger batch).  See taskrt.training.fit.fit."""
         from taskrt.training.fit import fit
 
         return fit(self, dataset, epochs, shuffle, seed, last, eval_dataset, prefetch, progress, lr_schedule, on_epoch,
-                   steps_per_program)
+                   steps_per_program, accumulate)
 
     def evaluate(self, dataset, prefetch: int = 2, steps_per_program="auto"):
         """Mean loss and accuracy over every sample of `dataset` (taskrt.training.fit.Evaluation), read by
@@ -191,7 +222,7 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
     def memory(self) -> dict:
         """Bytes per device of a training step, by kind (taskrt.planning.memory): {device: DeviceMemory}."""
         if self._memory is None:
-            self._memory = plan_memory(self.plan, self.dtype.itemsize)
+            self._memory = plan_memory(self.plan, self.dtype.itemsize, slots=len(self.optimizer.slots))
         return self._memory
 
     def predict(self, x) -> np.ndarray:
