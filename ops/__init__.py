@@ -6,11 +6,12 @@ linear layers on cupy arrays run through torch (cuDNN, cuBLAS) when it is import
 """
 
 from taskrt.ops import optim
+from taskrt.ops.activations import Gelu, Hardsigmoid, Hardswish, Hardtanh, Identity, Relu6, Sigmoid, Silu, Tanh
 from taskrt.ops.base import Op, array_module, dims_of
 from taskrt.ops.batchnorm import BatchNorm
 from taskrt.ops.concat import Concat
 from taskrt.ops.conv import Conv2d
-from taskrt.ops.elementwise import Add, Relu
+from taskrt.ops.elementwise import Add, Mul, Relu, Sub
 from taskrt.ops.errors import ShapeError
 from taskrt.ops.flatten import Flatten
 from taskrt.ops.input import Input
@@ -21,7 +22,8 @@ from taskrt.ops.precision import get_precision, set_precision
 from taskrt.ops.rect import Rect
 
 OPS = {op.kind: op for op in (Input, Conv2d, Pool2d, Linear, Relu, Add, Concat, Flatten, SoftmaxCrossEntropy,
-                              BatchNorm)}
+                              BatchNorm, Relu6, Hardtanh, Silu, Sigmoid, Tanh, Hardswish, Hardsigmoid, Gelu, Identity,
+                              Mul, Sub)}
 
 __all__ = [
     "OPS", "Op", "Rect", "ShapeError", "array_module", "dims_of", "optim", "set_precision", "get_precision",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from math import prod
-from numbers import Integral
+from numbers import Integral, Real
 
 import networkx as nx
 
@@ -24,18 +24,32 @@ from taskrt.ops import (
     Concat,
     Conv2d,
     Flatten,
+    Gelu,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
+    Identity,
     Input,
     Linear,
+    Mul,
     Op,
     Pool2d,
     Relu,
+    Relu6,
     ShapeError,
+    Sigmoid,
+    Silu,
     SoftmaxCrossEntropy,
+    Sub,
+    Tanh,
 )
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.]+$")
 PREFIX = {"conv2d": "conv", "pool2d": "pool", "linear": "fc", "relu": "relu", "flatten": "flatten",
-          "concat": "concat", "add": "add", "batch_norm": "bn", "softmax_cross_entropy": "loss", "input": "input"}
+          "concat": "concat", "add": "add", "batch_norm": "bn", "softmax_cross_entropy": "loss", "input": "input",
+          "relu6": "relu6_", "hardtanh": "htanh", "silu": "silu", "sigmoid": "sigmoid", "tanh": "tanh",
+          "hardswish": "hswish", "hardsigmoid": "hsigmoid", "gelu": "gelu", "identity": "identity", "mul": "mul",
+          "sub": "sub"}
 
 
 class GraphError(ValueError):
@@ -96,6 +110,12 @@ def _pair(value, what, layer) -> tuple[int, int]:
         raise GraphError(f"layer {layer!r}: {what} must be an int or a pair (h, w), got {value!r}") from None
 
 
+def _number(value, what, layer) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise GraphError(f"layer {layer!r}: {what} must be a number, got {value!r}")
+    return float(value)
+
+
 def _flag(value, what, layer) -> bool:
     if not isinstance(value, bool):
         raise GraphError(f"layer {layer!r}: {what} must be True or False, got {value!r}")
@@ -151,6 +171,41 @@ class Graph:
     def relu(self, x, name=None) -> Tensor:
         return self._add("relu", name, [x], lambda _: Relu((x.shape,)))
 
+    def relu6(self, x, name=None) -> Tensor:
+        """min(max(x, 0), 6), as torch's relu6."""
+        return self._add("relu6", name, [x], lambda _: Relu6((x.shape,)))
+
+    def hardtanh(self, x, min_val: float = -1.0, max_val: float = 1.0, name=None) -> Tensor:
+        """x clamped to [min_val, max_val], as torch's hardtanh (min_val < max_val)."""
+        def make(layer):
+            return Hardtanh((x.shape,), _number(min_val, "min_val", layer), _number(max_val, "max_val", layer))
+        return self._add("hardtanh", name, [x], make)
+
+    def silu(self, x, name=None) -> Tensor:
+        """x * sigmoid(x) (swish)."""
+        return self._add("silu", name, [x], lambda _: Silu((x.shape,)))
+
+    def sigmoid(self, x, name=None) -> Tensor:
+        return self._add("sigmoid", name, [x], lambda _: Sigmoid((x.shape,)))
+
+    def tanh(self, x, name=None) -> Tensor:
+        return self._add("tanh", name, [x], lambda _: Tanh((x.shape,)))
+
+    def hardswish(self, x, name=None) -> Tensor:
+        """x * relu6(x + 3) / 6, as torch's hardswish."""
+        return self._add("hardswish", name, [x], lambda _: Hardswish((x.shape,)))
+
+    def hardsigmoid(self, x, name=None) -> Tensor:
+        """relu6(x + 3) / 6, as torch's hardsigmoid."""
+        return self._add("hardsigmoid", name, [x], lambda _: Hardsigmoid((x.shape,)))
+
+    def gelu(self, x, approximate: str = "none", name=None) -> Tensor:
+        """x * Phi(x), Phi the normal CDF: exact ("none") or torch's tanh approximation ("tanh")."""
+        return self._add("gelu", name, [x], lambda _: Gelu((x.shape,), approximate))
+
+    def identity(self, x, name=None) -> Tensor:
+        return self._add("identity", name, [x], lambda _: Identity((x.shape,)))
+
     def flatten(self, x, name=None) -> Tensor:
         return self._add("flatten", name, [x], lambda _: Flatten((x.shape,)))
 
@@ -160,6 +215,14 @@ class Graph:
 
     def add(self, a, b, name=None) -> Tensor:
         return self._add("add", name, [a, b], lambda _: Add((a.shape, b.shape)))
+
+    def mul(self, a, b, name=None) -> Tensor:
+        """a * b, of one shape, or one (n, c, h, w) and one (n, c, 1, 1) broadcast over h and w (either order)."""
+        return self._add("mul", name, [a, b], lambda _: Mul((a.shape, b.shape)))
+
+    def sub(self, a, b, name=None) -> Tensor:
+        """a - b, shapes as for `mul`."""
+        return self._add("sub", name, [a, b], lambda _: Sub((a.shape, b.shape)))
 
     def softmax_cross_entropy(self, logits, labels=None, name=None) -> Tensor:
         """Mean cross-entropy over the batch.  Without `labels`, an int64 input named
