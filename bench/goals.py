@@ -16,6 +16,8 @@ GPU_STEP_GOAL, GPU_STEP_FLOOR = 0.8, 0.5  # taskrt's step against PyTorch eager:
 MEMORY_GOAL = 1.3  # taskrt's peak GPU memory against PyTorch's
 BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
 GPU_TRANSFER_RATE_GOAL = 10e9  # bytes/s, a 64 MB device array between two workers on one GPU
+# bench optim
+OPTIM_GOAL = 1.1  # an AdamW step at most this many times an SGD-with-momentum step (local(2))
 # bench hypergraph: the thesis's figures its partitions are set beside
 # The thesis's forward communication volume in its "MB" (MV), batch 32, final imbalance 0.1 unless named
 THESIS_VOLUME = {

@@ -395,7 +395,26 @@ def gholami_verdict(record) -> str:
 
 QUICK = "`--quick`:"
 
+def optim_verdict(record) -> str:
+    from taskrt.bench.goals import OPTIM_GOAL
+
+    judged = [r for r in record["rows"] if truth(r.get("meets_goal")) is not None]
+    ratios = ", ".join(f"{r['model']} {r['adamw_vs_sgd']:.3f}x" for r in record["rows"])
+    if not judged:
+        return f"not judged (no network the goal names ran): AdamW / SGD {ratios}"
+    return (f"{met(all(truth(r['meets_goal']) for r in judged))}: an AdamW step / an SGD-with-momentum step "
+            f"{ratios} (goal at most {OPTIM_GOAL}x)")
+
+
 PAGES = {
+    "optim": Page(
+        "what an optimizer costs a step",
+        "AdamW, AdamW with gradient clipping and Nesterov SGD against SGD with momentum, each a Trainer on "
+        "`Machine.local(2)` under the strategy the search picks for SGD (costs measured in the same run), "
+        "interleaved rounds, median steps, AlexNet-32 and VGG-16-32.",
+        f"`python -m taskrt.bench optim` (9 rounds; {QUICK} LeNet-5, 3 rounds).",
+        "an AdamW step at most 1.1x an SGD-with-momentum step on AlexNet-32 and VGG-16-32.",
+        optim_verdict),
     "kernels": Page(
         "convolution kernels against GEMM",
         "forward + backward GFLOP/s of the AlexNet and VGG-16 convolution layers on one thread, each next to a "
