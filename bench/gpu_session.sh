@@ -32,7 +32,7 @@ if [ "${TEST_S:-180}" != 0 ]; then
   echo "== tests ($(date -u +%T))"
   # shellcheck disable=SC2086
   timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::DeprecationWarning \
-    -k "${TESTS_K:-not search}" ${TESTS:-tests/test_gpu.py tests/test_torch_kernels.py} 2>&1 \
+    -k "${TESTS_K:-not search}" ${TESTS:-tests/test_gpu.py tests/test_torch_kernels.py tests/test_optim.py} 2>&1 \
     | tee "$OUT/pytest.txt" | tail -n 25
 fi
 echo "== bench.gpu --parts ${PARTS:-training,bf16,strategies,transfer} ($(date -u +%T))"

@@ -252,3 +252,32 @@ def test_bad_settings_are_named():
         from taskrt.training.fit import fit
 
         fit(None, None, accumulate=0)
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001  (no cupy, no driver, no device)
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 1, reason="needs cupy and a CUDA device")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_fused_gpu_kernels_compute_what_the_numpy_loops_compute(name):
+    """One elementwise kernel per run of equal weight decay on cupy arrays, the numba loop on numpy."""
+    import cupy
+
+    make, _ = OPTIMIZERS[name]
+    optimizer = make()
+    rng = np.random.default_rng(3)
+    w, g = rng.standard_normal(1000), rng.standard_normal(1000)
+    slots = tuple(np.abs(rng.standard_normal(1000)) for _ in optimizer.slots)
+    segments = ((0, optimizer.weight_decay), (700, 0.0))  # a weight, then a bias left out of decay
+    hyper = optimizer.hyper(step=3)
+    expected = optimizer.update(hyper, w, slots, g, segments, 0.5)
+    got = optimizer.update(hyper, cupy.asarray(w), tuple(map(cupy.asarray, slots)), cupy.asarray(g), segments, 0.5)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(cupy.asnumpy(a), b, rtol=1e-12)

@@ -1,5 +1,5 @@
-"""Parameters and their placement, a part of the Trainer: each shard's state (weights and velocity)
-and each batch norm's running statistics put on their devices, and read back as full numpy
+"""Parameters and their placement, a part of the Trainer: each shard's state (weights and the
+optimizer's slots) and each batch norm's running statistics put on their devices, and read back as full numpy
 tensors (`parameters`, `buffers`, `gradients`, a predict run's `logits`).
 """
 

@@ -7,10 +7,10 @@
     run = trainer.submit_from(dataset, indices)  # one step of the samples `indices`, read by the workers
     trainer.save("ckpt.npz"); Trainer.load("ckpt.npz", machine)
 
-Parameters live on their devices between steps: each shard's master copy and velocity on its
-server device, as the futures the last step's update returned.
+Parameters live on their devices between steps: each shard's master copy and the optimizer's
+state (`taskrt.ops.optim`) on its server device, as the futures the last step's update returned.
 
-Lost workers: the trainer keeps a snapshot of parameters and momentum on the client (every
+Lost workers: the trainer keeps a snapshot of parameters and optimizer state on the client (every
 `snapshot_every` steps; by default as often as keeps its cost under 5% of the step time) and the
 inputs of the steps since (of a step read from a dataset, only its sample indices).  When a
 device's worker dies or its values are lost, the next `step`, `submit` or `result()` re-plans on
