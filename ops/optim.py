@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import numba
 import numpy
+import numpy as np
 
 from taskrt.ops import reuse
 from taskrt.ops.base import array_module
@@ -224,45 +225,66 @@ def _segments(hyper, segments, dtype):
     return starts, numpy.array([wd for _, wd in segments], dtype=dtype)
 
 
-@numba.njit(cache=True, nogil=True)
+# The loops are branch-free inside and run over views from 0 (a branch per element, or an index
+# numba cannot prove non-negative, which it then checks for wrapping around, keeps LLVM from
+# vectorizing them: 4x slower for SGD, 5x for Adam, measured on 34M float32 parameters), and numba's
+# "numpy" error model drops the zero-division check Python's model puts in every division.  A term
+# that is zero adds an exact zero (g * 1 + 0 * w == g for finite w), so results are those of the
+# formulas with the zero terms left out, as torch computes them.
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_run(w, b, g, scale, lr, momentum, nesterov, wd, w_new, b_new):
+    if momentum == 0:
+        for i in range(w.size):
+            step = g[i] * scale + wd * w[i]
+            b_new[i] = step
+            w_new[i] = w[i] - lr * step
+    elif nesterov:
+        for i in range(w.size):
+            step = g[i] * scale + wd * w[i]
+            buf = momentum * b[i] + step
+            b_new[i] = buf
+            w_new[i] = w[i] - lr * (step + momentum * buf)
+    else:
+        for i in range(w.size):
+            step = g[i] * scale + wd * w[i]
+            buf = momentum * b[i] + step
+            b_new[i] = buf
+            w_new[i] = w[i] - lr * buf
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _sgd(w, b, g, scale, lr, momentum, nesterov, starts, decays, w_new, b_new):
     runs = starts.size
     for r in range(runs):
-        stop = starts[r + 1] if r + 1 < runs else w.size
-        wd = decays[r]
-        for i in range(starts[r], stop):  # a zero term is left out, as torch leaves it out
-            step = g[i] * scale if scale != 1 else g[i]
-            if wd != 0:
-                step = step + wd * w[i]
-            if momentum != 0:
-                buf = momentum * b[i] + step
-                b_new[i] = buf
-                step = step + momentum * buf if nesterov else buf
-            else:
-                b_new[i] = step
-            w_new[i] = w[i] - lr * step
+        lo, hi = starts[r], starts[r + 1] if r + 1 < runs else w.size
+        _sgd_run(w[lo:hi], b[lo:hi], g[lo:hi], scale, lr, momentum, nesterov, decays[r], w_new[lo:hi], b_new[lo:hi])
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _adam_run(w, m, v, g, scale, factor, coupled, beta1, beta2, eps, step_size, bc2_sqrt, w_new, m_new, v_new):
+    one = w.dtype.type(1)
+    for i in range(w.size):
+        grad = g[i] * scale + coupled * w[i]
+        weight = w[i] * factor
+        avg = m[i] + (one - beta1) * (grad - m[i])
+        avg_sq = v[i] * beta2 + (one - beta2) * grad * grad
+        m_new[i] = avg
+        v_new[i] = avg_sq
+        w_new[i] = weight - step_size * (avg / (np.sqrt(avg_sq) / bc2_sqrt + eps))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _adam(w, m, v, g, scale, lr, beta1, beta2, eps, step_size, bc2_sqrt, decoupled, starts, decays,
           w_new, m_new, v_new):
     runs = starts.size
+    one = w.dtype.type(1)
     for r in range(runs):
-        stop = starts[r + 1] if r + 1 < runs else w.size
+        lo, hi = starts[r], starts[r + 1] if r + 1 < runs else w.size
         wd = decays[r]
-        for i in range(starts[r], stop):
-            grad = g[i] * scale if scale != 1 else g[i]
-            weight = w[i]
-            if wd != 0:
-                if decoupled:
-                    weight = weight * (1 - lr * wd)
-                else:
-                    grad = grad + wd * weight
-            avg = m[i] + (1 - beta1) * (grad - m[i])
-            avg_sq = v[i] * beta2 + (1 - beta2) * grad * grad
-            m_new[i] = avg
-            v_new[i] = avg_sq
-            w_new[i] = weight - step_size * (avg / (math.sqrt(avg_sq) / bc2_sqrt + eps))
+        # AdamW decays the weights apart from the moments; Adam adds the decay to the gradient
+        factor, coupled = (one - lr * wd, wd * 0) if decoupled else (one, wd)
+        _adam_run(w[lo:hi], m[lo:hi], v[lo:hi], g[lo:hi], scale, factor, coupled, beta1, beta2, eps, step_size,
+                  bc2_sqrt, w_new[lo:hi], m_new[lo:hi], v_new[lo:hi])
 
 
 def _sgd_update(hyper, w, slots, g, segments, scale):
