@@ -20,6 +20,7 @@ floor first (each imports only from its own floor or lower ones; tests/test_laye
 from taskrt.data.datasets import ArrayDataset, DataReadError, Dataset, DatasetError, NpyDataset, Synthetic, digits
 from taskrt.graph import models
 from taskrt.graph.config import ParallelConfig
+from taskrt.graph.from_torch import from_torch
 from taskrt.graph.graph import Graph, GraphError, Layer, Tensor
 from taskrt.graph.strategy import Strategy, StrategyError
 from taskrt.machines.machine import Machine, MachineError
@@ -36,5 +37,5 @@ __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
     "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "ISTTrainer",
     "LocalSGDTrainer", "lower", "models", "Dataset", "ArrayDataset", "NpyDataset", "Synthetic", "digits",
-    "DatasetError", "DataReadError", "History", "EpochStats", "Evaluation", "optim",
+    "DatasetError", "DataReadError", "History", "EpochStats", "Evaluation", "optim", "from_torch",
 ]

@@ -26,16 +26,26 @@ def resolve_dtype(dtype) -> np.dtype:
 
 
 def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str, np.ndarray]]:
-    """He-normal weights (std sqrt(2 / fan_in)), zero biases.
+    """He-normal weights (std sqrt(2 / fan_in)), zero biases; a graph imported from PyTorch starts
+    from the module's own values, an op with `initial_params` (a norm's unit scale) from those.
 
     Each layer draws from its own generator seeded by (seed, layer name), so a layer's initial
     values do not depend on the rest of the graph.
     """
     dtype = resolve_dtype(dtype)
     params = {}
+    imported = getattr(graph, "imported", None)  # a PyTorch module's own values (taskrt.graph.from_torch)
     for layer in graph:
         shapes = layer.param_shapes
         if not shapes:
+            continue
+        if imported is not None and layer.name in imported.params:
+            params[layer.name] = {k: np.asarray(imported.params[layer.name][k], dtype=dtype).reshape(s).copy()
+                                  for k, s in shapes.items()}
+            continue
+        initial = getattr(layer.op, "initial_params", None)  # ops whose weights start otherwise (a norm's ones)
+        if initial is not None:
+            params[layer.name] = {k: np.asarray(v, dtype=dtype) for k, v in initial().items()}
             continue
         if layer.op.buffer_shapes():  # batch norm: the identity scale and shift to start with
             params[layer.name] = {k: np.full(s, 1.0 if k == "weight" else 0.0, dtype=dtype) for k, s in shapes.items()}
@@ -52,7 +62,10 @@ def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str
 def init_buffers(graph, dtype="float32") -> dict[str, np.ndarray]:
     """Running statistics of every batch norm as one (2, C) array: mean 0 and variance 1."""
     dtype = resolve_dtype(dtype)
-    return {layer.name: np.stack([np.zeros(layer.shape[1], dtype), np.ones(layer.shape[1], dtype)])
+    imported = getattr(graph, "imported", None)
+    return {layer.name: np.asarray(imported.buffers[layer.name], dtype=dtype).copy()
+            if imported is not None and layer.name in imported.buffers else
+            np.stack([np.zeros(layer.shape[1], dtype), np.ones(layer.shape[1], dtype)])
             for layer in graph if layer.op.buffer_shapes()}
 
 

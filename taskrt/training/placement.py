@@ -96,6 +96,15 @@ class Placement:
         self._check_state(self.steps_done)
         return self._host_state()[0]
 
+    def state_dict(self) -> dict:
+        """{name: numpy array} under the imported module's `state_dict()` names (batch norms' running
+        statistics and num_batches_tracked included): `module.load_state_dict({k: torch.from_numpy(v)
+        for k, v in trainer.state_dict().items()})` takes it (strict).  See taskrt.graph.from_torch."""
+        from taskrt.graph.from_torch import state_dict
+
+        params = self.parameters()
+        return state_dict(self.graph, params, self._running(), self.steps_done)
+
     def optimizer_state(self) -> dict:
         """The optimizer's state as full numpy tensors, under `torch.optim`'s names:
         {slot: {layer: {"weight": ..., "bias": ...}}} ("momentum_buffer" for SGD; "exp_avg" and

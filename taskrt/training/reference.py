@@ -160,6 +160,13 @@ class SingleDeviceTrainer:
     def parameters(self):
         return {name: {k: v.copy() for k, v in p.items()} for name, p in self.params.items()}
 
+    def state_dict(self) -> dict:
+        """{name: numpy array} under the imported module's `state_dict()` names (see Trainer.state_dict)."""
+        from taskrt.graph.from_torch import state_dict
+
+        return state_dict(self.graph, self.parameters(), {k: r.copy() for k, r in self.running.items()},
+                          self.steps_done)
+
     def buffers(self):
         """Running statistics of every batch norm: {layer: {"running_mean", "running_var"}}."""
         return {name: {"running_mean": r[0].copy(), "running_var": r[1].copy()} for name, r in self.running.items()}
