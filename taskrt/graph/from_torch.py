@@ -234,7 +234,10 @@ class _Importer:
         return arg
 
     def where(self, node) -> str:
-        return node.name
+        """The module path a call happens in (fx records the module stack), else the node's name."""
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        return path or f"(top level, {node.name})"
 
     def layer_name(self, node, path: str | None = None) -> str:
         """The module path where there is one (a module called twice: path_1, path_2, ...), else fx's name."""
