@@ -232,7 +232,10 @@ class _Lowering:
                 key, phase, nbytes = (f"{layer.name}-loss", part.index), "loss", None
                 flops = layer.op.flops(part.rect) + layer.op.backward_flops(part.rect)
             else:
-                spec = Forward(layer.op, part.rect, inputs, self.params(deps, layer, part))
+                params = self.params(deps, layer, part)
+                # a random op (dropout) draws from the step's seed and number in training, nothing in prediction
+                draw = deps.add(HYPER_DEP) if getattr(layer.op, "random", False) and self.mode != "predict" else None
+                spec = Forward(layer.op, part.rect, inputs, params, draw)
                 key, phase = (f"{layer.name}-fwd", part.index), "fwd"
                 nbytes, flops = part.rect.volume * self.itemsize, layer.op.flops(part.rect)
             self.add(Task(key, phase, layer.name, part.device, spec, tuple(deps.deps), nbytes, flops))
@@ -339,7 +342,7 @@ class _Lowering:
             need_dx = tuple(src in self.needed for src in layer.inputs)
             self.add(Task(
                 (f"{layer.name}-bwd", part.index), "bwd", layer.name, part.device,
-                Backward(layer.op, part.rect, spec.inputs, spec.params, output, dy, need_dx),
+                Backward(layer.op, part.rect, spec.inputs, spec.params, output, dy, need_dx, spec.draw),
                 tuple(deps.deps), None, layer.op.backward_flops(part.rect),
             ))
 

@@ -98,10 +98,19 @@ class Forward(Spec):
     out: Rect
     inputs: Inputs
     params: Params | None
+    draw: int | None = None  # a random op in training (dropout): the dependency holding the hyper-parameters
 
     def __call__(self, *values):
         params = self.params.read(values) if self.params else {}
-        return self.op.forward(self.inputs.read(values), params, self.out)
+        return self.op.forward(self.inputs.read(values), params, self.out, **drawn(values, self.draw))
+
+
+def drawn(values, position) -> dict:
+    """A random op's keyword for this step: draw=(seed, step), the same on every device and part."""
+    if position is None:
+        return {}
+    hyper = values[position]
+    return {"draw": (int(hyper["seed"]), int(hyper["draw"]))}
 
 
 @dataclass(frozen=True)
@@ -115,12 +124,14 @@ class Backward(Spec):
     output: int | None  # dependency holding the forward output, when the op needs it
     dy: tuple[Piece, ...]
     need_dx: tuple[bool, ...]
+    draw: int | None = None  # as Forward's: a random op draws what its forward drew
 
     def __call__(self, *values):
         params = self.params.read(values) if self.params else {}
         y = values[self.output] if self.output is not None else None
         dy = accumulate(values, self.out, self.dy)
-        dxs, dparams = self.op.backward(dy, self.inputs.read(values), y, params, self.out, self.need_dx)
+        dxs, dparams = self.op.backward(dy, self.inputs.read(values), y, params, self.out, self.need_dx,
+                                        **drawn(values, self.draw))
         return (*dxs, pack(dparams, array_module(dy)) if dparams else None)
 
 

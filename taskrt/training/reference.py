@@ -27,6 +27,8 @@ class SingleDeviceTrainer:
         self.clip_grad_norm = optim.check_clip(clip_grad_norm)
         self._left_out = self.optimizer.left_out(graph)
         self.dtype = resolve_dtype(dtype)
+        self.seed = seed
+        self._mode = "gradients"  # of the last forward: its backward draws what it drew
         self.params = init_parameters(graph, seed, self.dtype)
         # the optimizer's state under torch.optim's names: {slot: {layer: {name: array}}}
         self.state = {slot: {name: {k: np.zeros_like(v) for k, v in p.items()} for name, p in self.params.items()}
@@ -50,9 +52,17 @@ class SingleDeviceTrainer:
         return self.optimizer.weight_decay
 
     # ---- the network ------------------------------------------------------------------------
+    def _draw(self, mode, layer) -> dict:
+        """A random op's draw (seed, step) as the Trainer gives it: a step draws its own number,
+        `gradients` the last step's; nothing in prediction."""
+        if mode == "predict" or not getattr(layer.op, "random", False):
+            return {}
+        return {"draw": (self.seed, self.steps_done + (mode == "train"))}
+
     def _forward(self, data, stop_at=None, mode="gradients"):
         """`mode`: "train" also updates the running statistics, "predict" normalizes with them."""
         acts = dict(data)
+        self._mode = mode
         for layer in self.graph:
             if layer.is_input:
                 continue
@@ -61,7 +71,7 @@ class SingleDeviceTrainer:
             if layer.name in self.running and mode == "predict":
                 acts[layer.name] = layer.op.infer(xs[0], self.running[layer.name], params)
             else:
-                acts[layer.name] = layer.op.forward(xs, params, Rect.full(layer.shape))
+                acts[layer.name] = layer.op.forward(xs, params, Rect.full(layer.shape), **self._draw(mode, layer))
             if layer.name in self.running and mode == "train":
                 stats = layer.op.partial_stats(xs[0])
                 self.running[layer.name] = layer.op.update_running(self.running[layer.name], stats)
@@ -82,7 +92,7 @@ class SingleDeviceTrainer:
             need_dx = [src in needed for src in layer.inputs]
             dxs, dparams = layer.op.backward(
                 dacts[layer.name], xs, acts[layer.name], self.params.get(layer.name, {}),
-                Rect.full(layer.shape), need_dx,
+                Rect.full(layer.shape), need_dx, **self._draw(self._mode, layer),
             )
             if dparams:
                 grads[layer.name] = dparams

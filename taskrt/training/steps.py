@@ -173,6 +173,8 @@ class Submission:
         """The next step's hyper-parameters: the optimizer's at the current learning rate, for the
         update it makes (or, a micro-batch `accumulate` = (i, of k), contributes to)."""
         hyper = self.optimizer.hyper(self.lr, self.updates_done + 1, self._left_out)
+        if self._draws:  # dropout: every device draws the step's masks from the seed and the step's number
+            hyper.update(seed=self.seed, draw=self.steps_done)
         if self.clip_grad_norm is not None:
             hyper["max_norm"] = self.clip_grad_norm
         if accumulate is not None and accumulate[1] > 1:

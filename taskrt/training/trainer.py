@@ -112,6 +112,7 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         self.lr = self.optimizer.lr
         self.clip_grad_norm = check_clip(clip_grad_norm)
         self._left_out = self.optimizer.left_out(graph)  # (layer, parameter) without weight decay
+        self._draws = any(getattr(layer.op, "random", False) for layer in graph)  # dropout layers
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
         if executor is None:
