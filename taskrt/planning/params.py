@@ -16,6 +16,7 @@ from taskrt.ops import reuse
 from taskrt.ops.rect import Rect
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
+UNIT_SCALE_KINDS = ("batch_norm", "layer_norm", "scale")  # weights start at one, biases at zero (as PyTorch's)
 
 
 def resolve_dtype(dtype) -> np.dtype:
@@ -26,8 +27,8 @@ def resolve_dtype(dtype) -> np.dtype:
 
 
 def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str, np.ndarray]]:
-    """He-normal weights (std sqrt(2 / fan_in)), zero biases; a graph imported from PyTorch starts
-    from the module's own values, an op with `initial_params` (a norm's unit scale) from those.
+    """He-normal weights (std sqrt(2 / fan_in)), zero biases (norms and scales: ones and zeros); a
+    graph imported from PyTorch starts from the module's own values.
 
     Each layer draws from its own generator seeded by (seed, layer name), so a layer's initial
     values do not depend on the rest of the graph.
@@ -43,11 +44,7 @@ def init_parameters(graph, seed: int = 0, dtype="float32") -> dict[str, dict[str
             params[layer.name] = {k: np.asarray(imported.params[layer.name][k], dtype=dtype).reshape(s).copy()
                                   for k, s in shapes.items()}
             continue
-        initial = getattr(layer.op, "initial_params", None)  # ops whose weights start otherwise (a norm's ones)
-        if initial is not None:
-            params[layer.name] = {k: np.asarray(v, dtype=dtype) for k, v in initial().items()}
-            continue
-        if layer.op.buffer_shapes():  # batch norm: the identity scale and shift to start with
+        if layer.op.buffer_shapes() or layer.kind in UNIT_SCALE_KINDS:  # norms: the identity scale and shift
             params[layer.name] = {k: np.full(s, 1.0 if k == "weight" else 0.0, dtype=dtype) for k, s in shapes.items()}
             continue
         rng = np.random.default_rng([seed, zlib.crc32(layer.name.encode())])
