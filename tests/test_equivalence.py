@@ -135,3 +135,17 @@ def test_many_random_strategies_match_single_device(machine4, name, data):
     graph = GRAPHS[name]()
     _, strategy = data.draw(random_strategies(graph, max_devices=machine4.num_devices))
     check_equivalence(graph, strategy, machine4, "float64")
+
+
+def test_a_part_nothing_reads_gets_a_zero_gradient(machine4):
+    """A w-split into 3 of a 5-wide tensor that a 2x2 stride-2 pool reads only 4 columns of: the
+    last part's output gradient has no contribution at all, and is zero."""
+    g = Graph("unread")
+    x = g.input("image", (2, 2, 5, 5))
+    y = g.pool2d(g.relu(g.conv2d(x, 3, 1, name="conv"), name="relu"), 2, name="pool")
+    g.softmax_cross_entropy(g.linear(g.flatten(y, name="flat"), 4, name="fc"), name="loss")
+    from taskrt.graph.config import ParallelConfig as P
+    from taskrt.graph.strategy import Strategy
+
+    strategy = Strategy({l.name: P(w=3) if l.name == "relu" else P() for l in g if not l.is_input})
+    check_equivalence(g, strategy, machine4, "float64")

@@ -59,8 +59,12 @@ def assemble(values, rect: Rect, pieces: tuple[Piece, ...]):
     return out
 
 
-def accumulate(values, rect: Rect, pieces: tuple[Piece, ...]):
-    """Sum of overlapping gradient contributions over `rect` (Legion's reduction privilege)."""
+def accumulate(values, rect: Rect, pieces: tuple[Piece, ...], like=None):
+    """Sum of overlapping gradient contributions over `rect` (Legion's reduction privilege).  No
+    contribution at all (a part of a tensor nothing reads: a w-split whose last column a stride-2
+    pool skips, a channel block no slice takes) is a zero gradient, made like array `like`."""
+    if not pieces:
+        return array_module(like).zeros(rect.shape, dtype=like.dtype)
     if len(pieces) == 1 and pieces[0].rect == rect:
         return cut(values, pieces[0])
     first = cut(values, pieces[0])
@@ -129,9 +133,9 @@ class Backward(Spec):
     def __call__(self, *values):
         params = self.params.read(values) if self.params else {}
         y = values[self.output] if self.output is not None else None
-        dy = accumulate(values, self.out, self.dy)
-        dxs, dparams = self.op.backward(dy, self.inputs.read(values), y, params, self.out, self.need_dx,
-                                        **drawn(values, self.draw))
+        xs = self.inputs.read(values)
+        dy = accumulate(values, self.out, self.dy, like=next((x for x in xs if x is not None), y))
+        dxs, dparams = self.op.backward(dy, xs, y, params, self.out, self.need_dx, **drawn(values, self.draw))
         return (*dxs, pack(dparams, array_module(dy)) if dparams else None)
 
 
@@ -393,7 +397,7 @@ class GradSums(Spec):
 
     def __call__(self, *values):
         x = self.inputs.read(values)[0]
-        dy = accumulate(values, self.out, self.dy)
+        dy = accumulate(values, self.out, self.dy, like=x)
         return pack(self.op.grad_sums(dy, x, values[self.stats]), array_module(dy))
 
 
@@ -424,6 +428,6 @@ class NormBackward(Spec):
 
     def __call__(self, *values):
         x, params = self.inputs.read(values)[0], self.params.read(values)
-        dy = accumulate(values, self.out, self.dy)
+        dy = accumulate(values, self.out, self.dy, like=x)
         sums = unpack(values[self.sums], self.layout)
         return self.op.input_grad(dy, x, values[self.stats], sums, params), None
