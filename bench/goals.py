@@ -18,6 +18,11 @@ BF16_LOSS_GOAL = 0.02  # bf16's loss after BF16_STEPS steps within 2% of fp32's
 GPU_TRANSFER_RATE_GOAL = 10e9  # bytes/s, a 64 MB device array between two workers on one GPU
 # bench optim
 OPTIM_GOAL = 1.1  # an AdamW step at most this many times an SGD-with-momentum step (local(2))
+# bench zoo
+ZOO_EQUAL = 1e-9  # one float64 SGD step against PyTorch's, relative
+ZOO_SPEED = {"resnet50": 0.8, "mobilenet_v2": 0.5, "efficientnet_b0": 0.5}  # local(1) / PyTorch one thread
+ZOO_TWO_DEVICES = {"resnet50": 1.3}  # the searched strategy on local(2) / local(1)
+ZOO_SEARCH_S = 2.0  # search.optimize on 16 simulated GPUs, every family
 # bench hypergraph: the thesis's figures its partitions are set beside
 # The thesis's forward communication volume in its "MB" (MV), batch 32, final imbalance 0.1 unless named
 THESIS_VOLUME = {

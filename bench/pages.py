@@ -406,7 +406,38 @@ def optim_verdict(record) -> str:
             f"{ratios} (goal at most {OPTIM_GOAL}x)")
 
 
+def zoo_verdict(record) -> str:
+    from taskrt.bench.goals import ZOO_SEARCH_S, ZOO_SPEED, ZOO_TWO_DEVICES
+
+    rows = record["rows"]
+    equal = sum(bool(truth(r["equal"])) for r in rows)
+    fast = [r for r in rows if r.get("local1_vs_pytorch") is not None and r["family"] in ZOO_SPEED]
+    speed_ok = all(r["local1_vs_pytorch"] >= ZOO_SPEED[r["family"]] for r in fast)
+    two = [r for r in rows if r.get("local2_vs_local1") is not None and r["family"] in ZOO_TWO_DEVICES]
+    two_ok = all(r["local2_vs_local1"] >= ZOO_TWO_DEVICES[r["family"]] for r in two)
+    search_ok = all(r["search_s"] < ZOO_SEARCH_S for r in rows)
+    ok = equal == len(rows) and speed_ok and two_ok and search_ok
+    return (f"{met(ok)}: {equal} of {len(rows)} families equal PyTorch's step; speed "
+            + ", ".join(f"{r['family']} {r['local1_vs_pytorch']:.2f}x" for r in fast)
+            + f" ({met(speed_ok)}); two devices "
+            + ", ".join(f"{r['family']} {r['local2_vs_local1']:.2f}x" for r in two)
+            + f" ({met(two_ok)}); searches under {ZOO_SEARCH_S:g} s ({met(search_ok)})")
+
+
 PAGES = {
+    "zoo": Page(
+        "PyTorch's networks imported",
+        "torchvision's definitions of ResNet-18 and -50, VGG-11 with batch norm, DenseNet-121, GoogLeNet, "
+        "Inception-v3, SqueezeNet, MobileNet-v2, MNASNet, ShuffleNet-v2, EfficientNet-B0, RegNet-Y and ConvNeXt-T "
+        "through `tr.from_torch`: layers, parameters, one float64 SGD step on one device against PyTorch's "
+        "(dropout and stochastic depth given taskrt's masks on both sides), a step on `Machine.local(1)` against "
+        "PyTorch on one thread and the searched strategy on `Machine.local(2)` (64x64, batch 32), the search on 16 "
+        "simulated P100s (batch 64, 224x224).",
+        f"`python -m taskrt.bench zoo` (needs torchvision; {QUICK} ResNet-18 and MobileNet-v2, 2 rounds).",
+        "every family equal to PyTorch within 1e-9; local(1) at least 0.8x PyTorch's one-thread step on "
+        "ResNet-50, 0.5x on MobileNet-v2 and EfficientNet-B0; the searched ResNet-50 on local(2) at least 1.3x "
+        "local(1); every search on 16 simulated GPUs under 2 s.",
+        zoo_verdict),
     "optim": Page(
         "what an optimizer costs a step",
         "AdamW, AdamW with gradient clipping and Nesterov SGD against SGD with momentum, each a Trainer on "

@@ -7,8 +7,13 @@ The problem: choose one config index per node to minimize
   replaced by an edge (u, w) whose cost for (c_u, c_w) is the best over its own configs; the
   argmin table is kept to undo it.  A node with one neighbour folds into that neighbour's
   unary cost the same way; a node with none is decided on its own.
-- What is left is enumerated when small; otherwise (a graph that does not reduce, e.g. a
-  DenseNet-style block) exact variable elimination over the remaining factors finishes it.
+- What is left is enumerated when small; otherwise (a graph that does not reduce, e.g. an
+  Inception-style block) exact variable elimination over the remaining factors finishes it,
+  while its tables stay under VE_LIMIT entries.  A graph whose treewidth makes them larger (a
+  DenseNet block: each layer reads every feature map before it, so eliminating one joins them
+  all) is finished approximately, and the result says so: the exact optimum of a spanning tree
+  of the reduced graph (its heaviest edges), then local search over every edge (each node in
+  turn takes its best config given its neighbours') until nothing improves.
 - Undoing the eliminations in reverse order recovers an optimal config for every node.
 """
 
@@ -22,6 +27,7 @@ import numba
 import numpy as np
 
 ENUMERATE_LIMIT = 10_000  # config combinations of the reduced graph enumerated directly (a Python loop)
+VE_LIMIT = 20_000_000  # entries of one variable-elimination table at most (160 MB); past it, approximate
 
 
 @dataclass
@@ -114,7 +120,12 @@ def minimize(unary: dict, edges: list) -> Result:
     elif np.prod([len(c) for c in g.unary.values()], dtype=float) <= ENUMERATE_LIMIT:
         choice, method = _enumerate(g), "enumeration"
     else:
-        choice, method = _variable_elimination(g), "variable elimination"
+        try:
+            choice, method = _variable_elimination(g), "variable elimination"
+        except TooWide as wide:
+            choice = _approximate(g)
+            method = (f"approximate: a spanning tree's optimum, then local search (exact elimination would need "
+                      f"a table of {wide.entries:.3g} entries)")
     for record in reversed(log):
         kind, v = record[0], record[1]
         if kind == "free":
@@ -182,8 +193,17 @@ def _enumerate(g: _Graph) -> dict:
     return {n: int(c) for n, c in best.items()}
 
 
+class TooWide(Exception):
+    """Variable elimination would make a table of `entries` entries (more than VE_LIMIT)."""
+
+    def __init__(self, entries: float):
+        super().__init__(entries)
+        self.entries = entries
+
+
 def _variable_elimination(g: _Graph) -> dict:
-    """Exact min-sum variable elimination (min-degree order) over unary and pairwise factors."""
+    """Exact min-sum variable elimination (min-degree order) over unary and pairwise factors;
+    TooWide before any table past VE_LIMIT entries."""
     factors = [((n,), g.unary[n]) for n in g.unary] + [((u, v), m) for (u, v), m in g.pair.items()]
     remaining = list(g.unary)
     sizes = {n: len(g.unary[n]) for n in g.unary}
@@ -198,6 +218,9 @@ def _variable_elimination(g: _Graph) -> dict:
         factors = [f for f in factors if v not in f[0]]
         scope = sorted({x for vars_, _ in touching for x in vars_} - {v}, key=g.order.get)
         axes = [*scope, v]
+        entries = float(np.prod([sizes[x] for x in axes], dtype=float))
+        if entries > VE_LIMIT:
+            raise TooWide(entries)
         total = np.zeros([sizes[x] for x in axes])
         for vars_, table in touching:
             total = total + _expand(table, vars_, axes)
@@ -207,6 +230,32 @@ def _variable_elimination(g: _Graph) -> dict:
     choice = {}
     for v, scope, best in reversed(undo):
         choice[v] = int(best[tuple(choice[x] for x in scope)]) if scope else int(best)
+    return choice
+
+
+def _approximate(g: _Graph) -> dict:
+    """A good assignment of a graph too wide for exact elimination: the exact optimum over a maximum
+    spanning tree of its edges (weighted by how much each edge's cost can vary), then iterated
+    conditional modes over all edges until no node improves (each pass lowers the cost, so it ends)."""
+    import networkx as nx
+
+    tree = nx.Graph()
+    tree.add_nodes_from(g.unary)
+    for (u, v), matrix in g.pair.items():
+        tree.add_edge(u, v, weight=float(matrix.max() - matrix.min()))
+    kept = [(u, v, g.matrix(u, v)) for u, v in nx.maximum_spanning_tree(tree).edges]
+    choice = minimize({n: g.unary[n] for n in g.unary}, kept).choice
+    for _ in range(100):
+        improved = False
+        for n in g.unary:
+            costs = g.unary[n].copy()
+            for m in g.adj[n]:
+                costs += g.matrix(n, m)[:, choice[m]]
+            best = int(np.argmin(costs))
+            if costs[best] < costs[choice[n]] - 1e-12 * max(1.0, abs(costs[choice[n]])):
+                choice[n], improved = best, True
+        if not improved:
+            break
     return choice
 
 

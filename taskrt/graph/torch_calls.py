@@ -319,6 +319,8 @@ def _mul(imp, node, a, b):
 
 def _cat(imp, node, tensors, dim=0):
     parts = [_tensor(t, "a concatenation") for t in tensors]
+    if len(parts) == 1:  # DenseNet's first layer concatenates its one input
+        return parts[0]
     if dim != 1 or any(p.layout != "nchw" for p in parts):
         raise NotMapped(f"concatenation along dim {dim} (only channels, dim 1)")
     return Tensor4(imp.g.concat([imp.t(p) for p in parts], name=imp.layer_name(node)).name)
