@@ -18,8 +18,8 @@ import tempfile
 from taskrt import search
 from taskrt.bench import measure as measured
 from taskrt.bench.measure import LOCAL_MODELS, measure
-from taskrt.bench.pages import searched_behind
 from taskrt.bench.report import write_result
+from taskrt.bench.verdicts import searched_behind
 from taskrt.machines.machine import Machine
 
 DEVICES = (1, 2, 4, 8)

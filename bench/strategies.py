@@ -9,8 +9,8 @@ import tempfile
 
 from taskrt import search
 from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, measure, strategies_for
-from taskrt.bench.pages import MEASURED, verdicts
 from taskrt.bench.report import write_result
+from taskrt.bench.verdicts import MEASURED, verdicts
 from taskrt.machines.machine import Machine
 
 ORDER = ["data", "model", "owt", "layer-wise", MEASURED]

@@ -17,6 +17,9 @@ place (col2im).  `gathers` picks the faster one.
 3x3 stride-1 convolutions with enough tiles for their channels (`ops.winograd.applies`) skip the
 column matrix: Winograd's F(2x2, 3x3) multiplies 16 instead of 36 times per 2x2 outputs, for the
 forward, the gathering backward-data and the weight gradient.
+
+Dilation (taps `dilation` apart) changes only which input element each column entry copies, in both
+layouts; Winograd takes undilated kernels only.  Grouped convolutions are `ops.grouped_conv`'s.
 """
 
 from __future__ import annotations
@@ -25,13 +28,21 @@ import numpy
 
 from taskrt.ops import planes, winograd
 from taskrt.ops.base import array_module
-from taskrt.ops.windows import col2im_block, crop, im2col_block, row_blocks, window_view_nhwc
+from taskrt.ops.windows import col2im_block, crop, extent, im2col_block, row_blocks, window_view_nhwc
 
 PLANES_MIN_WIDTH = 48
 
 
-def _out_hw(in_hw, kernel, stride, pads):
-    return tuple((size + p0 + p1 - k) // s + 1 for size, k, s, (p0, p1) in zip(in_hw, kernel, stride, pads))
+NO_DILATION = (1, 1)
+
+
+def _out_hw(in_hw, kernel, stride, pads, dilation=NO_DILATION):
+    return tuple((size + p0 + p1 - extent(k, d)) // s + 1
+                 for size, k, s, (p0, p1), d in zip(in_hw, kernel, stride, pads, dilation))
+
+
+def _winograd(x, kernel, stride, channels, out_hw, dilation) -> bool:
+    return tuple(dilation) == NO_DILATION and winograd.applies(x, kernel, stride, channels, out_hw)
 
 
 def use_planes(x, channels: int, kernel, stride, out_width: int) -> bool:
@@ -95,11 +106,11 @@ def _kernel_nhwc(w, flipped):
     return out.reshape(-1, c)
 
 
-def _conv_nhwc(x, wmat, kernel, bias, stride, pads, relu):
+def _conv_nhwc(x, wmat, kernel, bias, stride, pads, relu, dilation):
     """Forward of an NCHW tile by a `_kernel_nhwc` matrix; returns y in NHWC."""
     xp = array_module(x)
     cout = wmat.shape[1]
-    view = window_view_nhwc(_padded_nhwc(x, pads), kernel, stride)
+    view = window_view_nhwc(_padded_nhwc(x, pads), kernel, stride, dilation)
     n, ho, wo = view.shape[:3]
     y = xp.empty((n, ho, wo, cout), dtype=x.dtype)
     for block in row_blocks(n, ho, wo):
@@ -112,10 +123,10 @@ def _conv_nhwc(x, wmat, kernel, bias, stride, pads, relu):
     return y
 
 
-def _weight_grad_nhwc(d, x, kernel, stride, pads):
+def _weight_grad_nhwc(d, x, kernel, stride, pads, dilation):
     xp = array_module(x)
     cout = d.shape[1]
-    view = window_view_nhwc(_padded_nhwc(x, pads), kernel, stride)
+    view = window_view_nhwc(_padded_nhwc(x, pads), kernel, stride, dilation)
     d_nhwc = _padded_nhwc(d)
     dw = xp.zeros((cout, kernel[0] * kernel[1] * x.shape[1]), dtype=x.dtype)
     for block in row_blocks(*d_nhwc.shape[:3]):
@@ -123,7 +134,7 @@ def _weight_grad_nhwc(d, x, kernel, stride, pads):
     return _swap_last(dw.reshape(cout, kernel[0] * kernel[1], x.shape[1])).reshape(cout, x.shape[1], *kernel)
 
 
-def _scatter_nhwc(d, w, in_shape, stride, pads):
+def _scatter_nhwc(d, w, in_shape, stride, pads, dilation):
     xp = array_module(d)
     n, cout, ho, wo = d.shape
     c, (kh, kw) = in_shape[1], w.shape[2:]
@@ -134,7 +145,7 @@ def _scatter_nhwc(d, w, in_shape, stride, pads):
     for block in row_blocks(n, ho, wo):
         rows = d_nhwc[block]
         dcols = (rows.reshape(-1, cout) @ wm).reshape(*rows.shape[:3], kh, kw, c)
-        col2im_block(dx_pad, dcols, block, stride)
+        col2im_block(dx_pad, dcols, block, stride, dilation)
     return xp.ascontiguousarray(crop(dx_pad, pads, axes=(1, 2)).transpose(0, 3, 1, 2))
 
 
@@ -149,11 +160,11 @@ def _kernel_planes(w, flipped):
     return numpy.ascontiguousarray(w[:, :, ::-1].transpose(1, 0, 2)).reshape(c, -1)
 
 
-def _conv_planes(x, wmat, kernel, bias, stride, pads, relu):
+def _conv_planes(x, wmat, kernel, bias, stride, pads, relu, dilation):
     x = numpy.ascontiguousarray(x)
     n, c, h, wd = x.shape
     cout, (kh, kw) = wmat.shape[0], kernel
-    ho, wo = _out_hw((h, wd), (kh, kw), stride, pads)
+    ho, wo = _out_hw((h, wd), (kh, kw), stride, pads, dilation)
     bias = numpy.zeros(cout, x.dtype) if bias is None else numpy.ascontiguousarray(bias, dtype=x.dtype)
     y = numpy.empty((n, cout, ho, wo), dtype=x.dtype)
     most = max((n1 - n0) * (h1 - h0) * wo for n0, n1, h0, h1 in _blocks(n, ho, wo))
@@ -162,14 +173,14 @@ def _conv_planes(x, wmat, kernel, bias, stride, pads, relu):
     for n0, n1, h0, h1 in _blocks(n, ho, wo):
         positions = (n1 - n0) * (h1 - h0) * wo
         cols = _scratch(cols_buf, wmat.shape[1], positions)
-        planes.im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0])
+        planes.im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0], *dilation)
         out = _scratch(out_buf, cout, positions)
         numpy.matmul(wmat, cols, out=out)
         planes.store(out, y, bias, relu, n0, n1, h0, h1)
     return y
 
 
-def _weight_grad_planes(d, x, kernel, stride, pads):
+def _weight_grad_planes(d, x, kernel, stride, pads, dilation):
     x, d = numpy.ascontiguousarray(x), numpy.ascontiguousarray(d)
     n, cout, ho, wo = d.shape
     k = x.shape[1] * kernel[0] * kernel[1]
@@ -180,14 +191,14 @@ def _weight_grad_planes(d, x, kernel, stride, pads):
     for n0, n1, h0, h1 in _blocks(n, ho, wo):
         positions = (n1 - n0) * (h1 - h0) * wo
         cols = _scratch(cols_buf, k, positions)
-        planes.im2col(x, cols, n0, n1, h0, h1, wo, *kernel, *stride, pads[0][0], pads[1][0])
+        planes.im2col(x, cols, n0, n1, h0, h1, wo, *kernel, *stride, pads[0][0], pads[1][0], *dilation)
         rows = _scratch(d_buf, cout, positions)
         planes.load(d, rows, n0, n1, h0, h1)
         dw += rows @ cols.T
     return dw.reshape(cout, x.shape[1], *kernel)
 
 
-def _scatter_planes(d, w, in_shape, stride, pads):
+def _scatter_planes(d, w, in_shape, stride, pads, dilation):
     d = numpy.ascontiguousarray(d)
     n, cout, ho, wo = d.shape
     kh, kw = w.shape[2:]
@@ -198,55 +209,56 @@ def _scatter_planes(d, w, in_shape, stride, pads):
     for n0, n1, h0, h1 in _blocks(n, ho, wo):
         rows = _scratch(d_buf, cout, (n1 - n0) * (h1 - h0) * wo)
         planes.load(d, rows, n0, n1, h0, h1)
-        planes.col2im(wm.T @ rows, dx, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0])
+        planes.col2im(wm.T @ rows, dx, n0, n1, h0, h1, wo, kh, kw, *stride, pads[0][0], pads[1][0], *dilation)
     return dx
 
 
 # ---- the kernels --------------------------------------------------------------------------------
-def _correlate(x, w, flipped, bias, stride, pads, relu):
+def _correlate(x, w, flipped, bias, stride, pads, relu, dilation=NO_DILATION):
     """x correlated with w (Cout, C, kh, kw), or with w flipped and transposed, + bias, through relu."""
     kernel = w.shape[2:]
-    ho, wo = _out_hw(x.shape[2:], kernel, stride, pads)
+    ho, wo = _out_hw(x.shape[2:], kernel, stride, pads, dilation)
     out_channels = w.shape[1] if flipped else w.shape[0]
-    if winograd.applies(x, kernel, stride, min(x.shape[1], out_channels), (ho, wo)):
+    if _winograd(x, kernel, stride, min(x.shape[1], out_channels), (ho, wo), dilation):
         xp = _padded_nhwc(x, winograd.padding(pads, (ho, wo)))
         return winograd.correlate(xp, winograd.kernels(w, flipped), bias, relu, (ho, wo))
     if use_planes(x, x.shape[1], kernel, stride, wo):
-        return _conv_planes(x, _kernel_planes(w, flipped), kernel, bias, stride, pads, relu)
-    y = _conv_nhwc(x, _kernel_nhwc(w, flipped), kernel, bias, stride, pads, relu)
+        return _conv_planes(x, _kernel_planes(w, flipped), kernel, bias, stride, pads, relu, dilation)
+    y = _conv_nhwc(x, _kernel_nhwc(w, flipped), kernel, bias, stride, pads, relu, dilation)
     return array_module(x).ascontiguousarray(y.transpose(0, 3, 1, 2))
 
 
-def conv2d(x, w, bias, stride, pads, relu=False):
+def conv2d(x, w, bias, stride, pads, relu=False, dilation=NO_DILATION):
     """relu?(x correlated with w, + bias) of one tile: x (N, C, H, W) -> (N, Cout, Ho, Wo)."""
-    return _correlate(x, w, False, bias, stride, pads, relu)
+    return _correlate(x, w, False, bias, stride, pads, relu, tuple(dilation))
 
 
-def conv2d_weight_grad(d, x, kernel, stride, pads):
+def conv2d_weight_grad(d, x, kernel, stride, pads, dilation=NO_DILATION):
     """dL/dw (Cout, C, kh, kw) and dL/db (Cout,) of one tile from d = dL/dy (any relu already applied)."""
-    wo = d.shape[3]
-    if winograd.applies(x, kernel, stride, min(x.shape[1], d.shape[1]), d.shape[2:]):
+    wo, dilation = d.shape[3], tuple(dilation)
+    if _winograd(x, kernel, stride, min(x.shape[1], d.shape[1]), d.shape[2:], dilation):
         xp = _padded_nhwc(x, winograd.padding(pads, d.shape[2:]))
         dw = winograd.weight_grad(xp, _padded_nhwc(d, winograd.padding(((0, 0), (0, 0)), d.shape[2:])))
     elif use_planes(x, x.shape[1], kernel, stride, wo):
-        dw = _weight_grad_planes(d, x, kernel, stride, pads)
+        dw = _weight_grad_planes(d, x, kernel, stride, pads, dilation)
     else:
-        dw = _weight_grad_nhwc(d, x, kernel, stride, pads)
+        dw = _weight_grad_nhwc(d, x, kernel, stride, pads, dilation)
     return dw, d.sum(axis=(0, 2, 3))
 
 
-def gather_padding(kernel, stride, pads):
-    """Padding of d in the gather form of backward-data (k-1-p per side), or None where it does not
-    apply: a strided convolution, or padding beyond k-1."""
-    flipped = tuple((k - 1 - p0, k - 1 - p1) for k, (p0, p1) in zip(kernel, pads))
+def gather_padding(kernel, stride, pads, dilation=NO_DILATION):
+    """Padding of d in the gather form of backward-data (e-1-p per side, e the kernel's extent), or None
+    where it does not apply: a strided convolution, or padding beyond e-1."""
+    flipped = tuple((extent(k, dl) - 1 - p0, extent(k, dl) - 1 - p1) for k, (p0, p1), dl in zip(kernel, pads, dilation))
     if tuple(stride) != (1, 1) or min(min(p) for p in flipped) < 0:
         return None
     return flipped
 
 
-def data_grad_gather(d, w, pads):
-    """dL/dx of a stride-1 convolution: d correlated with the flipped, transposed kernel."""
-    return _correlate(d, w, True, None, (1, 1), gather_padding(w.shape[2:], (1, 1), pads), False)
+def data_grad_gather(d, w, pads, dilation=NO_DILATION):
+    """dL/dx of a stride-1 convolution: d correlated with the flipped, transposed kernel (dilated alike)."""
+    dilation = tuple(dilation)
+    return _correlate(d, w, True, None, (1, 1), gather_padding(w.shape[2:], (1, 1), pads, dilation), False, dilation)
 
 
 def scatters_by_planes(d, stride) -> bool:
@@ -256,29 +268,30 @@ def scatters_by_planes(d, stride) -> bool:
     return array_module(d) is numpy and stride[1] == 1
 
 
-def data_grad_scatter(d, w, in_shape, stride, pads):
+def data_grad_scatter(d, w, in_shape, stride, pads, dilation=NO_DILATION):
     """dL/dx of any convolution: window gradients (d times the kernel) added into place (col2im)."""
     if scatters_by_planes(d, stride):
-        return _scatter_planes(d, w, in_shape, stride, pads)
-    return _scatter_nhwc(d, w, in_shape, stride, pads)
+        return _scatter_planes(d, w, in_shape, stride, pads, tuple(dilation))
+    return _scatter_nhwc(d, w, in_shape, stride, pads, tuple(dilation))
 
 
-def gathers(d, w_shape, stride, pads) -> bool:
+def gathers(d, w_shape, stride, pads, dilation=NO_DILATION) -> bool:
     """Does backward-data gather?  Where Winograd's F(2x2, 3x3) applies to the gathering correlation,
     always (measured 0.6-0.9x the time of scattering).  Otherwise gathering multiplies by a
     (kh*kw*Cout, C) matrix, scattering by a (Cout, kh*kw*C) one and then adds into dx: gathering is
     faster when C > Cout and the copies are channels-last; at C == Cout scattering by planes is (measured)."""
     cout, cin, kh, kw = w_shape
-    flipped = gather_padding((kh, kw), stride, pads)
+    flipped = gather_padding((kh, kw), stride, pads, dilation)
     if flipped is None:
         return False
-    if winograd.applies(d, (kh, kw), stride, min(cin, cout), _out_hw(d.shape[2:], (kh, kw), stride, flipped)):
+    if _winograd(d, (kh, kw), stride, min(cin, cout), _out_hw(d.shape[2:], (kh, kw), stride, flipped, dilation),
+                 dilation):
         return True
     return cin > cout and not use_planes(d, cin, (kh, kw), stride, d.shape[3])
 
 
-def conv2d_data_grad(d, w, in_shape, stride, pads):
+def conv2d_data_grad(d, w, in_shape, stride, pads, dilation=NO_DILATION):
     """dL/dx (N, C, H, W) of one tile from d = dL/dy (any relu already applied)."""
-    if gathers(d, w.shape, stride, pads):
-        return data_grad_gather(d, w, pads)
-    return data_grad_scatter(d, w, in_shape, stride, pads)
+    if gathers(d, w.shape, stride, pads, dilation):
+        return data_grad_gather(d, w, pads, dilation)
+    return data_grad_scatter(d, w, in_shape, stride, pads, dilation)

@@ -29,16 +29,16 @@ def _inside(offset, pad, stride, size, count):
 # Loops run over local slices indexed from 0: that is the form numba vectorizes (several times
 # faster than indexing the whole row with an offset).
 @numba.njit(cache=True, nogil=True)
-def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
-    """cols (C*kh*kw, (n1-n0)*(h1-h0)*wo) <- the windows of x (N, C, H, W) over the block."""
+def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl, dh, dw):
+    """cols (C*kh*kw, (n1-n0)*(h1-h0)*wo) <- the windows of x (N, C, H, W) over the block; taps dh, dw apart."""
     _, c_in, height, width = x.shape
     for c in range(c_in):
         for i in range(kh):
-            hlo, hhi = _inside(i, pt, sh, height, h1)
+            hlo, hhi = _inside(i * dh, pt, sh, height, h1)
             for j in range(kw):
                 row = cols[(c * kh + i) * kw + j]
-                wlo, whi = _inside(j, pl, sw, width, wo)
-                first = wlo * sw + j - pl  # input column of output column wlo
+                wlo, whi = _inside(j * dw, pl, sw, width, wo)
+                first = wlo * sw + j * dw - pl  # input column of output column wlo
                 col = 0
                 for n in range(n0, n1):
                     for h in range(h0, h1):
@@ -49,7 +49,7 @@ def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
                         else:
                             for w in range(wlo):
                                 dst[w] = 0
-                            src = x[n, c, h * sh + i - pt, first:]
+                            src = x[n, c, h * sh + i * dh - pt, first:]
                             run = dst[wlo:whi]
                             if sw == 1:
                                 for w in range(whi - wlo):
@@ -63,21 +63,21 @@ def im2col(x, cols, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
 
 
 @numba.njit(cache=True, nogil=True)
-def col2im(cols, dx, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl):
+def col2im(cols, dx, n0, n1, h0, h1, wo, kh, kw, sh, sw, pt, pl, dh, dw):
     """Adjoint of `im2col`: add the window gradients cols into dx (N, C, H, W)."""
     _, c_in, height, width = dx.shape
     for c in range(c_in):
         for i in range(kh):
-            hlo, hhi = _inside(i, pt, sh, height, h1)
+            hlo, hhi = _inside(i * dh, pt, sh, height, h1)
             for j in range(kw):
                 row = cols[(c * kh + i) * kw + j]
-                wlo, whi = _inside(j, pl, sw, width, wo)
-                first = wlo * sw + j - pl
+                wlo, whi = _inside(j * dw, pl, sw, width, wo)
+                first = wlo * sw + j * dw - pl
                 col = 0
                 for n in range(n0, n1):
                     for h in range(h0, h1):
                         if hlo <= h < hhi:
-                            dst = dx[n, c, h * sh + i - pt, first:]
+                            dst = dx[n, c, h * sh + i * dh - pt, first:]
                             src = row[col + wlo : col + whi]
                             if sw == 1:
                                 for w in range(whi - wlo):

@@ -148,34 +148,35 @@ def split_padding(before: int, after: int, size: int, kernel: int, stride: int) 
     return common, (before - common, after - common)
 
 
-def _conv_geometry(x_shape, weight_shape, pads, stride):
+def _conv_geometry(x_shape, weight_shape, pads, stride, dilation=(1, 1)):
     (pt, pb), (pl, pr) = pads
-    kh, kw = weight_shape[2:]
-    ph, (eh0, eh1) = split_padding(pt, pb, x_shape[2], kh, stride[0])
-    pw, (ew0, ew1) = split_padding(pl, pr, x_shape[3], kw, stride[1])
+    kh, kw = weight_shape[2:]  # split_padding needs the window's extent: a dilated kernel's taps span more
+    ph, (eh0, eh1) = split_padding(pt, pb, x_shape[2], dilation[0] * (kh - 1) + 1, stride[0])
+    pw, (ew0, ew1) = split_padding(pl, pr, x_shape[3], dilation[1] * (kw - 1) + 1, stride[1])
     return (ph, pw), (ew0, ew1, eh0, eh1)  # torch's pad order: last axis first
 
 
-def conv2d_forward(x, params, stride, pads, activation=None):
-    """Output tile of a convolution; `pads` = ((top, bottom), (left, right)) as `ops.windows.tile_padding`."""
+def conv2d_forward(x, params, stride, pads, activation=None, dilation=(1, 1), groups=1):
+    """Output tile of a convolution; `pads` = ((top, bottom), (left, right)) as `ops.windows.tile_padding`;
+    `groups` as torch's: the tile's whole groups (`ops.conv.Conv2d` extends a part to them)."""
     torch = load_torch()
-    padding, explicit = _conv_geometry(x.shape, params["weight"].shape, pads, stride)
+    padding, explicit = _conv_geometry(x.shape, params["weight"].shape, pads, stride, dilation)
     xt = to_tensor(x)
     if any(explicit):
         xt = torch.nn.functional.pad(xt, explicit)
     bias = to_tensor(params["bias"]) if "bias" in params else None
     xc, wc, bc = _compute(xt, to_tensor(params["weight"]), bias)
-    y = torch.nn.functional.conv2d(xc, wc, bc, tuple(stride), padding)
+    y = torch.nn.functional.conv2d(xc, wc, bc, tuple(stride), padding, tuple(dilation), groups)
     if activation == "relu":
         y = torch.relu_(y)
     return from_tensor(_stored(y, xt).contiguous(), x)
 
 
-def conv2d_backward(dy, x, y, params, stride, pads, activation, need_dx):
+def conv2d_backward(dy, x, y, params, stride, pads, activation, need_dx, dilation=(1, 1), groups=1):
     """([input-tile gradient or None], {"weight": ..., "bias": ...}) of a convolution tile."""
     torch = load_torch()
     w = params["weight"]
-    padding, explicit = _conv_geometry(x.shape, w.shape, pads, stride)
+    padding, explicit = _conv_geometry(x.shape, w.shape, pads, stride, dilation)
     dyt = to_tensor(dy)
     if activation == "relu":
         dyt = torch.ops.aten.threshold_backward(dyt, to_tensor(y), 0)
@@ -186,8 +187,8 @@ def conv2d_backward(dy, x, y, params, stride, pads, activation, need_dx):
     gc, xc, wc = _compute(dyt, xt, to_tensor(w))
     # One call computes every gradient asked for, as autograd does (cuDNN's data and filter kernels).
     dxt, dwt, dbt = torch.ops.aten.convolution_backward(
-        gc, xc, wc, [w.shape[0]] if has_bias else None, list(stride), list(padding), [1, 1],
-        False, [0, 0], 1, [bool(need_dx), True, has_bias],
+        gc, xc, wc, [w.shape[0]] if has_bias else None, list(stride), list(padding), list(dilation),
+        False, [0, 0], groups, [bool(need_dx), True, has_bias],
     )
     grads = {"weight": from_tensor(_stored(dwt, xt).contiguous(), x)}
     if has_bias:

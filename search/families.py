@@ -32,8 +32,10 @@ from taskrt.graph.config import SYNC_METHODS, ParallelConfig
 from taskrt.graph.strategy import Strategy, StrategyError
 
 CONV_MODES = ("batch", "grid")
-CHANNEL_FOLLOWERS = ("pool2d", "relu", "add", "concat", "flatten")  # split c without reading other channels
-SPATIAL_FOLLOWERS = ("pool2d", "relu", "add", "concat")  # split h as their input does (a halo at most)
+# split c without reading other channels
+CHANNEL_FOLLOWERS = ("pool2d", "relu", "add", "concat", "flatten", "adaptive_pool2d", "mean", "scale")
+# split h as their input does (a halo at most); not adaptive pooling or mean, whose outputs are often one row
+SPATIAL_FOLLOWERS = ("pool2d", "relu", "add", "concat", "scale", "channel_slice", "channel_shuffle")
 
 
 class FamilyError(StrategyError):

@@ -18,7 +18,20 @@ import numba
 import numpy as np
 
 from taskrt.graph.config import DIMS
-from taskrt.ops import Concat, Conv2d, Flatten, Linear, Op, Pool2d, SoftmaxCrossEntropy
+from taskrt.ops import (
+    AdaptivePool2d,
+    ChannelShuffle,
+    ChannelSlice,
+    Concat,
+    Conv2d,
+    Flatten,
+    Linear,
+    Mean,
+    Op,
+    Pool2d,
+    SoftmaxCrossEntropy,
+)
+from taskrt.ops.adaptive_pool import bin_start, bin_stop
 from taskrt.ops.rect import Rect
 
 
@@ -206,20 +219,28 @@ def _same(op, j, lo, hi):  # Op.input_rects: the output's own Rect
 
 
 def _window(op, lo, hi, channels_lo, channels_hi):
-    """ops.conv.window_input_rect: samples kept, the given channels, ops.windows.halo in h and w."""
+    """ops.conv.window_input_rect: samples kept, the given channels, ops.windows.halo in h and w (the
+    extent of a dilated kernel; pooling has no dilation)."""
     in_lo, in_hi = np.empty_like(lo), np.empty_like(hi)
     in_lo[:, 0], in_hi[:, 0] = lo[:, 0], hi[:, 0]
     in_lo[:, 1], in_hi[:, 1] = channels_lo, channels_hi
-    for axis, kernel, stride, padding in zip((2, 3), op.kernel, op.stride, op.padding):
+    dilation = getattr(op, "dilation", (1, 1))
+    for axis, kernel, stride, padding, spacing in zip((2, 3), op.kernel, op.stride, op.padding, dilation):
         start = lo[:, axis] * stride - padding
-        stop = (hi[:, axis] - 1) * stride - padding + kernel
-        in_lo[:, axis] = np.maximum(start, 0)
-        in_hi[:, axis] = np.minimum(stop, op.in_shapes[0][axis])
+        stop = (hi[:, axis] - 1) * stride - padding + spacing * (kernel - 1) + 1
+        in_lo[:, axis] = np.clip(start, 0, op.in_shapes[0][axis])  # empty at a border: windows in the padding
+        in_hi[:, axis] = np.clip(stop, 0, op.in_shapes[0][axis])
     return np.ones(len(lo), dtype=bool), in_lo, in_hi
 
 
 def _conv(op, j, lo, hi):
-    return _window(op, lo, hi, 0, op.in_shapes[0][1])
+    """Conv2d.input_rects: with one group every input channel, else the input channels of the groups
+    the rows' output channels belong to."""
+    cin, groups = op.in_shapes[0][1], op.groups
+    if groups == 1:
+        return _window(op, lo, hi, 0, cin)
+    per_group, inputs = op.out_channels // groups, cin // groups
+    return _window(op, lo, hi, lo[:, 1] // per_group * inputs, -(-hi[:, 1] // per_group) * inputs)
 
 
 def _pool(op, j, lo, hi):
@@ -255,9 +276,45 @@ def _concat(op, j, lo, hi):
     return reads, in_lo, in_hi
 
 
+def _adaptive_pool(op, j, lo, hi):  # whole bins: [floor(i0*H/oh), ceil(i1*H/oh)) per axis
+    in_lo, in_hi = lo.copy(), hi.copy()
+    for axis, out in zip((2, 3), op.output_size):
+        size = op.in_shapes[0][axis]
+        in_lo[:, axis], in_hi[:, axis] = bin_start(lo[:, axis], out, size), bin_stop(hi[:, axis], out, size)
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
+def _mean(op, j, lo, hi):  # samples and channels kept, whole planes
+    shape = op.in_shapes[0]
+    in_lo = np.zeros((len(lo), 4), dtype=np.int64)
+    in_hi = np.broadcast_to(np.array(shape, dtype=np.int64), in_lo.shape).copy()
+    in_lo[:, :2], in_hi[:, :2] = lo[:, :2], hi[:, :2]
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
+def _channel_slice(op, j, lo, hi):
+    in_lo, in_hi = lo.copy(), hi.copy()
+    in_lo[:, 1] += op.start
+    in_hi[:, 1] += op.start
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
+def _channel_shuffle(op, j, lo, hi):  # the smallest channel range holding the sources
+    src = op.sources(0, op.in_shapes[0][1])
+    channel = np.arange(len(src))
+    inside = (channel >= lo[:, 1, None]) & (channel < hi[:, 1, None])
+    empty = ~inside.any(axis=1)
+    in_lo, in_hi = lo.copy(), hi.copy()
+    in_lo[:, 1] = np.where(empty, 0, np.where(inside, src, len(src)).min(axis=1))
+    in_hi[:, 1] = np.where(empty, 0, np.where(inside, src, -1).max(axis=1) + 1)
+    return np.ones(len(lo), dtype=bool), in_lo, in_hi
+
+
 RULES = {Op.input_rects: _same, Conv2d.input_rects: _conv, Pool2d.input_rects: _pool,
          Linear.input_rects: _all_features, SoftmaxCrossEntropy.input_rects: _loss,
-         Flatten.input_rects: _flatten, Concat.input_rects: _concat}
+         Flatten.input_rects: _flatten, Concat.input_rects: _concat, AdaptivePool2d.input_rects: _adaptive_pool,
+         Mean.input_rects: _mean, ChannelSlice.input_rects: _channel_slice,
+         ChannelShuffle.input_rects: _channel_shuffle}
 
 
 class NotSeparable(ValueError):

@@ -138,9 +138,8 @@ class _Importer:
                 "forward has it as a leaf (from_torch(..., leaf_modules=[ThatModule]); it must then be a module "
                 "taskrt maps), or fix the argument it depends on with concrete_args={name: value}") from None
         gm = fx.GraphModule(self.module, graph)
-        from torch.fx.passes.shape_prop import ShapeProp
-
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.shape_prop import ShapeProp
 
         was_training = self.module.training
         try:

@@ -19,10 +19,15 @@ import networkx as nx
 
 from taskrt.ops import (
     OPS,
+    AdaptivePool2d,
     Add,
     BatchNorm,
+    ChannelShuffle,
+    ChannelSlice,
     Concat,
     Conv2d,
+    Dropout,
+    DropPath,
     Flatten,
     Gelu,
     Hardsigmoid,
@@ -30,12 +35,15 @@ from taskrt.ops import (
     Hardtanh,
     Identity,
     Input,
+    LayerNorm,
     Linear,
+    Mean,
     Mul,
     Op,
     Pool2d,
     Relu,
     Relu6,
+    Scale,
     ShapeError,
     Sigmoid,
     Silu,
@@ -49,7 +57,9 @@ PREFIX = {"conv2d": "conv", "pool2d": "pool", "linear": "fc", "relu": "relu", "f
           "concat": "concat", "add": "add", "batch_norm": "bn", "softmax_cross_entropy": "loss", "input": "input",
           "relu6": "relu6_", "hardtanh": "htanh", "silu": "silu", "sigmoid": "sigmoid", "tanh": "tanh",
           "hardswish": "hswish", "hardsigmoid": "hsigmoid", "gelu": "gelu", "identity": "identity", "mul": "mul",
-          "sub": "sub"}
+          "sub": "sub", "adaptive_pool2d": "apool", "mean": "mean", "channel_slice": "chslice",
+          "channel_shuffle": "shuffle", "scale": "scale", "layer_norm": "ln", "dropout": "dropout",
+          "drop_path": "drop_path"}
 
 
 class GraphError(ValueError):
@@ -139,19 +149,29 @@ class Graph:
         return self._add("input", name, [], make)
 
     def conv2d(self, x, out_channels: int, kernel, stride=1, padding=0, activation=None, bias=True,
-               name=None) -> Tensor:
+               name=None, dilation=1, groups=1) -> Tensor:
+        """As torch's nn.Conv2d: `dilation` spaces the kernel's taps, `groups` splits the channels into
+        that many independent convolutions (it divides both channel counts; depthwise: the input's)."""
         def make(layer):
+            if isinstance(groups, bool) or not isinstance(groups, Integral):
+                raise GraphError(f"layer {layer!r}: groups must be an int >= 1 dividing the input and output "
+                                 f"channels, got {groups!r}")
             return Conv2d(
                 (x.shape,), int(out_channels), _pair(kernel, "kernel", layer), _pair(stride, "stride", layer),
                 _pair(padding, "padding", layer), activation, _flag(bias, "bias", layer),
+                _pair(dilation, "dilation", layer), int(groups),
             )
         return self._add("conv2d", name, [x], make)
 
-    def pool2d(self, x, kernel, stride=None, padding=0, mode="max", name=None) -> Tensor:
+    def pool2d(self, x, kernel, stride=None, padding=0, mode="max", name=None, ceil_mode=False,
+               count_include_pad=True) -> Tensor:
+        """Max or average pooling as torch's max_pool2d / avg_pool2d, their ceil_mode and (average
+        only) count_include_pad included."""
         def make(layer):
             k = _pair(kernel, "kernel", layer)
             s = k if stride is None else _pair(stride, "stride", layer)
-            return Pool2d((x.shape,), k, s, _pair(padding, "padding", layer), mode)
+            return Pool2d((x.shape,), k, s, _pair(padding, "padding", layer), mode,
+                          _flag(ceil_mode, "ceil_mode", layer), _flag(count_include_pad, "count_include_pad", layer))
         return self._add("pool2d", name, [x], make)
 
     def linear(self, x, out_features: int, activation=None, bias=True, name=None) -> Tensor:
@@ -167,6 +187,31 @@ class Graph:
                     raise GraphError(f"layer {layer!r}: {what} must be a number, got {value!r}")
             return BatchNorm((x.shape,), float(eps), float(momentum))
         return self._add("batch_norm", name, [x], make)
+
+    def layer_norm(self, x, eps: float = 1e-5, affine: bool = True, name=None) -> Tensor:
+        """Normalization of each sample's channel vector at every (h, w) position of an (n, c) or
+        (n, c, h, w) tensor (mean and biased variance over c), then a learned per-channel scale
+        ("weight") and shift ("bias") unless `affine=False`: ConvNeXt's LayerNorm2d, `nn.LayerNorm(c)`."""
+        def make(layer):
+            return LayerNorm((x.shape,), _number(eps, "eps", layer), _flag(affine, "affine", layer))
+        return self._add("layer_norm", name, [x], make)
+
+    def dropout(self, x, p: float = 0.5, name=None) -> Tensor:
+        """Inverted dropout (torch's): in training each element kept with probability 1 - p and scaled
+        by 1 / (1 - p), its mask a hash of (seed, step, layer, element) that every split draws alike;
+        in prediction the identity (0 <= p < 1).  The op takes the draw (seed, step) from its caller:
+        a trainer that passes none runs it as the identity."""
+        def make(layer):
+            return Dropout((x.shape,), _number(p, "p", layer), layer)
+        return self._add("dropout", name, [x], make)
+
+    def drop_path(self, x, p: float = 0.1, name=None) -> Tensor:
+        """Stochastic depth, torchvision's mode "row": in training each sample kept whole with
+        probability 1 - p and scaled by 1 / (1 - p), its mask a hash of (seed, step, layer, sample)
+        that every split draws alike; in prediction the identity (0 <= p < 1)."""
+        def make(layer):
+            return DropPath((x.shape,), _number(p, "p", layer), layer)
+        return self._add("drop_path", name, [x], make)
 
     def relu(self, x, name=None) -> Tensor:
         return self._add("relu", name, [x], lambda _: Relu((x.shape,)))
@@ -208,6 +253,67 @@ class Graph:
 
     def flatten(self, x, name=None) -> Tensor:
         return self._add("flatten", name, [x], lambda _: Flatten((x.shape,)))
+
+    def reshape(self, x, shape, name=None) -> Tensor:
+        """`x.reshape(n, -1)` (or (n, c*h*w), (-1, c*h*w)): a flatten layer; no other reshape is supported."""
+        def make(layer):
+            n, features = x.shape[0], prod(x.shape[1:])
+            valid = [(n, -1), (n, features), (-1, features)]
+            target = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+            if target not in valid:
+                raise GraphError(f"layer {layer!r} (flatten): reshape of an input of shape {x.shape} supports "
+                                 f"{', '.join(map(str, valid))} only (a flatten), got {shape!r}")
+            return Flatten((x.shape,))
+        return self._add("flatten", name, [x], make)
+
+    def adaptive_pool2d(self, x, output_size, mode="avg", name=None) -> Tensor:
+        """torch's adaptive_avg_pool2d (mode "avg") or adaptive_max_pool2d ("max") to `output_size`:
+        an int or a pair (oh, ow), None in the pair keeping the input's size."""
+        def make(layer):
+            pair = (output_size, output_size) if output_size is None or isinstance(output_size, Integral) \
+                else output_size
+            try:
+                sizes = tuple(x.shape[2 + i] if v is None and len(x.shape) == 4 else v for i, v in enumerate(pair))
+            except TypeError:
+                sizes = ()
+            if isinstance(pair, (str, bytes)) or len(sizes) != 2 or not all(
+                    isinstance(v, Integral) and not isinstance(v, bool) and v >= 1 for v in sizes):
+                raise GraphError(f"layer {layer!r} (adaptive_pool2d): output_size must be an int >= 1 or a pair "
+                                 f"(oh, ow) of them (None keeps the input's size), got {output_size!r}")
+            return AdaptivePool2d((x.shape,), tuple(int(v) for v in sizes), mode)
+        return self._add("adaptive_pool2d", name, [x], make)
+
+    def mean(self, x, dims=(2, 3), keepdim=False, name=None) -> Tensor:
+        """The mean over h and w of an (n, c, h, w) tensor (global average pooling, `x.mean((2, 3))`):
+        (n, c), or (n, c, 1, 1) with keepdim."""
+        def make(layer):
+            try:
+                axes = sorted(int(d) % 4 for d in dims if isinstance(d, Integral) and not isinstance(d, bool))
+            except TypeError:
+                axes = []
+            if isinstance(dims, (str, bytes)) or axes != [2, 3] or len(dims) != 2:
+                raise GraphError(f"layer {layer!r} (mean): dims must be (2, 3) (or (-2, -1)): the mean over h "
+                                 f"and w is the one supported, got {dims!r}")
+            return Mean((x.shape,), _flag(keepdim, "keepdim", layer))
+        return self._add("mean", name, [x], make)
+
+    def channel_slice(self, x, start: int, stop: int, name=None) -> Tensor:
+        """Channels [start, stop) of an (n, c, h, w) or (n, c) tensor: `x[:, start:stop]`, a piece of
+        `torch.chunk` or `torch.split` along dim 1."""
+        return self._add("channel_slice", name, [x], lambda _: ChannelSlice((x.shape,), start, stop))
+
+    def channel_shuffle(self, x, groups: int, name=None) -> Tensor:
+        """ShuffleNet's channel shuffle: view(n, g, c/g, h, w), transpose(1, 2), view(n, c, h, w)."""
+        return self._add("channel_shuffle", name, [x], lambda _: ChannelShuffle((x.shape,), groups))
+
+    def scale(self, x, shape, name=None) -> Tensor:
+        """x times a learned per-channel "weight" of `shape`, (c,) or (c, 1, 1) as the PyTorch module
+        stores it (ConvNeXt's layer scale)."""
+        def make(layer):
+            weight_shape = tuple(int(s) if isinstance(s, Integral) and not isinstance(s, bool) else s for s in shape) \
+                if isinstance(shape, (tuple, list)) else shape
+            return Scale((x.shape,), weight_shape)
+        return self._add("scale", name, [x], make)
 
     def concat(self, xs, name=None) -> Tensor:
         xs = list(xs)
