@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from taskrt.ops import batchnorm_kernels as loops
 from taskrt.ops import torch_kernels
 from taskrt.ops.base import Op, array_module
 from taskrt.ops.errors import ShapeError
@@ -41,6 +44,10 @@ def partial_stats(x):
     """(count, mean, M2) per channel of one tile, as a (3, C) array."""
     if torch_kernels.use_torch(x):
         return torch_kernels.bn_partial_stats(x)
+    if loops.usable(x):  # numpy NCHW: one numba pass per statistic (ops.batchnorm_kernels)
+        out = np.empty((3, x.shape[1]), dtype=x.dtype)
+        loops.stats(x, out)
+        return out
     xp, axes = array_module(x), _axes(x)
     count = x.size // x.shape[1]
     mean = x.mean(axis=axes)
@@ -60,6 +67,10 @@ def combine_stats(partials):
     mean = (counts * means).sum(axis=0) / count
     m2 = m2s.sum(axis=0) + (counts * (means - mean) ** 2).sum(axis=0)
     return xp.stack([count, mean, m2])
+
+
+def _invstd(stats, eps):
+    return 1.0 / array_module(stats).sqrt(stats[2] / stats[0] + eps)
 
 
 def _xhat(x, stats, eps):
@@ -120,12 +131,20 @@ class BatchNorm(Op):
     def normalize(self, x, stats, params):
         if torch_kernels.use_torch(x):
             return torch_kernels.bn_normalize(x, stats, params["weight"], params["bias"], self.eps)
+        if loops.usable(x):
+            out = np.empty_like(x)
+            loops.normalize(x, stats[1], _invstd(stats, self.eps), params["weight"], params["bias"], out)
+            return out
         xhat, _ = _xhat(x, stats, self.eps)
         return xhat * _per_channel(params["weight"], x.ndim) + _per_channel(params["bias"], x.ndim)
 
     def grad_sums(self, dy, x, stats) -> dict:
         if torch_kernels.use_torch(x):
             return torch_kernels.bn_grad_sums(dy, x, stats, self.eps)
+        if loops.usable(dy, x):
+            sum_dy, sum_dy_xhat = np.empty(x.shape[1]), np.empty(x.shape[1])
+            loops.grad_sums(dy, x, stats[1], _invstd(stats, self.eps), sum_dy, sum_dy_xhat)
+            return {"bias": sum_dy.astype(x.dtype), "weight": sum_dy_xhat.astype(x.dtype)}
         xhat, _ = _xhat(x, stats, self.eps)
         axes = _axes(x)
         return {"bias": dy.sum(axis=axes), "weight": (dy * xhat).sum(axis=axes)}
@@ -134,6 +153,12 @@ class BatchNorm(Op):
         """dx = weight * invstd / N * (N dy - sum dy - xhat sum(dy xhat)), sums over the whole group."""
         if torch_kernels.use_torch(x):
             return torch_kernels.bn_input_grad(dy, x, stats, sums, params["weight"], self.eps)
+        if loops.usable(dy, x):
+            invstd = _invstd(stats, self.eps)
+            out = np.empty_like(x)
+            loops.input_grad(dy, x, stats[1], invstd, params["weight"] * invstd / stats[0], stats[0], sums["bias"],
+                             sums["weight"], out)
+            return out
         xhat, invstd = _xhat(x, stats, self.eps)
         count = stats[0]
         scale = params["weight"] * invstd / count
