@@ -40,7 +40,7 @@ def forward_layer(layer, xs, params, running=None, mode="gradients"):
         return F.batch_norm(xs[0], running[0], running[1], w, b, training=mode == "train", momentum=op.momentum,
                             eps=op.eps)
     if kind == "conv2d":
-        y = F.conv2d(xs[0], params["weight"], params.get("bias"), op.stride, op.padding)
+        y = F.conv2d(xs[0], params["weight"], params.get("bias"), op.stride, op.padding, op.dilation, op.groups)
         return F.relu(y, inplace=True) if op.activation == "relu" else y
     if kind == "linear":
         y = F.linear(xs[0], params["weight"], params.get("bias"))

@@ -83,9 +83,11 @@ def with_taskrt_masks(module, graph, seed: int, step: int):
     return handles
 
 
-def relative(a, b, floor: float = 1e-6) -> float:
-    """Largest difference over the largest value of `b`, at least `floor`: a bias that stays at zero
-    (a convolution's before a batch norm, whose gradient is rounding noise) has nothing to be relative to."""
+def relative(a, b, floor: float = 1e-3) -> float:
+    """Largest difference over the largest value of `b`, at least `floor`: a bias that stays near
+    zero because its gradient is rounding noise (a convolution's or a norm's followed by a batch
+    norm, which removes any shift: gradients of 1e-13 from sums of thousands of terms) has nothing
+    to be relative to, and is compared to `floor` instead."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor)) if b.size else 0.0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NEEDS_MORE = {"GPU workers", "Clusters of several hosts, over TLS"}
+NEEDS_MORE = {"GPU workers", "Clusters of several hosts, over TLS", "Your PyTorch model"}
 PROMISED = 0.95  # "about 96%": the README's words, with a point for the seed's luck
 
 
@@ -48,6 +48,7 @@ def test_the_script_is_every_block_but_the_gpu_and_cluster_ones():
     assert "tr.Machine.local(2)" in script and "trainer.fit(train, epochs=3" in script
     assert "search.optimize(g, machine)" in script and "trainer.profile(" in script
     assert "Machine.local(2, gpu=True)" not in script and "Client(scheduler_file" not in script
+    assert "tr.from_torch" not in script  # run by its own test, where torchvision is installed
     compile(script, "readme.py", "exec")
 
 
@@ -64,3 +65,17 @@ def test_the_readme_trains_the_digits_to_what_it_promises(tmp_path):
     assert "Traceback" not in done.stderr
     assert (tmp_path / "lenet.json").is_file() and (tmp_path / "ckpt.npz").is_file()
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "trace.png").is_file()
+
+
+def test_the_pytorch_section_imports_trains_and_gives_the_weights_back(tmp_path):
+    pytest.importorskip("torchvision")
+    [block] = [code for section, code in python_blocks((ROOT / "README.md").read_text())
+               if section == "Your PyTorch model"]
+    script = ("import numpy as np\nimport taskrt as tr\nfrom taskrt import ParallelConfig as P\n\n"
+              'if __name__ == "__main__":\n    machine = tr.Machine.local(2, probe=False)\n'
+              + textwrap.indent(block, "    ") + '    print("README-TORCH", trainer.steps_done)\n')
+    (tmp_path / "readme_torch.py").write_text(script)
+    done = subprocess.run([sys.executable, "readme_torch.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "README-TORCH 1" in done.stdout
