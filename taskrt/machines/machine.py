@@ -19,6 +19,7 @@ import weakref
 from collections import Counter
 
 import numpy as np
+import psutil
 
 from taskrt.machines import calibration
 from taskrt.machines.calibration import HOP_WORK_S, INLINE_PROBE_BYTES
@@ -100,7 +101,7 @@ class Machine:
             if found["kind"].startswith("gpu:"):
                 memory = found["memory"] / sharing[(info["host"], found["gpu"])]
             else:
-                memory = info.get("memory_limit") or None
+                memory = usable_memory(info.get("memory_limit"), found.get("rss", 0))
             devices.append(Device(i, hosts.index(info["host"]), found["kind"], memory))
         # No Active Memory Manager: it may drop a replica a pinned task still reads.
         client.run_on_scheduler(_stop_amm)
@@ -257,11 +258,25 @@ async def _set_resource(tag, dask_worker=None):
     await dask_worker.set_resources(**{**dask_worker.state.total_resources, tag: 1})
 
 
+def usable_memory(limit, resident: int) -> float | None:
+    """Bytes a step's arrays may take on a CPU worker with Dask memory limit `limit` (None or 0:
+    unknown): the share below which Dask's worker keeps running tasks (it pauses at
+    `distributed.worker.memory.pause` of its limit, 0.8 by default, and its nanny ends it at 0.95),
+    less what the process holds before any step (`resident`: the interpreter, its libraries, Dask)."""
+    if not limit:
+        return None
+    import dask
+
+    pause = dask.config.get("distributed.worker.memory.pause", 0.8) or 0.95
+    return max(float(limit) * pause - resident, 0.0)
+
+
 def _describe_device(dask_worker=None) -> dict:
     """This worker's device kind and memory (taskrt.gpu.device), and which GPU it is (PCI bus id)."""
     from taskrt.gpu import device
 
     out = device.describe()
+    out["rss"] = psutil.Process().memory_info().rss  # the worker process before any step
     if device.is_gpu():
         import cupy
 
