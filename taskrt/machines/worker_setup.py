@@ -55,7 +55,7 @@ KEEP_FREE_SHARE = 4  # a worker keeps free for reuse up to 1/KEEP_FREE_SHARE of 
 
 
 def keep_free_memory(worker) -> None:
-    """Let `ops.reuse` keep up to a quarter of the worker's memory limit free (1 GiB at least).
+    """Let `ops.reuse` keep up to a quarter of the worker's memory limit free.
     With steps sent ahead, the parameters of several steps live at once and die in bursts: on
     local(2), data parallel VGG-16-32's parameter server freed more than 1 GiB within a step, and
     each step after made 2-3 large arrays in new memory again (5,000-10,000 page faults and 30 ms
@@ -64,7 +64,7 @@ def keep_free_memory(worker) -> None:
 
     limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
     if limit:
-        reuse.keep_at_most(max(reuse.MAX_FREE_BYTES, limit // KEEP_FREE_SHARE))
+        reuse.keep_at_most(limit // KEEP_FREE_SHARE)
 
 
 class WorkerSetup(WorkerPlugin):
