@@ -1,0 +1,511 @@
+"""A step's memory per device as a sum over layers and edges, for the search under a budget.
+
+`search.memory.step_memory` counts a strategy's bytes per device by kind; the peak of device d
+is its total, which is a per-device sum plus a per-device maximum:
+
+    peak_d = sum over layers L of A_d(L, c_L) + sum over edges e of E_d(e, c_u, c_v)
+             + max over layers L of W_d(L, c_L)
+
+- A_d(L, c): what layer L under config c keeps on d: its parameter shards, their gradients, the
+  optimizer state and received gradients of the chunks d owns (search.memory's `_shards`, with
+  the config's sync method), its outputs kept for backward, and for an input layer its data tiles;
+- E_d(e, cu, cv): the values forward moves for the edge: each piece a consumer part on d reads
+  from a producer part elsewhere, once per (value, reading device), and each slice cut on d for
+  another device, once per value (a tile read whole travels as it is);
+- W_d(L, c): the largest backward working set of a part of L on d (its input tiles, its output
+  and output gradient), counted for every part of a layer whose backward may run.
+
+The tables here give, per layer and config, a(L, c) = max_d A_d and w(L, c) = max_d W_d, and per
+edge and config pair, e(cu, cv) = max_d E_d; the measure
+
+    M(S) = sum_L a(L, c_L) + sum_e e(c_u, c_v) + max_L w(L, c_L)
+
+bounds max_d peak_d from above, with equality when every term peaks on the same device (as in
+strategies that split every layer evenly over the same devices).  It counts more than the plan
+in a few places: a value two consumers of one producer read counts once per edge, W counts
+every part of a layer that may run a backward task, and the data tiles count whether or not a
+part reads them.  Tables are integers (bytes), built once per distinct layer and edge.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numba
+import numpy as np
+
+from taskrt.search.layer_space import Configs
+
+
+class MemoryTables:
+    """The measure's tables for one graph over the cost tables' configs (bytes, int64): a(L, c)
+    (`kept`; `by_device`: A_d(L, c)) and w(L, c) (`working`) per layer, e(cu, cv) per edge (in
+    Tables.edges' order) for the config pairs asked (`edge`)."""
+
+    def __init__(self, graph, cost_model, tables):
+        started = time.perf_counter()
+        self.cache = _CACHES.setdefault(cost_model, {})
+        self.devices = cost_model.machine.num_devices
+        needed = graph.needs_backward()
+        itemsize = cost_model.itemsize
+        self.kept, self.working, self.by_device, spaces = {}, {}, {}, {}
+        for layer in graph:
+            space = spaces[layer.name] = cost_model.layer_space(layer)
+            configs = tables.configs[layer.name]
+            allreduce = getattr(configs, "allreduce", None)
+            if allreduce is None:
+                allreduce = (np.zeros(len(configs), dtype=bool) if isinstance(configs, Configs)  # every one "ps"
+                             else np.array([c.sync == "allreduce" for c in configs], dtype=bool))
+            size = _itemsize(layer, itemsize)
+            loss = layer.kind == "softmax_cross_entropy"
+            backward = loss or layer.name in needed
+            params = cost_model.channel_params(layer.op) if layer.param_shapes else 0
+            key = ("layer", space.key, allreduce.tobytes(), size, layer.is_input, loss, backward, params)
+            if key not in self.cache:
+                parts = space.parts
+                inputs = np.zeros(len(parts.device), dtype=np.int64)
+                for needs in space.needs:
+                    inputs += _volumes(needs.table.lo, needs.table.hi)
+                self.cache[key] = _layer_tables(parts.lo, parts.hi, parts.device, parts.starts, allreduce, params,
+                                                size, itemsize, layer.is_input, loss, backward, inputs, self.devices)
+            by_device, self.working[layer.name] = self.cache[key]
+            self.by_device[layer.name] = by_device
+            self.kept[layer.name] = by_device.max(axis=1) if by_device.shape[1] else np.zeros(len(by_device), np.int64)
+        self.edges = []  # per edge: (producer space, consumer space, input index, item size, cache key)
+        for u, v, j, _ in tables.edges:
+            producer, consumer = spaces[u], spaces[v]
+            size = _itemsize(graph[u], itemsize)
+            self.edges.append((producer, consumer, j, size,
+                               ("edge", id(producer.grid), id(consumer.grid), consumer.needs[j].key(), size)))
+        self.seconds = time.perf_counter() - started
+
+    def edge(self, i: int, rows=None, cols=None) -> np.ndarray:
+        """e(cu, cv) of edge i for producer configs `rows` and consumer configs `cols` (default: all)."""
+        producer, consumer, j, size, key = self.edges[i]
+        table = self.cache.get(key)
+        whole = (rows is None or len(rows) == table.shape[0]) and (cols is None or len(cols) == table.shape[1]) if (
+            table is not None) else False
+        if whole and self.cache.get(("complete", key)):
+            return table
+        parts, needs = producer.parts, consumer.needs[j].table
+        if table is None:
+            table = self.cache[key] = np.full((len(parts.starts), len(needs.starts)), -1, dtype=np.int64)
+        rows = np.arange(table.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+        cols = np.arange(table.shape[1]) if cols is None else np.asarray(cols, dtype=np.int64)
+        started = time.perf_counter()
+        fast = self.cache.get(("fast", key))
+        if fast is None:
+            fast = self.cache[("fast", key)] = self._fast_path(producer, consumer, j)
+        if fast[0] == "separable":
+            _, shape, local, local_reader, lonely, driven_by = fast
+            _edges_separable(parts.lo, parts.hi, parts.device, parts.starts, shape, local, needs.lo, needs.hi,
+                             needs.device, needs.starts, needs.degrees, local_reader, lonely, driven_by, size,
+                             self.devices, rows, cols, table)
+        elif fast[0] == "distinct":
+            classes = fast[1]
+            _edges_distinct(parts.lo, parts.hi, parts.device, parts.starts, needs.lo, needs.hi, needs.device,
+                            needs.starts, classes, size, self.devices, rows, cols, table)
+        else:
+            _edges(parts.lo, parts.hi, parts.device, parts.starts, needs.lo, needs.hi, needs.device, needs.starts,
+                   size, self.devices, rows, cols, table)
+        self.seconds += time.perf_counter() - started
+        if len(rows) == table.shape[0] and len(cols) == table.shape[1]:  # every config (in order): all known now
+            self.cache[("complete", key)] = True
+            return table
+        return table[np.ix_(rows, cols)]
+
+    def _fast_path(self, producer, consumer, j) -> tuple:
+        """How edge tables of this producer and consumer input are counted: "separable" (every config
+        one part per device, the producer's parts its grid's blocks, each input dimension of a need
+        following one output dimension's block), "distinct" (one part per device) or "general"."""
+        parts, needs = producer.parts, consumer.needs[j].table
+        if not (_distinct_devices(parts.device, parts.starts) and _distinct_devices(needs.device, needs.starts)):
+            return ("general",)
+        classes = _need_classes(needs.lo, needs.hi, needs.starts)
+        shape = parts.hi.max(axis=0)
+        driven_by = np.asarray(consumer.needs[j].driven_by, dtype=np.int64)
+        if (len(driven_by) != parts.lo.shape[1] or not _is_grid(parts.lo, parts.hi, parts.block, parts.degrees,
+                                                                parts.starts, shape)
+                or not _follows_blocks(needs.lo, needs.hi, needs.block, needs.degrees, needs.starts, driven_by)):
+            return ("distinct", classes)
+        lonely = np.bincount(classes, minlength=len(classes))[classes] == 1
+        return ("separable", shape, _local_parts(parts.device, parts.starts, self.devices),
+                _local_parts(needs.device, needs.starts, self.devices), lonely, driven_by)
+
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CostModel -> {key: table}
+
+
+def memory_tables(graph, cost_model, tables) -> MemoryTables:
+    """The measure's tables for `graph` over `tables` (CostModel.tables of the search space)."""
+    return MemoryTables(graph, cost_model, tables)
+
+
+def _itemsize(layer, itemsize: int) -> int:
+    return 8 if layer.is_input and layer.op.dtype == "int64" else itemsize
+
+
+@numba.njit(cache=True, nogil=True)
+def _volumes(lo, hi):
+    out = np.empty(len(lo), dtype=np.int64)
+    for p in range(len(lo)):
+        volume = 1
+        for e in range(lo.shape[1]):
+            volume *= max(hi[p, e] - lo[p, e], 0)
+        out[p] = volume
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _layer_tables(lo, hi, device, starts, allreduce, per_channel, size, itemsize, is_input, loss, backward, inputs,
+                  devices):
+    """Per config: what each device keeps of the layer (parameters, gradients, optimizer state,
+    outputs or data tiles), and w = its largest backward working set of one part."""
+    configs, total, rank = len(starts), len(device), lo.shape[1]
+    kept = np.zeros((configs, devices), dtype=np.int64)
+    working = np.zeros(configs, dtype=np.int64)
+    memory = np.zeros(devices, dtype=np.int64)
+    members = np.empty(total, dtype=np.int64)
+    done = np.zeros(total, dtype=np.bool_)
+    for a in range(configs):
+        first, stop = starts[a], starts[a + 1] if a + 1 < configs else total
+        memory[:] = 0
+        for p in range(first, stop):
+            volume = 1
+            for e in range(rank):
+                volume *= hi[p, e] - lo[p, e]
+            if is_input:
+                memory[device[p]] += volume * size  # the data tile
+            elif not loss:
+                memory[device[p]] += volume * itemsize  # the output, kept for backward
+            if backward:
+                working[a] = max(working[a], (inputs[p] + volume) * itemsize)
+        if per_channel > 0:  # search.memory._shards, for this config's parts
+            for p in range(first, stop):
+                nbytes = per_channel * (hi[p, 1] - lo[p, 1]) * itemsize
+                memory[device[p]] += 2 * nbytes  # weights and gradient
+                done[p] = False
+            for p in range(first, stop):
+                if done[p]:
+                    continue
+                replicas = 0
+                for q in range(p, stop):
+                    if not done[q] and lo[q, 1] == lo[p, 1] and hi[q, 1] == hi[p, 1]:
+                        done[q] = True
+                        members[replicas] = device[q]
+                        replicas += 1
+                elements = per_channel * (hi[p, 1] - lo[p, 1])
+                chunks = min(replicas, elements) if allreduce[a] else 1
+                for i in range(chunks):
+                    chunk = (elements // chunks + (1 if i < elements % chunks else 0)) * itemsize
+                    memory[members[i]] += chunk + (replicas - 1) * chunk  # optimizer state, received gradients
+                    if chunks > 1:
+                        memory[members[i]] += chunk  # the master chunk
+        kept[a] = memory
+    return kept, working
+
+
+@numba.njit(cache=True, nogil=True)
+def _edges(lo, hi, device, starts, need_lo, need_hi, to, need_starts, size, devices, rows, cols, out):
+    """Into `out` (producer configs x consumer configs; -1: not yet known), for the pairs of `rows`
+    and `cols` not known yet: the most forward moves for the edge onto one device: pieces its
+    consumer parts read from producer parts elsewhere (once per value and reading device) and
+    slices cut on it for others (once per value; not a tile read whole)."""
+    producers, consumers, rank = len(starts), len(need_starts), lo.shape[1]
+    parts, readers = len(device), len(to)
+    memory = np.zeros(devices, dtype=np.int64)
+    pieces = np.empty((readers, 2 * rank), dtype=np.int64)  # of one producer part: value bounds
+    reader = np.empty(readers, dtype=np.int64)
+    for a in rows:
+        p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
+        for b in cols:
+            if out[a, b] >= 0:
+                continue
+            q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
+            memory[:] = 0
+            for p in range(p0, p1):
+                count = 0
+                for q in range(q0, q1):
+                    if to[q] == device[p]:
+                        continue
+                    volume, whole = 1, True
+                    for e in range(rank):
+                        x0, x1 = max(lo[p, e], need_lo[q, e]), min(hi[p, e], need_hi[q, e])
+                        volume *= max(x1 - x0, 0)
+                        pieces[count, e], pieces[count, rank + e] = x0, x1
+                        whole = whole and x0 == lo[p, e] and x1 == hi[p, e]
+                    if volume == 0:
+                        continue
+                    cut, travels = not whole, True
+                    for k in range(count):  # a value seen before: cut already; travelled if the same reader
+                        same = True
+                        for e in range(2 * rank):
+                            same = same and pieces[k, e] == pieces[count, e]
+                        if same:
+                            cut = False
+                            travels = travels and reader[k] != to[q]
+                    if travels:
+                        memory[to[q]] += volume * size
+                    if cut:
+                        memory[device[p]] += volume * size
+                    reader[count] = to[q]
+                    count += 1
+            out[a, b] = memory.max()
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct_devices(device, starts) -> bool:
+    """Whether every config puts each of its parts on a device of its own (the search space's do)."""
+    configs, parts = len(starts), len(device)
+    for a in range(configs):
+        stop = starts[a + 1] if a + 1 < configs else parts
+        for p in range(starts[a], stop):
+            for q in range(starts[a], p):
+                if device[q] == device[p]:
+                    return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _need_classes(need_lo, need_hi, need_starts):
+    """Per consumer part, the first part of its config reading the same box (its value's class)."""
+    readers, configs, rank = len(need_lo), len(need_starts), need_lo.shape[1]
+    out = np.arange(readers)
+    for b in range(configs):
+        stop = need_starts[b + 1] if b + 1 < configs else readers
+        for q in range(need_starts[b], stop):
+            for r in range(need_starts[b], q):
+                same = True
+                for e in range(rank):
+                    same = same and need_lo[q, e] == need_lo[r, e] and need_hi[q, e] == need_hi[r, e]
+                if same:
+                    out[q] = out[r]
+                    break
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _edges_distinct(lo, hi, device, starts, need_lo, need_hi, to, need_starts, classes, size, devices, rows, cols,
+                    out):
+    """`_edges` where each config has one part per device: a piece travels once to its reader as it
+    is, and a slice is cut once per producer part and class of equal needs (pieces of one part
+    that two classes cut alike count twice: more, never less, than the plan)."""
+    producers, consumers, rank = len(starts), len(need_starts), lo.shape[1]
+    parts, readers = len(device), len(to)
+    memory = np.zeros(devices, dtype=np.int64)
+    stamp = np.full(readers, -1, dtype=np.int64)
+    for a in rows:
+        p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
+        for b in cols:
+            if out[a, b] >= 0:
+                continue
+            q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
+            for p in range(p0, p1):
+                memory[device[p]] = 0
+            for q in range(q0, q1):
+                memory[to[q]] = 0
+            for p in range(p0, p1):
+                for q in range(q0, q1):
+                    if to[q] == device[p]:
+                        continue
+                    volume, whole = 1, True
+                    for e in range(rank):
+                        x0, x1 = max(lo[p, e], need_lo[q, e]), min(hi[p, e], need_hi[q, e])
+                        if x1 <= x0:
+                            volume = 0
+                            break
+                        volume *= x1 - x0
+                        whole = whole and x0 == lo[p, e] and x1 == hi[p, e]
+                    if volume == 0:
+                        continue
+                    memory[to[q]] += volume * size
+                    if not whole and stamp[classes[q]] != p:
+                        stamp[classes[q]] = p
+                        memory[device[p]] += volume * size
+            most = 0
+            for p in range(p0, p1):
+                most = max(most, memory[device[p]])
+            for q in range(q0, q1):
+                most = max(most, memory[to[q]])
+            out[a, b] = most
+            for q in range(q0, q1):
+                stamp[classes[q]] = -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _is_grid(lo, hi, block, degrees, starts, shape) -> bool:
+    """Whether each config's parts are its grid's blocks, row-major, as equal as possible with the
+    first ones one larger (search.regions.grid_parts)."""
+    configs, parts, rank = len(starts), len(lo), lo.shape[1]
+    for a in range(configs):
+        stop = starts[a + 1] if a + 1 < configs else parts
+        count = 1
+        for e in range(rank):
+            count *= degrees[a, e]
+        if stop - starts[a] != count:
+            return False
+        for p in range(starts[a], stop):
+            index = 0
+            for e in range(rank):
+                q, r = shape[e] // degrees[a, e], shape[e] % degrees[a, e]
+                b = block[p, e]
+                index = index * degrees[a, e] + b
+                if lo[p, e] != b * q + min(b, r) or hi[p, e] != lo[p, e] + q + (1 if b < r else 0):
+                    return False
+            if index != p - starts[a]:
+                return False
+    return True
+
+
+
+@numba.njit(cache=True, nogil=True)
+def _is_grid(lo, hi, block, degrees, starts, shape) -> bool:
+    """Whether each config's parts are its grid's blocks, row-major, as equal as possible with the
+    first ones one larger (search.regions.grid_parts): together they tile the tensor."""
+    configs, parts, rank = len(starts), len(lo), lo.shape[1]
+    for a in range(configs):
+        stop = starts[a + 1] if a + 1 < configs else parts
+        count = 1
+        for e in range(rank):
+            count *= degrees[a, e]
+        if stop - starts[a] != count:
+            return False
+        for p in range(starts[a], stop):
+            index = 0
+            for e in range(rank):
+                q, r = shape[e] // degrees[a, e], shape[e] % degrees[a, e]
+                b = block[p, e]
+                index = index * degrees[a, e] + b
+                if lo[p, e] != b * q + min(b, r) or hi[p, e] != lo[p, e] + q + (1 if b < r else 0):
+                    return False
+            if index != p - starts[a]:
+                return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _follows_blocks(need_lo, need_hi, block, degrees, starts, driven_by) -> bool:
+    """Whether each config's parts are numbered row-major over its blocks and each input dimension
+    of every part's need is that of the part with the same block along its driving output
+    dimension (and block 0 along the others; the first part's where nothing drives it)."""
+    configs, parts, rank = len(starts), len(need_lo), block.shape[1]
+    for a in range(configs):
+        stop = starts[a + 1] if a + 1 < configs else parts
+        count = 1
+        for o in range(rank):
+            count *= degrees[a, o]
+        if stop - starts[a] != count:
+            return False
+        for q in range(starts[a], stop):
+            index = 0
+            for o in range(rank):
+                index = index * degrees[a, o] + block[q, o]
+            if index != q - starts[a]:
+                return False
+            for e in range(len(driven_by)):
+                o = driven_by[e]
+                r = starts[a] if o < 0 else starts[a] + block[q, o] * _stride(degrees, a, o)
+                if need_lo[q, e] != need_lo[r, e] or need_hi[q, e] != need_hi[r, e]:
+                    return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _stride(degrees, a, o):
+    """Parts between two blocks along output dimension o of config a (row-major)."""
+    stride = 1
+    for k in range(o + 1, degrees.shape[1]):
+        stride *= degrees[a, k]
+    return stride
+
+
+@numba.njit(cache=True, nogil=True)
+def _local_parts(device, starts, devices):
+    """(configs, devices): each config's part on each device, -1 where it has none."""
+    configs, parts = len(starts), len(device)
+    out = np.full((configs, devices), -1, dtype=np.int64)
+    for a in range(configs):
+        for p in range(starts[a], starts[a + 1] if a + 1 < configs else parts):
+            out[a, device[p]] = p
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _edges_separable(lo, hi, device, starts, shape, local, need_lo, need_hi, to, need_starts, degrees, local_reader,
+                     lonely, driven_by, size, devices, rows, cols, out):
+    """`_edges` without visiting every (producer part, consumer part) pair.
+
+    What a consumer part receives is its need less what the producer part on its own device holds
+    of it (the producer's parts tile the tensor).  What is cut on a producer part's device is the
+    sum over the distinct needs of their overlap with it, less the needs holding it whole and
+    the need only a part on its own device reads: the distinct needs are the products over
+    driving output dimensions of their blocks' intervals, so the sum is a product of sums.  Two
+    blocks needing the same interval count twice (more, never less, than the plan)."""
+    producers, consumers, rank = len(starts), len(need_starts), lo.shape[1]
+    parts, readers, out_rank = len(device), len(to), degrees.shape[1]
+    memory = np.zeros(devices, dtype=np.int64)
+    for a in rows:
+        p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
+        for b in cols:
+            if out[a, b] >= 0:
+                continue
+            q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
+            for p in range(p0, p1):
+                memory[device[p]] = 0
+            for q in range(q0, q1):
+                memory[to[q]] = 0
+            for q in range(q0, q1):  # received: the need less the local part's share of it
+                volume, held = 1, 1
+                mine = local[a, to[q]]
+                for e in range(rank):
+                    x0, x1 = max(need_lo[q, e], 0), min(need_hi[q, e], shape[e])
+                    volume *= max(x1 - x0, 0)
+                    if mine >= 0:
+                        held *= max(min(x1, hi[mine, e]) - max(x0, lo[mine, e]), 0)
+                if mine < 0:
+                    held = 0
+                memory[to[q]] += (volume - held) * size
+            for p in range(p0, p1):  # cut: distinct needs meeting the part, not holding it whole
+                total, whole, volume = 1, 1, 1
+                for e in range(rank):
+                    volume *= hi[p, e] - lo[p, e]
+                    if driven_by[e] < 0:
+                        x0, x1 = max(need_lo[q0, e], lo[p, e]), min(need_hi[q0, e], hi[p, e])
+                        total *= max(x1 - x0, 0)
+                        whole *= 1 if need_lo[q0, e] <= lo[p, e] and hi[p, e] <= need_hi[q0, e] else 0
+                for o in range(out_rank):
+                    drives = False
+                    for e in range(rank):
+                        drives = drives or driven_by[e] == o
+                    if not drives:
+                        continue
+                    stride = _stride(degrees, b, o)
+                    meets, holds = 0, 0
+                    for k in range(degrees[b, o]):
+                        q = q0 + k * stride
+                        overlap, inside = 1, True
+                        for e in range(rank):
+                            if driven_by[e] == o:
+                                overlap *= max(min(need_hi[q, e], hi[p, e]) - max(need_lo[q, e], lo[p, e]), 0)
+                                inside = inside and need_lo[q, e] <= lo[p, e] and hi[p, e] <= need_hi[q, e]
+                        meets += overlap
+                        holds += 1 if inside else 0
+                    total *= meets
+                    whole *= holds
+                cut = total - volume * whole
+                mine = local_reader[b, device[p]]
+                if mine >= 0 and lonely[mine]:  # a need only a part on this device reads is not cut
+                    overlap, inside = 1, True
+                    for e in range(rank):
+                        overlap *= max(min(need_hi[mine, e], hi[p, e]) - max(need_lo[mine, e], lo[p, e]), 0)
+                        inside = inside and need_lo[mine, e] <= lo[p, e] and hi[p, e] <= need_hi[mine, e]
+                    if not inside:
+                        cut -= overlap
+                memory[device[p]] += cut * size
+            most = 0
+            for p in range(p0, p1):
+                most = max(most, memory[device[p]])
+            for q in range(q0, q1):
+                most = max(most, memory[to[q]])
+            out[a, b] = most
