@@ -1,0 +1,384 @@
+"""The fastest strategy under a memory budget: node and edge elimination over time-memory fronts.
+
+The problem: choose a config c_v per layer to minimize the time
+    T(S) = sum_v t_v(c_v) + sum_(u,v) t_uv(c_u, c_v)            (equation 1, as search.eliminate)
+subject to the memory measure
+    M(S) = sum_v a_v(c_v) + sum_(u,v) m_uv(c_u, c_v) + max_v w_v(c_v) <= budget
+(search.memory_tables).  Each elimination step of search.eliminate (search.elimination_plan)
+runs over fronts instead of numbers: an entry holds every (time, summed memory, largest working
+set) that no other partial solution beats in all three, and a step's min over the eliminated
+layer's configs becomes the union of the candidates' fronts, pruned to the non-dominated ones.
+That is exact: a partial solution dominated in all three cannot do better than the one
+dominating it in any completion, since completing adds the same time and memory to both and
+takes the max with the same working sets.  Where node elimination leaves a residual graph, one
+of its layers is fixed to each of its configs in turn and the rest solved again the same way.
+
+What keeps the fronts small, all exact:
+- a partial solution is dropped when its memory plus the least memory the rest of the graph can
+  take (each term at its minimum) exceeds the budget, or its time plus a lower bound of the
+  rest's time exceeds a time limit: the exact outside time of its entry where search.elimination_plan
+  gives one, else the rest's terms at their minima;
+- a config is left out when the least time of any strategy using it (its min-marginal) exceeds
+  the time limit, or its own memory with the rest's least exceeds the budget;
+- the time limit starts just above the unconstrained optimum and grows (ROUNDS) until a
+  strategy within it fits: any strategy within a limit survives that round's pruning, so the
+  first round that finds one finds the optimum; the last round has no limit.
+"""
+
+from __future__ import annotations
+
+import time as clock
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from taskrt.search.elimination_plan import DIAGONAL, EDGE, UNARY, elimination_plan, outside_bounds
+from taskrt.search.fronts import ZERO, FrontTable, combine
+
+ROUNDS = (1 / 64, 1 / 8, 1.0, np.inf)  # time limits: the unconstrained optimum times 1 + these
+CONDITION_LIMIT = 4096  # sub-problems solved for a residual graph at most (past it: TooWide)
+TOLERANCE = 1e-9  # relative slack of the time limits and min-marginals (rounding)
+
+
+class TooWide(Exception):
+    """The residual graph would need more than CONDITION_LIMIT sub-problems."""
+
+
+@dataclass
+class Found:
+    choice: dict  # layer -> config index
+    time: float
+    memory: int  # M(S): the summed part plus the largest working set
+    front: list  # the final front's feasible points as (time, M), fastest first
+    rounds: int  # time limits tried
+    points: int  # points kept in all tables
+    seconds: float
+    alternatives: list = field(default_factory=list)  # the next feasible choices, fastest first
+
+
+def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, working: dict, edge_bytes,
+                  budget: float, rounds=ROUNDS, alternatives: int = 0) -> Found | None:
+    """The fastest choice with M(S) <= `budget`, or None when none fits.
+
+    `time_unary`: layer -> seconds per config; `time_edges`: (u, v, seconds matrix); `kept_bytes`
+    and `working`: layer -> a_v and w_v per config; `edge_bytes(i, rows, cols)`: m_uv of edge i
+    for those configs (computed as needed).  With `alternatives`, the next fastest feasible
+    choices of the final front come along (for a check that rejects the first)."""
+    started = clock.perf_counter()
+    pairs = [(u, v) for u, v, _ in time_edges]
+    plan = elimination_plan(names, pairs)
+    bounds = outside_bounds(plan, time_unary, [m for _, _, m in time_edges])
+    optimum = bounds.total if bounds is not None else None
+    flat = _flat(names, kept_bytes, working)
+    points = 0
+    for r, slack in enumerate(rounds):
+        limit = np.inf if optimum is None or np.isinf(slack) else optimum * (1 + slack) + 1e-12
+        if optimum is None and not np.isinf(slack):
+            continue  # no bounds to prune by: one round without a limit
+        search = _Search(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
+                         flat=flat)
+        result = search.run()
+        points += search.points
+        if result is not None:
+            choice, t, m, front, others = result(alternatives)
+            return Found(choice, t, m, front, r + 1, points, clock.perf_counter() - started, others)
+        if np.isinf(limit):
+            break
+    return None
+
+
+def least_memory(names, time_edges: list, kept_bytes: dict, working: dict, edge_bytes, ceiling: float) -> Found | None:
+    """The choice with the least M(S) (time ignored), searched below `ceiling` (e.g. the M of a
+    known strategy, plus one)."""
+    zero_unary = {n: np.zeros(len(kept_bytes[n])) for n in names}
+    zero_edges = [(u, v, np.zeros((len(kept_bytes[u]), len(kept_bytes[v])))) for u, v, _ in time_edges]
+    plan = elimination_plan(names, [(u, v) for u, v, _ in time_edges])
+    search = _Search(names, zero_unary, zero_edges, kept_bytes, working, edge_bytes, ceiling, np.inf, None, plan,
+                     by_memory=True)
+    result = search.run()
+    if result is None:
+        return None
+    choice, t, m, front, _ = result(0)
+    return Found(choice, t, m, front, 1, search.points, 0.0)
+
+
+class _Search:
+    def __init__(self, names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
+                 by_memory=False, flat=None):
+        self.names, self.plan, self.bounds = names, plan, bounds
+        self.budget, self.limit, self.by_memory = budget, limit, by_memory
+        self.tables: list[FrontTable] = [ZERO]
+        self.points = 0
+        self.conditioned = 0
+        self.kept = kept = self._kept(kept_bytes, working, flat or _flat(names, kept_bytes, working))
+        if kept is None:
+            return
+        self.sizes = {n: len(kept[n]) for n in names}
+        self.full = {n: len(kept[n]) == len(kept_bytes[n]) for n in names}
+        self.unary = {}
+        for n in names:
+            k, full = kept[n], self.full[n]
+            t = np.asarray(time_unary[n], dtype=np.float64)
+            self.unary[n] = self._single((n,), t if full else t[k], kept_bytes[n] if full else kept_bytes[n][k],
+                                         working[n] if full else working[n][k], origin=n)
+        self.edges = []
+        for i, (u, v, matrix) in enumerate(time_edges):
+            full = self.full[u] and self.full[v]
+            t = np.asarray(matrix, dtype=np.float64)
+            t = t if full else t[np.ix_(kept[u], kept[v])]
+            memory = edge_bytes(i, kept[u], kept[v])
+            if u == v:  # a layer reading one tensor twice: both ends take the same config
+                self.edges.append(self._single((u,), np.diag(t).copy(), np.diag(memory).copy(), None))
+            else:
+                self.edges.append(self._single((u, v), t, memory, None))
+        tables = [self.tables[t] for t in [*self.unary.values(), *self.edges]]
+        self.time_floor = sum(t.covered_time for t in tables)
+        self.memory_floor = sum(t.covered_memory for t in tables)
+        self.x_floor = max(int(self.tables[self.unary[n]].working.min()) for n in names)
+
+    def _single(self, scope, time, memory, working, origin=None) -> int:
+        """An original cost term's table: one point per entry."""
+        time = np.ascontiguousarray(time).ravel()
+        memory = np.ascontiguousarray(memory, dtype=np.int64).ravel()
+        working = np.zeros(len(time), dtype=np.int64) if working is None else np.ascontiguousarray(working).ravel()
+        sizes = tuple(self.sizes[n] for n in scope)
+        return self._add(FrontTable(_range(len(time)), time, memory, working, None, (), scope, sizes, origin,
+                                    float(time.min()), int(memory.min())))
+
+    def _kept(self, kept_bytes, working, flat):
+        """Per layer, the configs that may appear in a strategy within the limits (indices)."""
+        names = self.names
+        values, works, starts, lengths = flat
+        ok = np.ones(len(values), dtype=bool)
+        if self.bounds is not None and np.isfinite(self.limit):
+            ok &= np.concatenate([self.bounds.marginal[n] for n in names]) <= self.limit * (1 + TOLERANCE)
+        big = np.iinfo(np.int64).max // 4
+        for _ in range(2):  # each layer's memory against the rest's least (edges at least 0)
+            if not np.add.reduceat(ok, starts).all():
+                return None
+            least = np.minimum.reduceat(np.where(ok, values, big), starts)
+            floor = np.minimum.reduceat(np.where(ok, works, big), starts).max()
+            rest = int(least.sum()) - np.repeat(least, lengths)
+            ok &= values + rest + np.maximum(works, floor) <= self.budget
+        if not np.add.reduceat(ok, starts).all():
+            return None
+        return {n: np.flatnonzero(ok[start:start + length]) for n, start, length in zip(names, starts, lengths)}
+
+    def _add(self, table: FrontTable) -> int:
+        self.tables.append(table)
+        self.points += table.points
+        return len(self.tables) - 1
+
+    # ---- the elimination ------------------------------------------------------------------------
+    def run(self):
+        """A function giving (choice, time, M, feasible front, alternatives), or None if nothing fits."""
+        if self.kept is None:
+            return None
+        final = self._solve(self.plan, self._components(self.plan, self.unary, self.edges), top=True)
+        if final is None:
+            return None
+        table = self.tables[final]
+        total = table.memory + table.working
+        feasible = np.flatnonzero(total <= self.budget)
+        if not len(feasible):
+            return None
+        key = total[feasible] if self.by_memory else table.time[feasible]
+        order = feasible[np.lexsort((total[feasible], key))]
+
+        def result(alternatives: int):
+            best = int(order[0])
+            others = [self._choice(final, int(p)) for p in order[1:1 + alternatives]]
+            front = [(float(table.time[p]), int(total[p])) for p in order]
+            return self._choice(final, best), float(table.time[best]), int(total[best]), front, others
+
+        return result
+
+    @staticmethod
+    def _components(plan, unary: dict, edges: list) -> dict:
+        """Table id of each of the plan's components but the messages (made as the steps run)."""
+        out = {}
+        for c, comp in enumerate(plan.components):
+            if comp.kind == UNARY:
+                out[c] = unary[comp.ref]
+            elif comp.kind in (DIAGONAL, EDGE):
+                out[c] = edges[comp.ref]
+        return out
+
+    def _solve(self, plan, tables: dict, top: bool) -> int | None:
+        """Run `plan`'s steps; the id of the final front (scope ()), None when a table is empty."""
+        finals = []
+        for j, step in enumerate(plan.steps):
+            v = step.v
+            groups = [[tables[c] for c in step.own], [tables[c] for c in step.left], [tables[c] for c in step.right]]
+            n = step.neighbours
+            scopes = [(v,), (n[0], v) if step.left else (), (v, n[-1]) if step.right else ()]
+            outsides = self._outsides(j, step, top)
+            while sum(map(len, groups)) > 3:  # sum the components of one term first
+                g = max(range(3), key=lambda k: len(groups[k]))
+                a, b = groups[g][:2]
+                groups[g][:2] = [self._combine(scopes[g], None, [a, b], outsides[g])]
+            operands = [t for group in groups for t in group]
+            scope = step.neighbours
+            result = self._combine(scope, v, operands, outsides[3])
+            if self.tables[result].points == 0:
+                return None
+            if step.kind == "free":
+                finals.append(result)
+            else:
+                tables[step.message] = result
+        if plan.residual:
+            finals.append(self._residual(plan, tables))
+            if finals[-1] is None:
+                return None
+        while len(finals) > 1:
+            finals[:2] = [self._combine((), None, finals[:2], None)]
+        return finals[0]
+
+    def _outsides(self, j, step, top):
+        """Outside time bounds (full config space) of the step's own, left and right sums and of its
+        message, sliced to the kept configs; None where unknown."""
+        if not top or self.bounds is None:
+            return [None] * 4
+        b, n, v = self.bounds, step.neighbours, step.v
+        own = self._slice(b.outside_own[j], (v,))
+        left = self._slice(b.outside_left[j], (n[0], v)) if j in b.outside_left else None
+        right = self._slice(b.outside_right[j], (v, n[1])) if j in b.outside_right else None
+        message = None if step.kind == "free" else self._slice(b.outside[step.message], n)
+        return [own, left, right, message]
+
+    def _slice(self, table, scope):
+        """A full-space table over `scope` at the kept configs."""
+        if all(self.full[n] for n in scope):
+            return table
+        if len(scope) == 1:
+            return table[self.kept[scope[0]]]
+        return table[np.ix_(self.kept[scope[0]], self.kept[scope[1]])]
+
+    def _combine(self, scope: tuple, over, operands: list, outside, bases=None) -> int:
+        """The table over `scope` of the min over layer `over` (None: no layer) of the operands' sum."""
+        axes = (scope[0] if scope else None, over, scope[1] if len(scope) > 1 else None)
+        cu, cv, cw = (self.sizes[a] if a is not None else 1 for a in axes)
+        tables = [self.tables[t] for t in operands] + [ZERO] * (3 - len(operands))
+        ids = list(operands) + [0] * (3 - len(operands))
+        bases = bases or [0, 0, 0]
+        strides = [np.array([*t.strides(axes), base], dtype=np.int64) for t, base in zip(tables, bases)]
+        covered_time = sum(t.covered_time for t in tables)
+        covered_memory = sum(t.covered_memory for t in tables)
+        rest = self.time_floor - covered_time
+        bound = np.full(cu * cw, rest) if outside is None else np.maximum(np.asarray(outside, float).ravel(), rest)
+        a, b, c = tables
+        offsets, t, s, x, refs = combine(cu, cw, cv, a.offsets, a.time, a.memory, a.working, strides[0],
+                                         b.offsets, b.time, b.memory, b.working, strides[1],
+                                         c.offsets, c.time, c.memory, c.working, strides[2],
+                                         bound, self.x_floor, self.limit * (1 + TOLERANCE),
+                                         self.budget - (self.memory_floor - covered_memory))
+        sizes = tuple(self.sizes[a] for a in scope)
+        return self._add(FrontTable(offsets, t, s, x, refs, tuple(ids), tuple(scope), sizes, None, covered_time,
+                                    covered_memory))
+
+    # ---- a residual graph: one layer fixed at a time -------------------------------------------
+    def _residual(self, plan, tables) -> int | None:
+        order = {n: i for i, n in enumerate(plan.residual)}
+        unary = {}
+        for n in plan.residual:
+            ids = [tables[c] for c in plan.residual_unary[n]]
+            while len(ids) > 1:
+                ids[:2] = [self._combine((n,), None, ids[:2], None)]
+            unary[n] = ids[0]
+        pairs = {}
+        for key, comps in plan.residual_pairs.items():
+            ids = [tables[c] for c in comps]
+            while len(ids) > 1:
+                ids[:2] = [self._combine(key, None, ids[:2], None)]
+            pairs[key] = ids[0]
+        degree = {n: sum(n in key for key in pairs) for n in plan.residual}
+        z = max(plan.residual, key=lambda n: (degree[n], -order[n]))
+        rest = [n for n in plan.residual if n != z]
+        solved = []
+        for iz in range(self.sizes[z]):
+            self.conditioned += 1
+            if self.conditioned > CONDITION_LIMIT:
+                raise TooWide(f"more than {CONDITION_LIMIT} sub-problems")
+            sub_unary = dict(unary)
+            edges = []
+            for (x, y), t in pairs.items():
+                if z not in (x, y):
+                    edges.append(((x, y), t))
+                    continue
+                other = y if x == z else x
+                stride = self.tables[t].strides((z,))[0]
+                base = [0, iz * stride, 0]
+                sub_unary[other] = self._combine((other,), None, [sub_unary[other], t], None, bases=base)
+            sub = elimination_plan(rest, [key for key, _ in edges])
+            sub_tables = self._components(sub, sub_unary, [t for _, t in edges])
+            final = self._solve(sub, sub_tables, top=False) if rest else 0
+            if final is None:
+                continue
+            mine = self._combine((), None, [final, unary[z]], None, bases=[0, iz, 0])
+            if self.tables[mine].points:
+                solved.append(mine)
+        if not solved:
+            return None
+        return self._stack(solved)
+
+    def _stack(self, finals: list) -> int:
+        """One final table from several (the residual's fixed configs): every point of them,
+        pruned to the non-dominated."""
+        t = np.concatenate([self.tables[f].time for f in finals])
+        s = np.concatenate([self.tables[f].memory for f in finals])
+        x = np.concatenate([self.tables[f].working for f in finals])
+        source = np.concatenate([np.full(self.tables[f].points, k) for k, f in enumerate(finals)])
+        index = np.concatenate([np.arange(self.tables[f].points) for f in finals])
+        keep = _non_dominated(t, s, x)
+        table = FrontTable(np.array([0, len(keep)]), t[keep], s[keep], x[keep],
+                           np.stack([source[keep], index[keep]], axis=1), tuple(finals), (), (), "stack",
+                           self.tables[finals[0]].covered_time, self.tables[finals[0]].covered_memory)
+        return self._add(table)
+
+    # ---- back to configs --------------------------------------------------------------------------
+    def _choice(self, table: int, point: int) -> dict:
+        choice = {}
+        todo = [(table, point)]
+        while todo:
+            t, p = todo.pop()
+            front = self.tables[t]
+            if front.origin == "stack":
+                todo.append((front.parents[int(front.refs[p, 0])], int(front.refs[p, 1])))
+            elif front.origin is not None:
+                choice[front.origin] = int(self.kept[front.origin][p])
+            elif front.refs is not None:
+                for k, parent in enumerate(front.parents):
+                    if parent and front.refs[p, k] >= 0:
+                        todo.append((parent, int(front.refs[p, k])))
+        missing = set(self.names) - set(choice)
+        assert not missing, f"no config traced back for {sorted(missing)}"
+        return choice
+
+
+def _flat(names, kept_bytes, working):
+    """Every layer's a and w in one array each, with each layer's start and length."""
+    lengths = np.array([len(kept_bytes[n]) for n in names], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return (np.concatenate([kept_bytes[n] for n in names]).astype(np.int64),
+            np.concatenate([working[n] for n in names]).astype(np.int64), starts, lengths)
+
+
+_RANGES: dict[int, np.ndarray] = {}
+
+
+def _range(n: int) -> np.ndarray:
+    """offsets of a table of one point per entry (shared, read-only)."""
+    out = _RANGES.get(n)
+    if out is None:
+        out = _RANGES[n] = np.arange(n + 1, dtype=np.int64)
+        out.setflags(write=False)
+    return out
+
+
+def _non_dominated(t, s, x) -> np.ndarray:
+    order = np.lexsort((x, s, t))
+    kept = []
+    for i in order:
+        if not any(s[j] <= s[i] and x[j] <= x[i] for j in kept):
+            kept.append(i)
+    return np.array(kept, dtype=np.int64)
