@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from taskrt.graph.strategy import Strategy
+from taskrt.search import budget as budgeting
 from taskrt.search.cost import Breakdown, CostModel
 from taskrt.search.eliminate import minimize
 from taskrt.search.layer_space import Configs
@@ -15,7 +16,7 @@ from taskrt.search.memory import step_memory
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
-             check_by_measurement: bool = False, fewer_devices: bool | None = None) -> Strategy:
+             check_by_measurement: bool = False, fewer_devices: bool | None = None, memory=None) -> Strategy:
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
@@ -47,10 +48,25 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     parallelism are each trained a few steps on the machine (`search.measured`) and the fastest
     is returned; meta["chosen_by_measurement"] names it, with every candidate's median step.
 
+    `memory`, a budget per device: None (the default) each device's own memory where the machine
+    knows it, a number of bytes or a text such as "16GiB", "512MiB" or "2GB" for every device,
+    False for none.  The result is the fastest strategy by equation 1 whose predicted step fits:
+    when the unconstrained optimum's memory per device (search.memory) fits, it is returned as it
+    is; otherwise search.pareto finds the fastest strategy whose memory measure
+    (search.memory_tables: an upper bound of the peak, equal to it where every layer peaks on the
+    same device) fits the smallest budget, exactly, and its memory per device is checked.  The
+    simulation and measurement checks and `fewer_devices` take only candidates that fit.  Nothing
+    fitting raises MemoryBudgetError (a MemoryError) naming the smallest peak found.
+    meta["memory_budget"] is the bytes each device may hold (the smallest budget; None: no
+    budget), meta["memory_bound"] whether the budget changed the result, and
+    meta["search"]["budget_s"] the time the budget took (checking, and searching when it binds;
+    meta["search"]["budget"] says how).
+
     The strategy's `replan` searches again (`SearchAgain`): after a lost worker, the Trainer
-    asks it for a strategy on the devices left.
+    asks it for a strategy on the devices left, under the same budget.
     """
     cost_model = cost_model or CostModel(machine)
+    budgets = budgeting.device_budgets(machine, memory)  # a bad value fails before any work
     given = fewer_devices  # None stays None for the search again: the machine left decides
     started = time.perf_counter()
     tables = cost_model.tables(graph)
@@ -58,33 +74,44 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     if fewer_devices is None:
         fewer_devices = not machine.is_simulated
     counts = device_counts(machine.num_devices) if fewer_devices else [machine.num_devices]
-    found = {}  # device count -> (strategy, config index per layer in `tables`)
+    found = {}  # device count -> (strategy, config index per layer in `tables`, its memory or None)
+    refused = {}  # device count -> what raises its MemoryBudgetError (nothing there fits the budget)
     for k in counts:
-        searched = _search_on(graph, machine, cost_model, tables, k, check_by_simulation)
-        if searched is not None:  # None: some layer fits on no k devices
+        searched = _search_on(graph, machine, cost_model, tables, k, check_by_simulation, budgets)
+        if callable(searched):
+            refused[k] = searched
+        elif searched is not None:  # None: some layer fits on no k devices
             found[k] = searched
+    if not found and refused:
+        raise refused[max(refused)]()
     if len(found) > 1:
-        k = _fewest_fast(graph, machine, cost_model, {k: s for k, (s, _) in found.items()})
+        k = _fewest_fast(graph, machine, cost_model, {k: s for k, (s, _, _) in found.items()})
     else:
         (k,) = found
-    strategy, choice = found[k]
+    strategy, choice, known = found[k]
     strategy.meta.setdefault("device_count", k)
     # optimize_s: node and edge elimination and undoing it, for every device count searched;
     # counts_s: the rest of searching the counts (the simulation check, simulating each result)
-    eliminating = sum(s.meta["search"]["optimize_s"] for s, _ in found.values())
+    eliminating = sum(s.meta["search"]["optimize_s"] for s, _, _ in found.values())
     strategy.meta["search"].update(tables_s=built - started, tables_parts_s=tables.seconds, optimize_s=eliminating,
                                    counts_s=time.perf_counter() - built - eliminating,
                                    configs=sum(len(c) for c in tables.configs.values()))
+    strategy.meta["search"]["budget_s"] = sum(s.meta["search"].get("budget_s", 0.0) for s, _, _ in found.values())
     if check_by_measurement:
-        strategy = _check_by_measurement(graph, machine, cost_model, strategy)
+        strategy = _check_by_measurement(graph, machine, cost_model, strategy, budgets)
     counted = time.perf_counter()
-    # every layer has a valid config here: no need to validate the strategy again
-    regions = cost_model.regions if check_by_simulation or check_by_measurement else (
-        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
-    strategy.meta["memory_per_device"] = _json(step_memory(graph, strategy, cost_model.itemsize, regions,
-                                                           cost_model.channel_params))
+    if known is not None and strategy.configs == found[k][0].configs:
+        memory_of = known  # counted by the budget's check already
+    else:
+        # every layer has a valid config here: no need to validate the strategy again
+        regions = cost_model.regions if check_by_simulation or check_by_measurement else (
+            lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
+        memory_of = step_memory(graph, strategy, cost_model.itemsize, regions, cost_model.channel_params)
+    strategy.meta["memory_per_device"] = _json(memory_of)
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
-    strategy.replan = SearchAgain(check_by_simulation, given)
+    strategy.meta["memory_budget"] = budgeting.smallest(budgets, k)
+    strategy.meta.setdefault("memory_bound", False)
+    strategy.replan = SearchAgain(check_by_simulation, given, memory)
     return strategy
 
 
@@ -94,10 +121,11 @@ def device_counts(num_devices: int) -> list[int]:
     return [1 << i for i in range(num_devices.bit_length()) if 1 << i < num_devices] + [num_devices]
 
 
-def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: bool):
+def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: bool, budgets=None):
     """The search restricted to configs on devices 0..k-1 (the first k devices as a machine of their
-    own): its Strategy, with meta, and the index in `tables` of each layer's config; None when
-    some layer has no config there (none fits in memory)."""
+    own): its Strategy, with meta, the index in `tables` of each layer's config, and its memory
+    per device where the budget's check counted it; None when some layer has no config there
+    (none fits in memory); a function making the MemoryBudgetError when no strategy fits `budgets`."""
     keep = {name: np.flatnonzero(last_devices(tables.configs[name]) < k) for name in graph.layers}
     if any(len(kept) == 0 for kept in keep.values()):
         return None
@@ -112,6 +140,19 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
     result = minimize(unary, edges)
     eliminating = time.perf_counter() - started
     choice = {name: int(keep[name][i]) for name, i in result.choice.items()}
+    memory, budget, bound, report = None, budgeting.smallest(budgets, k), False, None
+    if budget is not None:
+        checking = time.perf_counter()
+        memory = budgeting.memory_of_choice(graph, cost_model, tables, choice)
+        if not budgeting.fits(memory, budgets):  # the unconstrained optimum does not fit: search under the budget
+            bound = True
+            fitting, report = budgeting.search_fitting(graph, cost_model, tables, keep, unary,
+                                                      [(u, v, m) for u, v, m in edges], budget)
+            if fitting is None:
+                return lambda: budgeting.nothing_fits(graph, machine, cost_model, tables, keep, edges, budgets, k)
+            fitted, memory = fitting
+            choice = fitted
+        budget_s = time.perf_counter() - checking
     configs = {name: tables.configs[name][i] for name, i in choice.items()}
     t_x = {name: 0.0 for name in graph.layers}
     for u, v, _, m in tables.edges:
@@ -128,17 +169,22 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
                    "method": result.method, "optimize_s": eliminating},
         "machine": machine.description,
     }
+    if budget is not None:
+        meta["memory_bound"] = bound
+        meta["search"]["budget_s"] = budget_s
+        if report is not None:
+            meta["search"]["budget"] = report
     strategy = Strategy(configs, name="layer-wise", meta=meta)
     if check_by_simulation and k > 1:
         view = machine if k == machine.num_devices else machine.subset(range(k))
-        strategy = _check_by_simulation(graph, view, cost_model, strategy)
+        strategy = _check_by_simulation(graph, view, cost_model, strategy, budgets)
         strategy.meta["machine"] = machine.description
     elif check_by_simulation:  # on one device every strategy is the same one: the check's report of it
         seconds = _simulated_s(graph, cost_model, strategy)
         strategy.meta.update(chosen_by_simulation="layer-wise optimum",
                              simulated_step_s={"layer-wise optimum": seconds},
                              refined_layers=[], refined_step_s=seconds)
-    return strategy, choice
+    return strategy, choice, memory
 
 
 def _simulated_s(graph, cost_model, strategy) -> float:
@@ -184,10 +230,11 @@ class SearchAgain:
 
     check_by_simulation: bool = False
     fewer_devices: bool | None = None
+    memory: object = None  # the budget as optimize took it (None: each device's own memory)
 
     def __call__(self, graph, machine) -> Strategy:
         return optimize(graph, machine, check_by_simulation=self.check_by_simulation,
-                        fewer_devices=self.fewer_devices)
+                        fewer_devices=self.fewer_devices, memory=self.memory)
 
 
 def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
@@ -225,15 +272,25 @@ def candidates(graph, machine, optimum: Strategy) -> dict[str, Strategy]:
     return {name: strategy.validated(graph, machine) for name, strategy in out.items()}
 
 
-def _check_by_measurement(graph, machine, cost_model, optimum: Strategy) -> Strategy:
-    """The fastest on the machine of the optimum and the baselines (each distinct one timed once)."""
+def _fits(graph, cost_model, strategy, budgets) -> bool:
+    """Whether `strategy`'s memory per device (search.memory) fits `budgets` (None: no budget)."""
+    if not budgets:
+        return True
+    return budgeting.fits(step_memory(graph, strategy, cost_model.itemsize, cost_model.regions,
+                                     cost_model.channel_params), budgets)
+
+
+def _check_by_measurement(graph, machine, cost_model, optimum: Strategy, budgets=None) -> Strategy:
+    """The fastest on the machine of the optimum and the baselines that fit `budgets` (each distinct
+    one timed once)."""
     from taskrt.search.baselines import BASELINES
     from taskrt.search.measured import pick_by_measurement
 
     pool = {"layer-wise": optimum.validated(graph, machine)}
     for name, make in BASELINES.items():
         strategy = make(graph, machine).validated(graph, machine)
-        if all(strategy.configs != other.configs for other in pool.values()):
+        if all(strategy.configs != other.configs for other in pool.values()) and _fits(graph, cost_model, strategy,
+                                                                                        budgets):
             pool[name] = strategy
     measured = pick_by_measurement(graph, machine, pool).meta["chosen_by_measurement"]
     chosen = pool[measured["chosen"]]
@@ -251,11 +308,12 @@ def _predicted(graph, cost_model, strategy) -> dict:
                             for n in breakdown.t_c}}
 
 
-def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strategy:
+def _check_by_simulation(graph, machine, cost_model, optimum: Strategy, budgets=None) -> Strategy:
     """The fastest candidate by simulation, then one greedy pass over the layers: each layer tries
     the configs the candidates within 1.5x of the fastest give it, and keeps one when the
     simulated step gets faster.  On a real cluster a candidate replaces the Eq. 1 optimum, and a
-    refinement is kept, only when it is more than SIMULATION_MARGIN faster."""
+    refinement is kept, only when it is more than SIMULATION_MARGIN faster.  Under `budgets`,
+    candidates and refinements that do not fit are not taken."""
     from tqdm import tqdm
 
     def simulated_s(strategy) -> float:
@@ -265,6 +323,9 @@ def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strat
     # a few percent off, so a change must win by more than that to be worth the risk.
     margin = 0.0 if machine.is_simulated else SIMULATION_MARGIN
     pool = candidates(graph, machine, optimum)
+    if budgets:  # the optimum fits already
+        pool = {name: strategy for name, strategy in pool.items()
+                if name == "layer-wise optimum" or _fits(graph, cost_model, strategy, budgets)}
     simulated = {name: simulated_s(strategy) for name, strategy in pool.items()}
     start = min(simulated, key=simulated.get)
     if simulated[start] > simulated["layer-wise optimum"] * (1 - margin):
@@ -279,7 +340,7 @@ def _check_by_simulation(graph, machine, cost_model, optimum: Strategy) -> Strat
                 continue
             trial = Strategy({**configs, name: option}).validated(graph, machine)
             seconds = simulated_s(trial)
-            if seconds < best * (1 - max(margin, 1e-9)):
+            if seconds < best * (1 - max(margin, 1e-9)) and _fits(graph, cost_model, trial, budgets):
                 configs, best = dict(trial.configs), seconds
                 changed.append(name)
     meta = {**optimum.meta, "chosen_by_simulation": start, "simulated_step_s": simulated,
