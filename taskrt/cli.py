@@ -75,6 +75,7 @@ def cmd_run(args):
     from taskrt import models
     from taskrt.machines.machine import Machine
     from taskrt.observing.dashboard import page_url
+    from taskrt.training.memory import summary as memory_summary
     from taskrt.training.trainer import Trainer
 
     graph = models.lenet5(batch=args.batch)
@@ -98,6 +99,7 @@ def cmd_run(args):
         agree = "equal to" if measured == stats.planned_bytes else "DIFFERENT FROM"
         print(f"bytes per device pair from the workers' transfer logs: "
               f"{', '.join(f'{s}->{d}: {b:,}' for (s, d), b in sorted(measured.items()))} ({agree} the plan)")
+        print(memory_summary(trainer.memory()))
     verdict = "reached" if accuracy >= 0.95 else "did NOT reach"
     print(f"final test accuracy {accuracy:.2%} after {seconds:.1f} s: {verdict} the 95% goal")
     return 0 if accuracy >= 0.95 else 1
@@ -230,12 +232,23 @@ def cmd_search(args):
     machine = parse_machine(args.machine)
     try:
         cost_model = search.CostModel(machine, cache=args.cache, placement=args.placement)
-        strategy = search.optimize(graph, machine, cost_model, check_by_measurement=args.measure)
+        try:
+            strategy = search.optimize(graph, machine, cost_model, check_by_measurement=args.measure,
+                                       memory=args.memory)
+        except search.MemoryBudgetError as error:
+            raise SystemExit(f"taskrt search: {error}") from None
         meta = strategy.meta
         info = meta["search"]
         print(f"{args.model}, batch {batch} ({args.batch_per_device} per device), on {machine.description}")
         print(f"search: {info['configs']} configs, cost tables {info['tables_s']:.3f} s, node/edge elimination "
-              f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})\n")
+              f"{info['optimize_s'] * 1e3:.2f} ms, reduced graph {info['reduced_nodes']} nodes ({info['method']})")
+        if meta.get("memory_budget") is None:
+            print("memory budget: none\n")
+        else:
+            bound = ("it bound: the fastest strategy that fits, searched in "
+                     f"{info['budget_s'] * 1e3:.1f} ms ({info['budget']['method']})" if meta["memory_bound"]
+                     else "the fastest strategy fits")
+            print(f"memory budget: {meta['memory_budget'] / 2**20:.1f} MiB per device; {bound}\n")
         if "device_counts" in meta:
             print(f"devices: kept {meta['device_count']} of {machine.num_devices}; simulated step per device count: "
                   + ", ".join(f"{k}: {v['simulated_step_s'] * 1e3:.1f} ms" for k, v in meta["device_counts"].items())
@@ -363,6 +376,19 @@ def _machine(text):
                                      "simulated:<nodes>x<devices per node>[:<kind>] (e.g. simulated:4x4)")
 
 
+def _memory_budget(text):
+    """--memory: bytes per device ('16GiB', '512MiB', '2GB', a number of bytes) or 'off'."""
+    from taskrt.search.budget import parse_memory
+
+    if text == "off":
+        return False
+    try:
+        return parse_memory(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a budget per device such as 16GiB, 512MiB, 2GB or a number of "
+                                         f"bytes, or off, got {text!r}") from None
+
+
 def _writable(text):
     """A file to write: its directory must exist."""
     from pathlib import Path
@@ -408,6 +434,9 @@ def build_parser() -> Parser:
     find.add_argument("--image-size", type=POSITIVE, help="default: the network's published size")
     find.add_argument("--classes", type=POSITIVE, help="default: the network's published class count")
     find.add_argument("--placement", choices=["first", "aligned"], default="first")
+    find.add_argument("--memory", type=_memory_budget, default=None,
+                      help="memory budget per device (e.g. 16GiB, 512MiB, 2GB; off: none): the fastest strategy "
+                           "whose predicted step fits (default: each device's own memory)")
     find.add_argument("--cache", type=_writable, help="cost cache file (default: ~/.cache/taskrt/costs.json)")
     find.add_argument("--out", type=_writable, help="write the strategy as JSON")
     find.add_argument("--compare", action="store_true", help="also show data, model and OWT parallelism")
