@@ -90,6 +90,9 @@ class StepRun:
     position: int = 0  # this step's place among them; only the last one's outputs hold the new state
     shared: dict | None = None  # a window's: what the client reads of all its steps at once, once read
     sent: int | None = None  # its programs' place in the order programs were sent (ProgramExecutor)
+    # {device: (bytes its values held at most, the GPU allocator's peak or None)}, measured by its
+    # program (ProgramExecutor, read with the losses); None where not measured
+    memory: dict | None = None
 
     def futures(self) -> list:
         return futures_of(output_keys(self.outputs))
@@ -188,10 +191,14 @@ class Executor:
         """The step's loss values (in the order of its "loss" futures) read on its workers as soon as
         its runs end (taskrt.transport.worker_reads); TIMED_OUT if they had not ended within `timeout`; or
         None where the usual wait must tell what happened: a task failed, a worker was lost."""
-        return self._read_when_done(run.reads, run.address, len(run.outputs["loss"]), timeout)
+        values = self._read_when_done(run.reads, run.address, timeout)
+        if values is None or values is TIMED_OUT:
+            return values
+        return [values[i] for i in range(len(run.outputs["loss"]))]
 
-    def _read_when_done(self, reads: dict, address: dict, count: int, timeout: float):
-        """`read_when_done` of `reads` ({device: [(run, index, key, loss)]}, `count` losses)."""
+    def _read_when_done(self, reads: dict, address: dict, timeout: float):
+        """`read_when_done` of `reads` ({device: [(run, index, key, name)]}): {name: its value} (a
+        loss's name is its place among the step's losses), TIMED_OUT or None."""
         if not reads or address is None or any(d not in address for d in reads):
             return None
 
@@ -221,7 +228,7 @@ class Executor:
         values = {}
         for items, answer in zip(reads.values(), answers):
             values.update(zip([loss for *_, loss in items if loss is not None], answer))
-        return [values[i] for i in range(count)]
+        return values
 
     @property
     def gpu_devices(self) -> frozenset:

@@ -32,6 +32,7 @@ import numpy as np
 
 from taskrt.data.reading import TileRead, read_tile, tile_on_device
 from taskrt.execution.executor import Executor, StepRun, _named_graph, loss_sum, step_key
+from taskrt.execution.held import Held, StepOutOfMemory, allocator_peak, out_of_memory, start_allocator_peak
 from taskrt.gpu.device import to_device, to_host
 from taskrt.planning.fusion import RunValue
 from taskrt.planning.plan import DATA, Plan, map_outputs
@@ -46,6 +47,7 @@ SENT = itertools.count()  # steps sent by this client's executors, in order
 READ_PRIORITY = 1  # over every program's (0, -1, -2, ...)
 HELD = ("state", "buffers", "loss")  # outputs the client keeps as values of their program's result
 PER_STEP = ("loss", "logits")  # outputs a window of steps gives for each of its steps
+MEMORY = "memory"  # what names a step's measured memory among the values read when it ends
 
 
 class StepArgs:
@@ -114,16 +116,20 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
     worker = get_worker()
     box = mailbox_of(worker)
     per_step = [i for i, o in enumerate(program.outputs) if o.output in PER_STEP]
-    previous, each, seceded = None, [], [False]
+    previous, each, seceded, memory = None, [], [False], []
     for i, args in enumerate(steps):
+        held = Held(program.gpu)
+        start_allocator_peak(program.gpu)
         try:
             if i == 0:
                 before = _before(worker, box, args.before, args.tag) if args.before is not None else None
             carried, previous = [previous], None  # _run_step lets the step before's outputs go once read
-            previous = _run_step(program, args, inputs, before, carried, box, seceded)
+            previous = _run_step(program, args, inputs, before, carried, box, seceded, held)
         except Reschedule:  # the program before has not run yet (`_before`): nothing happened here
             raise
         except BaseException as error:
+            if out_of_memory(error):  # said plainly, with what the step held (the trainer names the device)
+                error = StepOutOfMemory(program.device, args.tag, held.now, held.peak, repr(error)).caused_by(error)
             tags = [later.tag for later in steps[i:]]
             box.program_failed(args.key, error)
             for tag in tags:
@@ -131,16 +137,19 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
             if not isinstance(error, ProgramAborted):
                 box.tell_peers([args.address[d] for d in program.peers if d in args.address], tags,
                                f"the program of device {program.device} failed: {error!r}")
-            raise
+            raise error
+        memory.append((held.peak, allocator_peak(program.gpu)))
         if len(steps) > 1:  # a loss part's sum; logits as they are (brought to the host as they are read)
             each += [loss_sum(previous[j]) if program.outputs[j].output == "loss" else previous[j] for j in per_step]
-    return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *each)
+    return (*(_for_client(o.output, v, program.gpu) for o, v in zip(program.outputs, previous)), *each, *memory)
 
 
-def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: list, box, seceded) -> tuple:
+def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: list, box, seceded,
+              held: Held) -> tuple:
     """One step of `program`: the values of its outputs, as they are on the device.  `carried`: [the
     outputs of the step before in the window, or None], emptied here, so that each of those values
-    is let go as soon as the step has read it for the last time (one copy of the state fewer)."""
+    is let go as soon as the step has read it for the last time (one copy of the state fewer).
+    `held` counts the step's values as they appear and go (`taskrt.execution.held`)."""
     from distributed import secede
 
     tag, address = args.tag, args.address
@@ -155,28 +164,36 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: l
             value = (tile_on_device if program.gpu else read_tile)(inputs[at], *tile.args[1:])
         else:
             value = ref if kind == "lit" else inputs[ref] if kind == "in" else inputs[ref[0]][ref[1]]
-        env[name] = to_device(value) if program.gpu and name.kind == DATA else value
+        env[name] = value = to_device(value) if program.gpu and name.kind == DATA else value
+        # what Dask gave the step it holds till the step ends: counted twice, so never let go here
+        held.add(value, 1 if kind in ("prev", "read") or (program.gpu and name.kind == DATA) else 2)
     previous = value = None
     for instruction, drops in zip(program.code, program.drops):
         if isinstance(instruction, Compute):
-            run = instruction.run
+            run, values = instruction.run, [env[n] for n in instruction.inputs]
             if args.profiled:
                 from taskrt.observing.task_timing import ProfiledRun
 
-                run = ProfiledRun(run.steps, run.exports, (), None, args.key)
-            env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
+                outputs = ProfiledRun(run.steps, run.exports, (), None, args.key).timed(values, held)
+            elif run.program is None:
+                outputs = run.run(values, held=held)
+            else:  # replayed as a CUDA graph: its values as it gives them
+                outputs = run(*values)
+                held.add(outputs)
+            env.update(zip(instruction.outputs, outputs))
         elif isinstance(instruction, Recv):
             key = value_key(instruction.name, tag)
             if not seceded[0] and key not in box.values:
                 # About to wait: leave the worker's thread pool, so that its other tasks go on meanwhile
                 secede()
                 seceded[0] = True
-            env[instruction.name] = box.take(key, tag, address[instruction.src])
+            env[instruction.name] = value = box.take(key, tag, address[instruction.src])
+            held.add(value)
         else:
             sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
                                  env[instruction.name]))
         for name in drops:
-            del env[name]
+            held.drop(env.pop(name))
     for future in sent:  # a peer that could not be reached fails the step here
         future.result()
     return tuple(env[o.name] for o in program.outputs)
@@ -347,6 +364,10 @@ class ProgramExecutor(Executor):
                 shared["count"] += 1
         for device, key in program_key.items():
             reads.setdefault(device, [(key, None, None, None)])
+            # each step's memory, measured by the program (`run_program`), read with the losses
+            first = len(programs[device].outputs) + (len(steps) > 1) * len(steps) * sum(
+                o.output in PER_STEP for o in programs[device].outputs)
+            reads[device] += [(key, first + k, None, (MEMORY, k, device)) for k in range(len(steps))]
         for k, (step, tag, data, _) in enumerate(steps):
             last = k == len(steps) - 1
             if len(steps) == 1:
@@ -396,14 +417,19 @@ class ProgramExecutor(Executor):
         """As `Executor.read_when_done`; a window's steps are read all at once, as its first is
         waited for (one question to each worker rather than one per step)."""
         if run.shared is None:
-            return super().read_when_done(run, timeout)
+            values = self._read_when_done(run.reads, run.address, timeout)
+            if values is None or values is TIMED_OUT:
+                return values
+            run.memory = measured_memory(values, 0)
+            return [values[i] for i in range(len(run.outputs["loss"]))]
         if "values" not in run.shared:
-            values = self._read_when_done(run.shared["reads"], run.address, run.shared["count"], timeout)
+            values = self._read_when_done(run.shared["reads"], run.address, timeout)
             if values is None or values is TIMED_OUT:
                 return values
             run.shared["values"] = values
-        count = len(run.outputs[run.shared["name"]])
-        return run.shared["values"][run.position * count:(run.position + 1) * count]
+        values, count = run.shared["values"], len(run.outputs[run.shared["name"]])
+        run.memory = measured_memory(values, run.position)
+        return [values[i] for i in range(run.position * count, (run.position + 1) * count)]
 
     def abort(self, runs, reason: str) -> None:
         """Give up the steps `runs` (StepRuns): their programs still waiting for values fail."""
@@ -416,6 +442,11 @@ class ProgramExecutor(Executor):
         except Exception:  # noqa: BLE001  (no scheduler to ask: no program to abort either)
             return
         self.client.sync(abort_on, self.client, addresses, tags, reason)
+
+def measured_memory(values: dict, k: int) -> dict:
+    """{device: (bytes, GPU allocator bytes or None)} of step `k` of a window, from what was read."""
+    return {key[2]: tuple(value) for key, value in values.items() if type(key) is tuple and key[:2] == (MEMORY, k)}
+
 
 def _given(name, given: dict):
     """The value a step is given for program input `name` (a Dep of kind state, buffer, data or hyper)."""

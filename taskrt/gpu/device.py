@@ -117,6 +117,11 @@ def pool_bytes() -> int:
 _shared = [False]
 
 
+def shares_torch_allocator() -> bool:
+    """Whether this worker's cupy allocates from torch's allocator (`share_torch_allocator` did it)."""
+    return _shared[0]
+
+
 def share_torch_allocator() -> bool:
     """Let cupy allocate from torch's caching allocator, once per process: one pool serves both
     libraries' arrays (two pools each keep what the other could use), and a CUDA graph's capture

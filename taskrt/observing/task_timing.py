@@ -108,10 +108,14 @@ class ProfiledRun(FusedRun):
     name: object = None
 
     def __call__(self, *inputs):
+        return self.timed(inputs)
+
+    def timed(self, inputs, held=None):
+        """The run on `inputs`, each step timed; `held`: as `FusedRun.run`'s."""
         clock, delay = _clock(), _scheduler_delay()
         steps = tuple((key, _Step(key, fn, clock), args) for key, fn, args in self.steps)
         try:
-            return FusedRun(steps, self.exports, self.after).run(inputs)
+            return FusedRun(steps, self.exports, self.after).run(inputs, held=held)
         finally:
             _keep(self.name, clock, delay)
 

@@ -47,9 +47,10 @@ class FusedRun:
             return cuda_graphs.call(self, inputs)
         return self.run(inputs)
 
-    def run(self, inputs, watch=None):
+    def run(self, inputs, watch=None, held=None):
         """The steps, one after another, on `inputs`; `watch(key)`, when given, after each step
-        (a CUDA graph's capture checks there which step, if any, broke it)."""
+        (a CUDA graph's capture checks there which step, if any, broke it); `held`: a
+        `taskrt.execution.held.Held` that counts each value as it is made and let go."""
         last_use, keep = self._last_use, self._keep
         values = {}
         for n, (key, fn, args) in enumerate(self.steps):
@@ -62,8 +63,12 @@ class FusedRun:
                 raise
             if watch is not None:
                 watch(key)
+            if held is not None:
+                held.add(values[key])
             for kind, ref in args:  # an inner value no later step reads is dropped now: memory as unfused
                 if kind == "own" and last_use[ref] == n and ref not in keep:
+                    if held is not None:
+                        held.drop(values[ref])
                     del values[ref]
         return tuple(values[key] for key in self.exports)
 
