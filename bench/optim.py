@@ -18,6 +18,7 @@ from taskrt.bench.goals import OPTIM_GOAL
 from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
 from taskrt.bench.report import write_result
 from taskrt.machines.machine import Machine
+from taskrt.planning.memory import plan_memory
 from taskrt.search.measured import random_batch
 from taskrt.training.trainer import Trainer
 
@@ -53,10 +54,15 @@ def rows_for(chosen: dict, rounds: int) -> list[dict]:
                 **{f"{label.replace('-', '_')}_ms": med[label] * 1e3 for label in RUNNERS},
                 "adamw_vs_sgd": ratio, "clipped_vs_sgd": med["adamw-clipped"] / med["sgd-momentum"],
                 "nesterov_vs_sgd": med["sgd-nesterov"] / med["sgd-momentum"],
-                "optimizer_mib": {label: sum(m.optimizer for m in t.memory().values()) / 2**20
-                                  for label, t in trainers.items()},
+                "optimizer_mib": {label: optimizer_mib(t) for label, t in trainers.items()},
                 "goal": OPTIM_GOAL if judged else None, "meets_goal": ratio <= OPTIM_GOAL if judged else None})
     return rows
+
+
+def optimizer_mib(trainer) -> float:
+    """MiB of the optimizer's state over every device (`taskrt.planning.memory.plan_memory`)."""
+    memory = plan_memory(trainer.plan, trainer.dtype.itemsize, len(trainer.optimizer.slots))
+    return sum(m.optimizer for m in memory.values()) / 2**20
 
 
 def run(out_dir="results", quick=False):

@@ -23,6 +23,7 @@ from taskrt.graph.config import ParallelConfig
 from taskrt.graph.from_torch import from_torch
 from taskrt.graph.graph import Graph, GraphError, Layer, Tensor
 from taskrt.graph.strategy import Strategy, StrategyError
+from taskrt.machines.devices import DeviceMemoryError
 from taskrt.machines.machine import Machine, MachineError
 from taskrt.ops import optim
 from taskrt.ops.rect import Rect  # the region algebra lives beside the region rules in ops
@@ -35,7 +36,8 @@ from taskrt.training.trainer import Trainer
 
 __all__ = [
     "Rect", "Graph", "GraphError", "Layer", "Tensor", "ParallelConfig", "Strategy", "StrategyError",
-    "Machine", "MachineError", "Checkpoints", "CheckpointError", "Trainer", "SingleDeviceTrainer", "ISTTrainer",
-    "LocalSGDTrainer", "lower", "models", "Dataset", "ArrayDataset", "NpyDataset", "Synthetic", "digits",
-    "DatasetError", "DataReadError", "History", "EpochStats", "Evaluation", "optim", "from_torch",
+    "Machine", "MachineError", "DeviceMemoryError", "Checkpoints", "CheckpointError", "Trainer",
+    "SingleDeviceTrainer", "ISTTrainer", "LocalSGDTrainer", "lower", "models", "Dataset", "ArrayDataset",
+    "NpyDataset", "Synthetic", "digits", "DatasetError", "DataReadError", "History", "EpochStats", "Evaluation",
+    "optim", "from_torch",
 ]

@@ -10,6 +10,18 @@ class MachineError(RuntimeError):
     """A cluster that cannot serve as a machine, or a device that was lost."""
 
 
+class DeviceMemoryError(MemoryError):
+    """A strategy's step does not fit a device's memory: predicted before any step, or found when
+    a device ran out of it.  `devices`: the devices (numbered on the whole machine) it names."""
+
+    def __init__(self, message: str, devices=()):
+        super().__init__(message)
+        self.devices = tuple(devices)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.devices))
+
+
 @dataclass(frozen=True)
 class Device:
     id: int

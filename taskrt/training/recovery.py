@@ -13,12 +13,14 @@ import warnings
 
 from taskrt.data.datasets import DataReadError
 from taskrt.execution.executor import StepRun, futures_of
+from taskrt.execution.held import StepOutOfMemory
 from taskrt.execution.program_executor import make_executor
 from taskrt.machines.devices import MachineError
 from taskrt.ops.precision import set_precision
 from taskrt.planning.fusion import run_of
 from taskrt.planning.params import init_buffers
 from taskrt.training.elastic import DeviceLost, remap
+from taskrt.training.memory import MEMORY_EVENTS, MIB, ran_out
 from taskrt.transport.mailbox import PeerLost
 
 POLL_S = 1.0  # while waiting for a step, how often to check that its devices are still there
@@ -26,6 +28,7 @@ NOTICE_S = 5.0  # how long a connection error sending a step may wait for the sc
 RESTART_GRACE_S = 10.0  # when no worker is left, how long to wait for a nanny to restart one
 MAX_RECOVERIES = 8  # losses in a row (during the recovery from the one before) before giving up
 LOST_STATUSES = ("error", "cancelled", "lost")
+MEMORY_EVENT_S = 0.5  # how long a lost worker waits for its nanny's word that it went over its memory_limit
 
 
 class WorkerLostWarning(RuntimeWarning):
@@ -38,6 +41,8 @@ class Recovery:
     def _gather(self, futures, step):
         try:
             return self.machine.client.gather(futures)
+        except StepOutOfMemory as error:
+            raise self._out_of_memory(error, step, roll_back=False) from error
         except Exception as error:
             self._check_scheduler(error)
             self._check_devices(step, error)
@@ -96,8 +101,11 @@ class Recovery:
         """Futures of a step failed: a lost device or lost values (DeviceLost), or the task's own error."""
         from distributed import KilledWorker
 
-        missing = self._missing_devices()
         errors = [f.exception() for f in failed if f.status == "error"]
+        for error in errors:  # a device ran out of memory: not a lost worker, nothing to recover
+            if isinstance(error, StepOutOfMemory):
+                raise self._out_of_memory(error, step) from error
+        missing = self._missing_devices()
         # a program's peer (or the worker that held its state: taskrt.execution.program_executor) gone is a lost worker
         if missing or len(errors) < len(failed) or any(isinstance(e, (KilledWorker, PeerLost)) for e in errors):
             self._lost(missing, f"step {step} lost values its tasks need" + (
@@ -110,6 +118,7 @@ class Recovery:
 
     def _lost(self, devices, reason, step):
         self._check_scheduler()
+        self._check_memory_kills(step)
         if not self.elastic:
             raise MachineError(f"step {step} failed: {reason}; parameters on it are gone. Restore the last "
                                "checkpoint with Trainer.load(path, machine).")
@@ -135,6 +144,7 @@ class Recovery:
             missing = [d.id for d in self.machine.devices if d.id not in address]
             if not lost and not lost_buffers and not missing:
                 return address
+            self._check_memory_kills(step)
             # named by their number on the whole machine
             missing = [self.devices_in_use[d] for d in missing]
             held = [self.plan.shards[layer][shard].chunks[k][2] for layer, shard, k in lost]
@@ -249,9 +259,58 @@ class Recovery:
         self._placed = {}  # the devices are numbered anew: datasets are placed again as they are read
         self.executor = make_executor(view, self.executor_kind, self.executor.fused, self.executor.cuda_graphs)
         self.strategy = strategy.validated(self.graph, view)
-        self._plans, self._memory = {}, None
+        self._plans, self._measured, self._measured_max = {}, {}, {}
         self.plan = self._plan("train")
+        self._check_memory(replanned=view is not whole)
 
     def _all_lost(self, lost: DeviceLost):
         raise MachineError(f"{lost.reason}, and no worker is left (none came back within {RESTART_GRACE_S:.0f} s): "
                            f"training cannot go on. {self._where_to_resume()}")
+
+    # ---- out of memory -------------------------------------------------------------------------
+    def _out_of_memory(self, error: StepOutOfMemory, step, roll_back: bool = True):
+        """The DeviceMemoryError of a step whose program ran out of memory; with `roll_back`, that
+        step and those after it never happened (`_roll_back`): the state is the last finished step's."""
+        step = next((f.run.step for f in self._in_flight if f.run.tag == error.tag), step)
+        cause = (f"{error.error}, with {error.held / MIB:.1f} MiB of the step's values held "
+                 f"(at most {error.peak / MIB:.1f} MiB before)")
+        failure = ran_out(self.devices_in_use[error.device], step, cause, self.memory().get(error.device),
+                          self._good[0])
+        if roll_back:
+            self._roll_back(failure)
+        return failure
+
+    def _check_memory_kills(self, step) -> None:
+        """Where a Dask nanny restarted one of this trainer's workers for going over its memory_limit
+        (its event on the scheduler, MEMORY_EVENTS): raise DeviceMemoryError rather than recover (the
+        step would run out again).  Elastic, the state of the last finished step is restored first
+        (the snapshot, and the steps since replayed); otherwise it went with the worker."""
+        client = self.cluster_machine.client
+        deadline = time.monotonic() + MEMORY_EVENT_S
+        while True:  # the nanny's word may come just after the worker is missed
+            try:
+                events = client.get_events(MEMORY_EVENTS)
+            except Exception:  # noqa: BLE001  (no word from the scheduler: a lost worker as any other)
+                return
+            kills = [(t, event) for t, event in events if event.get("worker") in self._worker_devices
+                     and (t, event.get("worker")) not in self._kills_seen]
+            if kills or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if not kills:
+            return
+        self._kills_seen.update((t, event["worker"]) for t, event in kills)
+        t, event = kills[0]
+        device = self._worker_devices[event["worker"]]
+        cause = (f"the Dask nanny restarted its worker at {event.get('rss', 0) / MIB:.0f} MiB of process memory, "
+                 "over its memory_limit")
+        use = self.memory().get(self.devices_in_use.index(device)) if device in self.devices_in_use else None
+        if not self.elastic:
+            raise ran_out(device, step, cause, use, self._good[0], "The parameters it held are gone: restore the "
+                          "last checkpoint with Trainer.load(path, machine).")
+        failure = ran_out(device, step, cause, use, self._good[0])
+        self._roll_back(failure)
+        with warnings.catch_warnings():  # the error says what happened
+            warnings.simplefilter("ignore", WorkerLostWarning)
+            self._recover(DeviceLost([device], f"the worker of device {device} went over its memory_limit"))
+        raise failure

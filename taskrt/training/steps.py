@@ -41,7 +41,8 @@ class StepStats:
     tasks: int
     tasks_by_phase: dict
     planned_bytes: dict  # (source device, destination device) -> bytes, from the plan
-    memory: dict = field(default_factory=dict)  # device -> taskrt.planning.memory.DeviceMemory, from the plan
+    # device -> taskrt.training.memory.MemoryUse: predicted peak, and measured in this step (where it was)
+    memory: dict = field(default_factory=dict)
     _measure: object = field(repr=False, default=None)
     _measured: dict | None = field(repr=False, default=None)
 
@@ -58,8 +59,12 @@ class StepStats:
 
     def summary(self) -> str:
         pairs = ", ".join(f"{s}->{d}: {b:,}" for (s, d), b in sorted(self.planned_bytes.items())) or "none"
-        peak = max(self.memory.items(), key=lambda item: item[1].total, default=None)
-        memory = f", most memory on device {peak[0]}: {peak[1].total / 2**20:.1f} MiB" if peak else ""
+        peak = max(self.memory.items(), key=lambda item: item[1].predicted.total, default=None)
+        memory = ""
+        if peak:
+            device, use = peak
+            measured = f"{use.measured / 2**20:.1f} MiB measured, " if use.measured is not None else ""
+            memory = f", most memory on device {device}: {measured}{use.predicted.total / 2**20:.1f} MiB predicted"
         return (f"step {self.step}: {self.wall_s * 1e3:.1f} ms, {self.tasks} tasks, "
                 f"{self.bytes_moved:,} bytes moved ({pairs}){memory}")
 
@@ -202,6 +207,7 @@ class Submission:
             started = time.perf_counter()
         if address is None:
             address = self._check_state(step) if check else self.machine.addresses()
+        self._note_workers(address)
         plan = self._plan(mode)
         futures = self._reads(plan, data, address) if isinstance(data, Batch) else self.executor.scatter(
             plan, data, address)
@@ -210,6 +216,11 @@ class Submission:
                                    address=address)
         run.submitted, run.address = started, address
         return run
+
+    def _note_workers(self, address: dict) -> None:
+        """Remember which device each worker was, should its nanny restart it (`_check_memory_kills`)."""
+        for device, worker in address.items():
+            self._worker_devices[worker] = self.devices_in_use[device]
 
     def _run_logged(self, entry: LoggedStep, replay: int = 0, address=None, started=None) -> StepRun:
         """Submit a logged training step; its new state becomes the current state.  (The caller
@@ -230,6 +241,7 @@ class Submission:
         """Submit logged steps read from a dataset as one program per device running them all
         (`ProgramExecutor.submit_window`); the last one's new state becomes the current state."""
         plan = self._plan("train")
+        self._note_workers(address)
         steps = [(e.step, self._tag(e), self._reads(plan, e.batch, address), e.hyper) for e in entries]
         runs = self.executor.submit_window(plan, steps, self._state, self._buffers, address)
         for run in runs:
@@ -408,12 +420,13 @@ class Submission:
             del self._updates_after[step]
 
     def _roll_back(self, error: Exception):
-        """A step failed on its own (its data could not be read): it and the steps after it never
-        happened.  Their StepFutures answer `error` (their tasks failed with it: each reads the
-        state of the one before), the state goes back to the last finished step's, and training
-        can go on from there; nothing finished is lost.  (Not `Client.cancel`: cancelling a key
-        whose dependents no client holds fails an assertion in the scheduler, which drops the
-        client's connection and with it every future, the finished state's too.)"""
+        """A step failed on its own (its data could not be read, or a device ran out of memory): it
+        and the steps after it never happened.  Their StepFutures answer `error` (their tasks
+        failed with it: each reads the state of the one before), the state goes back to the last
+        finished step's, and training can go on from there; nothing finished is lost.  (Not
+        `Client.cancel`: cancelling a key whose dependents no client holds fails an assertion in
+        the scheduler, which drops the client's connection and with it every future, the finished
+        state's too.)"""
         step, state, buffers = self._good
         self._rollbacks += 1
         self.executor.abort([f.run for f in self._in_flight if not f.finished], f"a step failed: {error!r}")
@@ -428,6 +441,7 @@ class Submission:
 
     def _finished(self, run: StepRun):
         run.finished = time.perf_counter()
+        self._note_memory(run)
         if self.stats is not None and self.stats.step > run.step:
             return
         # With steps in flight, a step's own time starts when the one before it finished; the

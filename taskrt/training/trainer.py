@@ -22,6 +22,11 @@ warning naming what was lost.
 A step whose data cannot be read (a dataset file gone or cut short while training) raises
 taskrt.data.datasets.DataReadError; it and the steps submitted after it never happen, and the
 parameters stay those of the last finished step.
+
+Memory (`taskrt.training.memory`): `trainer.memory()` gives each device's predicted peak beside
+the peaks its worker measured; a strategy predicted not to fit a device's memory raises
+DeviceMemoryError before any step (`check_memory=False`: train anyway), and so does a step that
+runs out of memory, the parameters staying those of the last finished step.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ from taskrt.execution.program_executor import make_executor
 from taskrt.ops.optim import check_clip, optimizer_of
 from taskrt.ops.precision import PRECISIONS, set_precision
 from taskrt.planning.lowering import lower
-from taskrt.planning.memory import plan_memory
 from taskrt.planning.params import init_buffers, init_parameters, resolve_dtype
+from taskrt.planning.peak import peak_memory
 from taskrt.training.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from taskrt.training.checkpoint import CheckpointError, Checkpoints
 from taskrt.training.elastic import LoggedStep, Snapshot
+from taskrt.training.memory import MemoryUse, check_fits, memory_kills
 from taskrt.training.placement import Placement
 from taskrt.training.recovery import Recovery, WorkerLostWarning
 from taskrt.training.snapshots import Snapshots
@@ -65,7 +71,8 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
 
     def __init__(self, graph, strategy, machine, lr=None, momentum=None, weight_decay=None, dtype="float32",
                  seed=0, precision="fp32", snapshot_every="auto", checkpoints: Checkpoints | None = None,
-                 fused=True, cuda_graphs=True, executor=None, replan=None, optimizer=None, clip_grad_norm=None):
+                 fused=True, cuda_graphs=True, executor=None, replan=None, optimizer=None, clip_grad_norm=None,
+                 check_memory=True):
         """`optimizer`: `taskrt.optim.SGD`, `Adam` or `AdamW` (`torch.optim`'s update rules; its
         state lives beside each parameter shard on its device); `lr`, `momentum` and
         `weight_decay` are SGD's shorthand (default: SGD at lr 0.01).  `trainer.lr` is the learning
@@ -93,7 +100,10 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         (`taskrt.gpu.cuda_graphs`: one launch instead of one per kernel); False launches every kernel.
         `replan(graph, machine) -> Strategy`: the strategy for the devices left after a lost worker;
         by default the strategy's own (`Strategy.replan`: a searched one searches again), else the
-        strategy re-mapped onto them (`taskrt.training.elastic.remap`)."""
+        strategy re-mapped onto them (`taskrt.training.elastic.remap`).
+        `check_memory`: raise DeviceMemoryError before any step where the strategy's predicted peak
+        (`taskrt.planning.peak`) exceeds a device's memory (`Device.memory`; unknown: not checked),
+        and where a strategy re-planned after a lost worker does; False trains anyway."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
         if snapshot_every not in ("auto", None) and (isinstance(snapshot_every, bool) or not isinstance(
@@ -122,6 +132,11 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         machine.client.run(set_precision, precision)
         self._plans = {}
         self.plan = self._plan("train")
+        self.check_memory = bool(check_memory)
+        self._measured: dict = {}  # device -> (bytes held at most, GPU allocator bytes) of the last measured step
+        self._measured_max: dict = {}  # device -> the most bytes held in any step so far
+        self._worker_devices: dict = {}  # worker address -> its device on the whole machine, as steps were sent
+        self._kills_seen = memory_kills(machine.client)  # a nanny's restarts over memory_limit, before this trainer
         self.batch_size = graph.losses[0].shape[0] if graph.losses else None
         self.steps_done = 0  # steps submitted
         self.updates_done = 0  # optimizer updates submitted (fewer than steps when accumulating)
@@ -135,13 +150,13 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         self._cut_at = 0  # the step whose state was last given fresh keys
         self._aux_runs = 0
         self.stats: StepStats | None = None
-        self._memory = None
         # recovery: the snapshot, the steps since, snapshots under way, what happened
         self.elastic = snapshot_every is not None
         self.snapshot_every = 1 if snapshot_every in ("auto", None) else snapshot_every
         self._auto_snapshots = snapshot_every == "auto"
         self.checkpoints = checkpoints
         self.devices_in_use = list(range(machine.num_devices))  # devices of the whole machine in use
+        self._check_memory()  # before anything is placed
         self._log: list[LoggedStep] = []
         self._pending: list[tuple] = []  # (step, state futures, plan, write a checkpoint)
         self._walls: deque = deque(maxlen=20)
@@ -221,10 +236,27 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         self.publisher.publish()
 
     def memory(self) -> dict:
-        """Bytes per device of a training step, by kind (taskrt.planning.memory): {device: DeviceMemory}."""
-        if self._memory is None:
-            self._memory = plan_memory(self.plan, self.dtype.itemsize, slots=len(self.optimizer.slots))
-        return self._memory
+        """{device: taskrt.training.memory.MemoryUse}: a training step's predicted peak by kind
+        (`taskrt.planning.peak`) beside the peak its worker measured in the last finished step and
+        the most so far (`taskrt.training.memory.summary` prints them), and the device's memory."""
+        out = {}
+        for d, peak in peak_memory(self.plan, self.dtype.itemsize, len(self.optimizer.slots)).items():
+            held, allocated = self._measured.get(d, (None, None))
+            out[d] = MemoryUse(peak, held, self._measured_max.get(d), allocated, self.machine.devices[d].memory)
+        return out
+
+    def _check_memory(self, replanned: bool = False) -> None:
+        """DeviceMemoryError where the strategy's predicted peak exceeds a device's memory (unless
+        `check_memory` is off)."""
+        if self.check_memory:
+            check_fits(peak_memory(self.plan, self.dtype.itemsize, len(self.optimizer.slots)), self.machine,
+                       self.devices_in_use, self.graph.name, self.strategy.name, replanned)
+
+    def _note_memory(self, run) -> None:
+        """Keep the memory `run`'s programs measured (each device's last, and its most so far)."""
+        for device, (held, allocated) in (run.memory or {}).items():
+            self._measured[device] = (held, allocated)
+            self._measured_max[device] = max(held, self._measured_max.get(device, 0))
 
     def predict(self, x) -> np.ndarray:
         """Logits for any number of samples, in batches of the graph's batch size."""
