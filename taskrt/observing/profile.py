@@ -10,6 +10,8 @@ time so that each one's timeline is its own, with every task timed on its worker
 scheduler's task stream.  The same plan's step as a cost model given by the caller simulates it
 is laid beside each measured step.  Later steps are not profiled.  The trace opens in Perfetto (ui.perfetto.dev) or
 chrome://tracing (`taskrt.observing.trace`); the PNG (`taskrt.observing.gantt`) shows the last step.
+Each device's memory comes with them: the peak of a step its worker measured in each profiled step,
+beside the predicted one (`taskrt.planning.peak`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class Profile:
     """Profiled steps: `measured` (one timeline per step, on one time axis from the first step's
     start) and `simulated` (one step of the same plan as the cost model predicts it, from 0; None
     without a cost model); `reference_kernel_s`: per device, the step's kernels timed one after
-    another on one worker, alone (`taskrt.planning.inprocess.run_plan`; None on GPU devices)."""
+    another on one worker, alone (`taskrt.planning.inprocess.run_plan`; None on GPU devices);
+    `memory`: per device, {"predicted": the predicted peak of a step, "measured": the peak its
+    worker measured in each profiled step (None where a step was not measured)}, bytes."""
 
     graph: str
     strategy: str
@@ -41,6 +45,7 @@ class Profile:
     reference_kernel_s: dict | None = None
     path: str | None = None
     png: str | None = None
+    memory: dict | None = None
 
     @property
     def last(self) -> StepTimeline:
@@ -92,6 +97,10 @@ class Profile:
             reference = ", ".join(f"{self.reference_kernel_s.get(d, 0.0) * 1e3:.1f}" for d in last.devices)
             lines.append(f"kernels per device: {measured} ms in the step, {reference} ms one after another "
                          "on one worker (taskrt.planning.inprocess.run_plan)")
+        if self.memory:
+            lines.append("memory per device (MiB): predicted peak, measured in each profiled step: " + "; ".join(
+                f"{d}: {m['predicted'] / 2**20:.2f}, " + ", ".join(
+                    "-" if v is None else f"{v / 2**20:.2f}" for v in m["measured"]) for d, m in self.memory.items()))
         if self.path or self.png:
             lines.append("written: " + ", ".join(p for p in (self.path, self.png) if p))
         return "\n".join(lines)
@@ -161,7 +170,7 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
     out = Profile(trainer.graph.name, trainer.strategy.name, trainer.machine.description,
                   tuple(f"{trainer.devices_in_use[d]} ({kinds[d]})" for d in devices), tuple(losses), tuple(measured),
                   simulated, _reference(trainer, plan, arrays) if reference else None,
-                  None if path is None else str(path), None if png is None else str(png))
+                  None if path is None else str(path), None if png is None else str(png), _memory(trainer, runs))
     if path is not None:
         from taskrt.observing.trace import write_trace
 
@@ -171,6 +180,16 @@ def profile(trainer, data: tuple, steps: int = 3, path="trace.json", png=None, c
 
         write_gantt(out, png)
     trainer.publisher.profiled(out)
+    return out
+
+
+def _memory(trainer, runs) -> dict:
+    """Per device: the predicted peak, and the peak measured in each of `runs` (`Profile.memory`)."""
+    out = {}
+    for device, use in trainer.memory().items():
+        measured = [(run.memory or {}).get(device) for run in runs]
+        out[device] = {"predicted": use.predicted.total,
+                       "measured": [None if m is None else (m[1] if m[1] is not None else m[0]) for m in measured]}
     return out
 
 

@@ -7,8 +7,10 @@ One process per device and source: pid = device for the measured timeline ("devi
 SIMULATED_PID + device for the simulated one ("device 0 (simulated)"), sorted so that each device's
 two processes sit one above the other.  One thread per lane of `taskrt.observing.timeline` (kernels, data,
 transfers in, transfers out, waiting, dask tasks) and one for the steps themselves.  Every event
-is complete ("X", with its duration) or metadata ("M"); times are microseconds from the first
-profiled step's start.  The simulated step is laid at the start of each measured step.
+is complete ("X", with its duration), metadata ("M") or, for each device's memory, a counter ("C":
+at each measured step's start, the peak its worker measured in the step beside the predicted
+peak, MiB); times are microseconds from the first profiled step's start.  The simulated step is
+laid at the start of each measured step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def trace_events(profile) -> list[dict]:
             for span in timeline.spans:
                 events.append(_complete(span.name, span.lane, pid_of(span.device, timeline.source), span.start_s,
                                         span.end_s, {"step": step.step, **dict(span.detail)}))
+    for k, step in enumerate(profile.measured):
+        for device, memory in (profile.memory or {}).items():
+            measured = memory["measured"][k] if k < len(memory["measured"]) else None
+            values = {"predicted": round(memory["predicted"] / 2**20, 3)}
+            if measured is not None:
+                values["measured"] = round(measured / 2**20, 3)
+            events.append({"ph": "C", "name": "memory peak (MiB)", "pid": pid_of(device, "measured"),
+                           "tid": tid_of(STEP_LANE), "ts": round(step.start_s * 1e6, 3), "args": values})
     return events
 
 
@@ -66,6 +76,7 @@ def chrome_trace(profile) -> dict:
             "graph": profile.graph, "strategy": profile.strategy, "machine": profile.machine,
             "losses": list(profile.losses), "measured_step_ms": [s.wall_s * 1e3 for s in profile.measured],
             "simulated_step_ms": None if profile.simulated is None else profile.simulated.wall_s * 1e3,
+            "memory_bytes": {str(d): m for d, m in (profile.memory or {}).items()},
         },
     }
 
