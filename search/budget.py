@@ -91,24 +91,25 @@ def _total(m) -> int:
     return m["total"] if isinstance(m, dict) else m.total
 
 
-def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int):
+def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int, log=None):
     """The fastest choice (config index per layer in `tables`) among those in `keep` whose measure
-    fits `budget`, checked with step_memory: (choice, its step_memory, report), or None when
-    none fits.  `unary` and `edges` are the time tables restricted to `keep`."""
+    fits `budget`, checked with step_memory: ((choice, its step_memory), report), or (None, report)
+    when none fits.  `unary` and `edges` are the time tables restricted to `keep`; `log` the
+    unconstrained search's records of them (search.eliminate.Result.log)."""
     started = time.perf_counter()
     memory_tables = MemoryTables(graph, cost_model, tables)
     names = list(graph.layers)
     kept_bytes = {n: memory_tables.kept[n][keep[n]] for n in names}
     working = {n: memory_tables.working[n][keep[n]] for n in names}
 
-    def edge_bytes(i, rows, cols):
+    def edge_bytes(i, rows, cols, wanted=None):
         u, v = edges[i][0], edges[i][1]
-        return memory_tables.edge(i, keep[u][rows], keep[v][cols])
+        return memory_tables.edge(i, keep[u][rows], keep[v][cols], wanted)
 
     method = "node and edge elimination over time-memory fronts (exact under the measure)"
     try:
         found = budget_search(names, unary, edges, kept_bytes, working, edge_bytes, budget,
-                              alternatives=ALTERNATIVES)
+                              alternatives=ALTERNATIVES, log=log)
     except TooWide:
         found, method = _approximate(names, unary, edges, kept_bytes, working, edge_bytes, budget), (
             "approximate: the graph is too wide to search exactly under the budget")

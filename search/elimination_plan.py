@@ -127,14 +127,18 @@ class Bounds:
     outside_own: dict  # step -> per config of its node: everything but the node's own components
     outside_left: dict  # step -> over (u, v): everything but the edge's components
     outside_right: dict  # step -> over (v, w)
+    pair: dict  # edge index -> over its two layers: the least time of a strategy with those configs
 
 
-def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
+def outside_bounds(plan: Plan, unary: dict, edges: list, log=None) -> Bounds | None:
     """The steps of `plan` forward and backward over scalar costs (`unary`: node -> vector,
-    `edges`: matrices in the plan's edge order); None for a plan with a residual."""
+    `edges`: matrices in the plan's edge order); None for a plan with a residual.  `log`:
+    search.eliminate.minimize's records of the same problem (Result.log), whose sums the forward
+    pass takes instead of computing them again."""
     if plan.residual:
         return None
     values: dict[int, np.ndarray] = {}
+    made_by = {step.message: j for j, step in enumerate(plan.steps) if step.message >= 0}
 
     def value(c: int) -> np.ndarray:
         comp = plan.components[c]
@@ -144,6 +148,10 @@ def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
             return np.diag(np.asarray(edges[comp.ref], dtype=float))
         if comp.kind == EDGE:
             return np.asarray(edges[comp.ref], dtype=float)
+        if c not in values:  # a message: from its step's sums
+            own, left, right = sums[made_by[c]]
+            values[c] = ((left + own[None, :]).min(axis=1) if right is None else
+                         min_plus(np.ascontiguousarray(left + own[None, :]), np.ascontiguousarray(right)))
         return values[c]
 
     def summed(ids, scope) -> np.ndarray:
@@ -155,7 +163,17 @@ def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
 
     sums = []
     constant = 0.0
-    for step in plan.steps:
+    if log is not None and len(log) == len(plan.steps) and all(
+            r[0] == s.kind and r[1] == s.v for r, s in zip(log, plan.steps)):
+        for record in log:  # ("free", v, own), ("leaf", v, u, edge, own), ("node", v, u, w, left, own, right)
+            if record[0] == "free":
+                sums.append((record[2], None, None))
+                constant += float(record[2].min())
+            elif record[0] == "leaf":
+                sums.append((record[4], record[3], None))
+            else:
+                sums.append((record[5], record[4], record[6]))
+    for step in plan.steps if not sums else ():
         own = summed(step.own, (step.v,))
         if step.kind == "free":
             constant += float(own.min())
@@ -171,11 +189,14 @@ def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
             values[step.message] = min_plus(np.ascontiguousarray(left + own[None, :]), np.ascontiguousarray(right))
             sums.append((own, left, right))
     outside: dict[int, np.ndarray] = {}
-    marginal, outside_own, outside_left, outside_right = {}, {}, {}, {}
+    marginal, outside_own, outside_left, outside_right, pair = {}, {}, {}, {}, {}
 
-    def pass_down(ids, scope, out_sum):
-        """Each message among `ids` gets the outside of their sum plus the other components."""
+    def pass_down(ids, scope, out_sum, total=None):
+        """Each message among `ids` gets the outside of their sum plus the other components; each
+        edge its pair's least time (`total`: the sum's)."""
         for c in ids:
+            if plan.components[c].kind == EDGE and total is not None:
+                pair[plan.components[c].ref] = oriented(out_sum + total, scope, plan.components[c].scope)
             if plan.components[c].kind != MESSAGE:
                 continue
             rest = out_sum
@@ -196,7 +217,7 @@ def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
             out_left = out_m[:, None] + own[None, :]
             out_own = (out_m[:, None] + left).min(axis=0)
             outside_left[j] = out_left
-            pass_down(step.left, (u, v), out_left)
+            pass_down(step.left, (u, v), out_left, left)
         else:
             u, w = step.neighbours
             out_m = outside[step.message]
@@ -205,9 +226,9 @@ def outside_bounds(plan: Plan, unary: dict, edges: list) -> Bounds | None:
             out_right = min_plus(np.ascontiguousarray(left.T), np.ascontiguousarray(out_m)) + own[:, None]
             out_own = (left + through).min(axis=0)
             outside_left[j], outside_right[j] = out_left, out_right
-            pass_down(step.left, (u, v), out_left)
-            pass_down(step.right, (v, w), out_right)
+            pass_down(step.left, (u, v), out_left, left)
+            pass_down(step.right, (v, w), out_right, right)
         outside_own[j] = out_own
         marginal[v] = out_own + own
         pass_down(step.own, (v,), out_own)
-    return Bounds(constant, marginal, outside, outside_own, outside_left, outside_right)
+    return Bounds(constant, marginal, outside, outside_own, outside_left, outside_right, pair)

@@ -80,61 +80,106 @@ class MemoryTables:
                                ("edge", id(producer.grid), id(consumer.grid), consumer.needs[j].key(), size)))
         self.seconds = time.perf_counter() - started
 
-    def edge(self, i: int, rows=None, cols=None) -> np.ndarray:
-        """e(cu, cv) of edge i for producer configs `rows` and consumer configs `cols` (default: all)."""
+    def edge(self, i: int, rows=None, cols=None, wanted=None) -> np.ndarray:
+        """e(cu, cv) of edge i for producer configs `rows` and consumer configs `cols` (default: all);
+        with `wanted` (a boolean matrix over them), only those pairs, `unknown` elsewhere."""
         producer, consumer, j, size, key = self.edges[i]
         table = self.cache.get(key)
         whole = (rows is None or len(rows) == table.shape[0]) and (cols is None or len(cols) == table.shape[1]) if (
             table is not None) else False
         if whole and self.cache.get(("complete", key)):
-            return table
+            return table if wanted is None else np.where(wanted, table, UNKNOWN)
         parts, needs = producer.parts, consumer.needs[j].table
         if table is None:
             table = self.cache[key] = np.full((len(parts.starts), len(needs.starts)), -1, dtype=np.int64)
         rows = np.arange(table.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
         cols = np.arange(table.shape[1]) if cols is None else np.asarray(cols, dtype=np.int64)
+        asked = np.ones((len(rows), len(cols)), dtype=bool) if wanted is None else np.asarray(wanted, dtype=bool)
         started = time.perf_counter()
         fast = self.cache.get(("fast", key))
         if fast is None:
             fast = self.cache[("fast", key)] = self._fast_path(producer, consumer, j)
-        if fast[0] == "separable":
+        if fast[0] == "tabulated":
+            _, local, local_reader, lonely, ids, sums, counts, volumes = fast
+            _edges_tabulated(parts.lo, parts.hi, parts.device, parts.starts, local, needs.lo, needs.hi, needs.device,
+                             needs.starts, local_reader, lonely, ids, sums, counts, volumes, parts.hi.max(axis=0),
+                             size, self.devices, rows, cols, asked, table)
+        elif fast[0] == "separable":
             _, shape, local, local_reader, lonely, driven_by = fast
             _edges_separable(parts.lo, parts.hi, parts.device, parts.starts, shape, local, needs.lo, needs.hi,
                              needs.device, needs.starts, needs.degrees, local_reader, lonely, driven_by, size,
-                             self.devices, rows, cols, table)
+                             self.devices, rows, cols, asked, table)
         elif fast[0] == "distinct":
             classes = fast[1]
             _edges_distinct(parts.lo, parts.hi, parts.device, parts.starts, needs.lo, needs.hi, needs.device,
-                            needs.starts, classes, size, self.devices, rows, cols, table)
+                            needs.starts, classes, size, self.devices, rows, cols, asked, table)
         else:
             _edges(parts.lo, parts.hi, parts.device, parts.starts, needs.lo, needs.hi, needs.device, needs.starts,
-                   size, self.devices, rows, cols, table)
+                   size, self.devices, rows, cols, asked, table)
         self.seconds += time.perf_counter() - started
-        if len(rows) == table.shape[0] and len(cols) == table.shape[1]:  # every config (in order): all known now
-            self.cache[("complete", key)] = True
+        if wanted is None and len(rows) == table.shape[0] and len(cols) == table.shape[1]:
+            self.cache[("complete", key)] = True  # every config pair (in order): all known now
             return table
-        return table[np.ix_(rows, cols)]
+        out = table[np.ix_(rows, cols)]
+        return out if wanted is None else np.where(asked, out, UNKNOWN)
 
     def _fast_path(self, producer, consumer, j) -> tuple:
-        """How edge tables of this producer and consumer input are counted: "separable" (every config
-        one part per device, the producer's parts its grid's blocks, each input dimension of a need
-        following one output dimension's block), "distinct" (one part per device) or "general"."""
+        """How edge tables of this producer and consumer input are counted: "tabulated" or
+        "separable" (every config one part per device, the producer's parts its grid's blocks, each
+        input dimension of a need following one output dimension's block; "tabulated" where each
+        output dimension drives at most one input dimension), "distinct" (one part per device) or
+        "general"."""
         parts, needs = producer.parts, consumer.needs[j].table
-        if not (_distinct_devices(parts.device, parts.starts) and _distinct_devices(needs.device, needs.starts)):
+        mine = self.cache.get(("producer", id(producer.grid)))
+        if mine is None:  # what depends on the producer alone, shared by every edge out of its configs
+            shape = parts.hi.max(axis=0)
+            distinct = _distinct_devices(parts.device, parts.starts)
+            grid = distinct and _is_grid(parts.lo, parts.hi, parts.block, parts.degrees, parts.starts, shape)
+            intervals = []
+            ids = np.empty((len(parts.lo), parts.lo.shape[1]), dtype=np.int64)
+            if grid:  # per dimension, the distinct intervals of its parts
+                for e in range(parts.lo.shape[1]):
+                    span = int(shape[e]) + 1
+                    keys, ids[:, e] = np.unique(parts.lo[:, e] * span + parts.hi[:, e], return_inverse=True)
+                    intervals.append((keys // span, keys % span))
+            local = _local_parts(parts.device, parts.starts, self.devices) if distinct else None
+            mine = self.cache[("producer", id(producer.grid))] = (distinct, grid, shape, local, ids, intervals,
+                                                                  np.prod(parts.hi - parts.lo, axis=1))
+        distinct, grid, shape, local, ids, intervals, volumes = mine
+        theirs = self.cache.get(("consumer", id(consumer.needs[j])))
+        if theirs is None:  # what depends on the consumer's needs alone
+            driven_by = np.asarray(consumer.needs[j].driven_by, dtype=np.int64)
+            reads = _distinct_devices(needs.device, needs.starts)
+            classes = _need_classes(needs.lo, needs.hi, needs.starts) if reads else None
+            follows = reads and _follows_blocks(needs.lo, needs.hi, needs.block, needs.degrees, needs.starts,
+                                                driven_by)
+            lonely = np.bincount(classes, minlength=len(classes))[classes] == 1 if reads else None
+            local_reader = _local_parts(needs.device, needs.starts, self.devices) if reads else None
+            theirs = self.cache[("consumer", id(consumer.needs[j]))] = (reads, classes, follows, lonely, local_reader,
+                                                                       driven_by)
+        reads, classes, follows, lonely, local_reader, driven_by = theirs
+        if not (distinct and reads):
             return ("general",)
-        classes = _need_classes(needs.lo, needs.hi, needs.starts)
-        shape = parts.hi.max(axis=0)
-        driven_by = np.asarray(consumer.needs[j].driven_by, dtype=np.int64)
-        if (len(driven_by) != parts.lo.shape[1] or not _is_grid(parts.lo, parts.hi, parts.block, parts.degrees,
-                                                                parts.starts, shape)
-                or not _follows_blocks(needs.lo, needs.hi, needs.block, needs.degrees, needs.starts, driven_by)):
+        if not (grid and follows and len(driven_by) == parts.lo.shape[1]):
             return ("distinct", classes)
-        lonely = np.bincount(classes, minlength=len(classes))[classes] == 1
-        return ("separable", shape, _local_parts(parts.device, parts.starts, self.devices),
-                _local_parts(needs.device, needs.starts, self.devices), lonely, driven_by)
+        drivers = driven_by[driven_by >= 0]
+        if len(np.unique(drivers)) < len(drivers):  # an output dimension drives two input dimensions
+            return ("separable", shape, local, local_reader, lonely, driven_by)
+        # per (producer interval, consumer config) along each input dimension: the sum of its overlaps
+        # with the config's distinct needs there, and how many of them hold it whole
+        rank = parts.lo.shape[1]
+        tables = [_interval_tables(lo, hi, needs.lo, needs.hi, needs.starts, needs.degrees, driven_by[e], e)
+                  for e, (lo, hi) in enumerate(intervals)]
+        widest = max(t[0].shape[0] for t in tables)
+        sums = np.zeros((rank, widest, len(needs.starts)), dtype=np.int64)
+        counts = np.zeros_like(sums)
+        for e, (total, whole) in enumerate(tables):
+            sums[e, : len(total)], counts[e, : len(whole)] = total, whole
+        return ("tabulated", local, local_reader, lonely, ids, sums, counts, volumes)
 
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CostModel -> {key: table}
+UNKNOWN = 2**50  # the bytes of a config pair not asked for (search.pareto: more than any budget)
 
 
 def memory_tables(graph, cost_model, tables) -> MemoryTables:
@@ -207,7 +252,7 @@ def _layer_tables(lo, hi, device, starts, allreduce, per_channel, size, itemsize
 
 
 @numba.njit(cache=True, nogil=True)
-def _edges(lo, hi, device, starts, need_lo, need_hi, to, need_starts, size, devices, rows, cols, out):
+def _edges(lo, hi, device, starts, need_lo, need_hi, to, need_starts, size, devices, rows, cols, asked, out):
     """Into `out` (producer configs x consumer configs; -1: not yet known), for the pairs of `rows`
     and `cols` not known yet: the most forward moves for the edge onto one device: pieces its
     consumer parts read from producer parts elsewhere (once per value and reading device) and
@@ -217,10 +262,12 @@ def _edges(lo, hi, device, starts, need_lo, need_hi, to, need_starts, size, devi
     memory = np.zeros(devices, dtype=np.int64)
     pieces = np.empty((readers, 2 * rank), dtype=np.int64)  # of one producer part: value bounds
     reader = np.empty(readers, dtype=np.int64)
-    for a in rows:
+    for i in range(len(rows)):
+        a = rows[i]
         p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
-        for b in cols:
-            if out[a, b] >= 0:
+        for k in range(len(cols)):
+            b = cols[k]
+            if out[a, b] >= 0 or not asked[i, k]:
                 continue
             q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
             memory[:] = 0
@@ -287,7 +334,7 @@ def _need_classes(need_lo, need_hi, need_starts):
 
 @numba.njit(cache=True, nogil=True)
 def _edges_distinct(lo, hi, device, starts, need_lo, need_hi, to, need_starts, classes, size, devices, rows, cols,
-                    out):
+                    asked, out):
     """`_edges` where each config has one part per device: a piece travels once to its reader as it
     is, and a slice is cut once per producer part and class of equal needs (pieces of one part
     that two classes cut alike count twice: more, never less, than the plan)."""
@@ -295,10 +342,12 @@ def _edges_distinct(lo, hi, device, starts, need_lo, need_hi, to, need_starts, c
     parts, readers = len(device), len(to)
     memory = np.zeros(devices, dtype=np.int64)
     stamp = np.full(readers, -1, dtype=np.int64)
-    for a in rows:
+    for i in range(len(rows)):
+        a = rows[i]
         p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
-        for b in cols:
-            if out[a, b] >= 0:
+        for k in range(len(cols)):
+            b = cols[k]
+            if out[a, b] >= 0 or not asked[i, k]:
                 continue
             q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
             for p in range(p0, p1):
@@ -433,7 +482,7 @@ def _local_parts(device, starts, devices):
 
 @numba.njit(cache=True, nogil=True)
 def _edges_separable(lo, hi, device, starts, shape, local, need_lo, need_hi, to, need_starts, degrees, local_reader,
-                     lonely, driven_by, size, devices, rows, cols, out):
+                     lonely, driven_by, size, devices, rows, cols, asked, out):
     """`_edges` without visiting every (producer part, consumer part) pair.
 
     What a consumer part receives is its need less what the producer part on its own device holds
@@ -445,10 +494,12 @@ def _edges_separable(lo, hi, device, starts, shape, local, need_lo, need_hi, to,
     producers, consumers, rank = len(starts), len(need_starts), lo.shape[1]
     parts, readers, out_rank = len(device), len(to), degrees.shape[1]
     memory = np.zeros(devices, dtype=np.int64)
-    for a in rows:
+    for i in range(len(rows)):
+        a = rows[i]
         p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
-        for b in cols:
-            if out[a, b] >= 0:
+        for k in range(len(cols)):
+            b = cols[k]
+            if out[a, b] >= 0 or not asked[i, k]:
                 continue
             q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
             for p in range(p0, p1):
@@ -494,6 +545,80 @@ def _edges_separable(lo, hi, device, starts, shape, local, need_lo, need_hi, to,
                     total *= meets
                     whole *= holds
                 cut = total - volume * whole
+                mine = local_reader[b, device[p]]
+                if mine >= 0 and lonely[mine]:  # a need only a part on this device reads is not cut
+                    overlap, inside = 1, True
+                    for e in range(rank):
+                        overlap *= max(min(need_hi[mine, e], hi[p, e]) - max(need_lo[mine, e], lo[p, e]), 0)
+                        inside = inside and need_lo[mine, e] <= lo[p, e] and hi[p, e] <= need_hi[mine, e]
+                    if not inside:
+                        cut -= overlap
+                memory[device[p]] += cut * size
+            most = 0
+            for p in range(p0, p1):
+                most = max(most, memory[device[p]])
+            for q in range(q0, q1):
+                most = max(most, memory[to[q]])
+            out[a, b] = most
+
+
+@numba.njit(cache=True, nogil=True)
+def _interval_tables(lo, hi, need_lo, need_hi, need_starts, degrees, driver, e):
+    """For producer intervals [lo, hi) along input dimension e and each consumer config: the sum of
+    their overlaps with the config's distinct needs along e (one per block of the driving output
+    dimension `driver`; the first part's where nothing drives it) and how many hold them whole."""
+    intervals, consumers = len(lo), len(need_starts)
+    total = np.zeros((intervals, consumers), dtype=np.int64)
+    whole = np.zeros((intervals, consumers), dtype=np.int64)
+    for b in range(consumers):
+        blocks = 1 if driver < 0 else degrees[b, driver]
+        stride = 0 if driver < 0 else _stride(degrees, b, driver)
+        for k in range(blocks):
+            q = need_starts[b] + k * stride
+            for i in range(intervals):
+                total[i, b] += max(min(need_hi[q, e], hi[i]) - max(need_lo[q, e], lo[i]), 0)
+                whole[i, b] += 1 if need_lo[q, e] <= lo[i] and hi[i] <= need_hi[q, e] else 0
+    return total, whole
+
+
+@numba.njit(cache=True, nogil=True)
+def _edges_tabulated(lo, hi, device, starts, local, need_lo, need_hi, to, need_starts, local_reader, lonely, ids,
+                     sums, counts, volumes, shape, size, devices, rows, cols, asked, out):
+    """`_edges_separable` with each output dimension driving at most one input dimension: a producer
+    part's sum over the distinct needs is the product over input dimensions of a table entry
+    (its interval's, for the consumer config), and so is the count of needs holding it whole."""
+    producers, consumers, rank = len(starts), len(need_starts), lo.shape[1]
+    parts, readers = len(device), len(to)
+    memory = np.zeros(devices, dtype=np.int64)
+    for i in range(len(rows)):
+        a = rows[i]
+        p0, p1 = starts[a], starts[a + 1] if a + 1 < producers else parts
+        for k in range(len(cols)):
+            b = cols[k]
+            if out[a, b] >= 0 or not asked[i, k]:
+                continue
+            q0, q1 = need_starts[b], need_starts[b + 1] if b + 1 < consumers else readers
+            for p in range(p0, p1):
+                memory[device[p]] = 0
+            for q in range(q0, q1):
+                memory[to[q]] = 0
+            for q in range(q0, q1):  # received: the need less the local part's share of it
+                volume, held = 1, 1
+                mine = local[a, to[q]]
+                for e in range(rank):
+                    x0, x1 = max(need_lo[q, e], 0), min(need_hi[q, e], shape[e])
+                    volume *= max(x1 - x0, 0)
+                    if mine >= 0:
+                        held *= max(min(x1, hi[mine, e]) - max(x0, lo[mine, e]), 0)
+                if mine < 0:
+                    held = 0
+                memory[to[q]] += (volume - held) * size
+            for p in range(p0, p1):  # cut
+                total, whole = 1, 1
+                for e in range(rank):
+                    total *= sums[e, ids[p, e], b]
+                    whole *= counts[e, ids[p, e], b]
+                cut = total - volumes[p] * whole
                 mine = local_reader[b, device[p]]
                 if mine >= 0 and lonely[mine]:  # a need only a part on this device reads is not cut
                     overlap, inside = 1, True

@@ -36,6 +36,7 @@ from taskrt.search.elimination_plan import DIAGONAL, EDGE, UNARY, elimination_pl
 from taskrt.search.fronts import ZERO, FrontTable, combine
 
 ROUNDS = (1 / 64, 1 / 8, 1.0, np.inf)  # time limits: the unconstrained optimum times 1 + these
+FEW = 8  # layers with at most this many configs each: one round without time bounds (cheaper than them)
 CONDITION_LIMIT = 4096  # sub-problems solved for a residual graph at most (past it: TooWide)
 TOLERANCE = 1e-9  # relative slack of the time limits and min-marginals (rounding)
 
@@ -57,24 +58,28 @@ class Found:
 
 
 def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, working: dict, edge_bytes,
-                  budget: float, rounds=ROUNDS, alternatives: int = 0) -> Found | None:
+                  budget: float, rounds=ROUNDS, alternatives: int = 0, log=None,
+                  few: int | None = None) -> Found | None:
     """The fastest choice with M(S) <= `budget`, or None when none fits.
 
     `time_unary`: layer -> seconds per config; `time_edges`: (u, v, seconds matrix); `kept_bytes`
-    and `working`: layer -> a_v and w_v per config; `edge_bytes(i, rows, cols)`: m_uv of edge i
-    for those configs (computed as needed).  With `alternatives`, the next fastest feasible
-    choices of the final front come along (for a check that rejects the first)."""
+    and `working`: layer -> a_v and w_v per config; `edge_bytes(i, rows, cols[, wanted])`: m_uv of
+    edge i for those configs (computed as needed), or only where the boolean matrix `wanted` says
+    (any value elsewhere: no strategy within the round's time limit takes those pairs).  With
+    `alternatives`, the next fastest feasible choices of the final front come along (for a check
+    that rejects the first).  `log`: search.eliminate.minimize's records of the time tables (saves
+    the bounds' forward pass).  `few`: the most configs of a layer searched without time bounds (FEW).
+    Times must be finite."""
     started = clock.perf_counter()
     pairs = [(u, v) for u, v, _ in time_edges]
     plan = elimination_plan(names, pairs)
-    bounds = outside_bounds(plan, time_unary, [m for _, _, m in time_edges])
+    small = max(len(kept_bytes[n]) for n in names) <= (FEW if few is None else few)  # no bounds: one round
+    bounds = None if small else outside_bounds(plan, time_unary, [m for _, _, m in time_edges], log)
     optimum = bounds.total if bounds is not None else None
     flat = _flat(names, kept_bytes, working)
     points = 0
-    for r, slack in enumerate(rounds):
-        limit = np.inf if optimum is None or np.isinf(slack) else optimum * (1 + slack) + 1e-12
-        if optimum is None and not np.isinf(slack):
-            continue  # no bounds to prune by: one round without a limit
+    limits = [np.inf] if optimum is None else [optimum * (1 + slack) + 1e-12 for slack in rounds]
+    for r, limit in enumerate(limits):  # no bounds to prune by: one round without a limit
         search = _Search(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
                          flat=flat)
         result = search.run()
@@ -126,7 +131,12 @@ class _Search:
             full = self.full[u] and self.full[v]
             t = np.asarray(matrix, dtype=np.float64)
             t = t if full else t[np.ix_(kept[u], kept[v])]
-            memory = edge_bytes(i, kept[u], kept[v])
+            if u != v and bounds is not None and np.isfinite(limit) and i in bounds.pair:
+                # only the config pairs some strategy within the time limit takes
+                wanted = self._slice(bounds.pair[i], (u, v)) <= limit * (1 + TOLERANCE)
+                memory = edge_bytes(i, kept[u], kept[v], wanted)
+            else:
+                memory = edge_bytes(i, kept[u], kept[v])
             if u == v:  # a layer reading one tensor twice: both ends take the same config
                 self.edges.append(self._single((u,), np.diag(t).copy(), np.diag(memory).copy(), None))
             else:

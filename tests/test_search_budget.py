@@ -20,9 +20,10 @@ from taskrt.graph.strategy import Strategy
 from taskrt.machines.machine import Machine
 from taskrt.search import budget as budgeting
 from taskrt.search.baselines import data_parallel
+from taskrt.search.eliminate import minimize
 from taskrt.search.memory import step_memory
 from taskrt.search.memory_tables import MemoryTables
-from taskrt.search.pareto import budget_search, least_memory
+from taskrt.search.pareto import FEW, budget_search, least_memory
 from tests.graphs import SHAPES
 
 optimize_module = sys.modules["taskrt.search.optimize"]  # the module (the package's `optimize` is the function)
@@ -64,6 +65,14 @@ def best_under(time, measure, budget):
     """The least time of a strategy whose measure fits `budget` (None: none fits)."""
     fits = measure <= budget
     return float(time[fits].min()) if fits.any() else None
+
+
+def edge_bytes(memory_edges):
+    """search.pareto's edge_bytes over full tables; pairs not `wanted` get a value that must not matter."""
+    def lookup(i, rows, cols, wanted=None):
+        table = memory_edges[i][np.ix_(rows, cols)]
+        return table if wanted is None else np.where(wanted, table, 7)
+    return lookup
 
 
 def measure_of(choice, names, kept, working, time_edges, memory_edges):
@@ -108,17 +117,20 @@ def test_front_elimination_equals_brute_force(problem):
     time, measure = enumerate_all(names, time_unary, time_edges, kept, working, memory_edges)
     budget = int(measure.min() + fraction * (measure.max() - measure.min()))
     expected = best_under(time, measure, budget)
-    found = budget_search(names, time_unary, time_edges, kept, working,
-                          lambda i, rows, cols: memory_edges[i][np.ix_(rows, cols)], budget)
+    log = minimize(time_unary, time_edges).log
+    for few, given_log in [(FEW, None), (0, None), (0, log)]:  # without time bounds, with them, from the log
+        found = budget_search(names, time_unary, time_edges, kept, working, edge_bytes(memory_edges), budget,
+                              log=given_log, few=few)
+        if expected is None:
+            assert found is None, name
+            continue
+        assert found is not None, name
+        assert found.time == pytest.approx(expected, rel=1e-9, abs=1e-9), name
+        assert set(found.choice) == set(names)
+        assert measure_of(found.choice, names, kept, working, time_edges, memory_edges) == found.memory <= budget
     if expected is None:
-        assert found is None, name
         return
-    assert found is not None, name
-    assert found.time == pytest.approx(expected, rel=1e-9, abs=1e-9), name
-    assert set(found.choice) == set(names)
-    assert measure_of(found.choice, names, kept, working, time_edges, memory_edges) == found.memory <= budget
-    least = least_memory(names, time_edges, kept, working, lambda i, rows, cols: memory_edges[i][np.ix_(rows, cols)],
-                         int(measure.max()) + 1)
+    least = least_memory(names, time_edges, kept, working, edge_bytes(memory_edges), int(measure.max()) + 1)
     assert least.memory == measure.min()
 
 
@@ -133,8 +145,7 @@ def test_a_residual_graph_is_solved_by_fixing_a_layer():
     memory_edges = [rng.integers(0, 40, (3, 3)) for _ in pairs]
     time, measure = enumerate_all(names, time_unary, time_edges, kept, working, memory_edges)
     budget = int(np.median(measure))
-    found = budget_search(names, time_unary, time_edges, kept, working,
-                          lambda i, rows, cols: memory_edges[i][np.ix_(rows, cols)], budget)
+    found = budget_search(names, time_unary, time_edges, kept, working, edge_bytes(memory_edges), budget)
     assert found.time == pytest.approx(best_under(time, measure, budget))
 
 
@@ -200,9 +211,15 @@ def test_the_measure_bounds_the_peak_and_equals_it_for_even_splits(build):
 
 @pytest.mark.parametrize("build", [chain_graph, residual_graph])
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.9])
-def test_optimize_under_a_budget_equals_brute_force(build, fraction):
+@pytest.mark.parametrize("few", [FEW, 0])  # searched in one round, or with time bounds
+def test_optimize_under_a_budget_equals_brute_force(build, fraction, few):
     """optimize keeps the unconstrained optimum when its peak fits, otherwise the fastest strategy
     whose measure fits (brute force over every strategy); either way its peak fits."""
+    with mock.patch("taskrt.search.pareto.FEW", few):
+        check_optimize_under_a_budget(build, fraction)
+
+
+def check_optimize_under_a_budget(build, fraction):
     graph, machine = build(), Machine.simulated(1, 2)
     cost_model, tables, names, time_unary, time_edges, memory, memory_edges = real_problem(graph, machine)
     time, measure = enumerate_all(names, time_unary, time_edges, memory.kept, memory.working, memory_edges)
