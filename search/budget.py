@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from taskrt.machines.devices import DeviceMemoryError
 from taskrt.search.memory import step_memory
 from taskrt.search.memory_tables import MemoryTables
 from taskrt.search.pareto import TooWide, budget_search, least_memory
@@ -26,8 +27,9 @@ VALID = ("None (each device's own memory), False (no budget), a positive number 
 ALTERNATIVES = 8  # the next fastest fitting strategies of the final front, tried if the check rejects one
 
 
-class MemoryBudgetError(MemoryError):
-    """No strategy's predicted step fits the memory budget."""
+class MemoryBudgetError(DeviceMemoryError):
+    """No strategy's predicted step fits the memory budget (a taskrt.DeviceMemoryError, so a
+    MemoryError); `devices`: the device of the smallest peak found."""
 
 
 def parse_memory(value) -> int | bool | None:
@@ -194,7 +196,8 @@ def nothing_fits(graph, machine, cost_model, tables, keep: dict, edges: list, bu
         f"no strategy for {graph.name!r} fits in {_size(budget)} per device{where} on {machine.description}: "
         f"the smallest peak found is {_size(nbytes)} on device {device}"
         + (f" (most of it: {held})" if held else "")
-        + f"; the budget is {_size(budget)} ({budget} bytes). Use more devices, a smaller batch, or a larger budget.")
+        + f"; the budget is {_size(budget)} ({budget} bytes). Use more devices, a smaller batch, or a larger budget.",
+        devices=(device,))
 
 
 def _size(nbytes) -> str:

@@ -15,16 +15,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskrt import Graph, models, search
+from taskrt import DeviceMemoryError, Graph, models, search
 from taskrt.graph.strategy import Strategy
 from taskrt.machines.machine import Machine
 from taskrt.search import budget as budgeting
+from taskrt.search import edge_memory
 from taskrt.search.baselines import data_parallel
 from taskrt.search.eliminate import minimize
 from taskrt.search.memory import step_memory
 from taskrt.search.memory_tables import MemoryTables
 from taskrt.search.pareto import FEW, budget_search, least_memory
-from tests.graphs import SHAPES
+from tests.graphs import SHAPES, inception_block
 
 optimize_module = sys.modules["taskrt.search.optimize"]  # the module (the package's `optimize` is the function)
 
@@ -193,9 +194,9 @@ def peak_of(graph, cost_model, strategy):
     return max(m.total for m in step_memory(graph, strategy, cost_model.itemsize).values())
 
 
-@pytest.mark.parametrize("build", [chain_graph, residual_graph])
-def test_the_measure_bounds_the_peak_and_equals_it_for_even_splits(build):
-    graph, machine = build(), Machine.simulated(1, 2)
+@pytest.mark.parametrize("build, devices", [(chain_graph, 2), (residual_graph, 2), (inception_block, 4)])
+def test_the_measure_bounds_the_peak_and_equals_it_for_even_splits(build, devices):
+    graph, machine = build(), Machine.simulated(1, devices)
     cost_model, tables, names, _, time_edges, memory, memory_edges = real_problem(graph, machine)
     rng = np.random.default_rng(0)
     for _ in range(40):
@@ -207,6 +208,41 @@ def test_the_measure_bounds_the_peak_and_equals_it_for_even_splits(build):
     choice = {n: list(tables.configs[n]).index(dp[n]) for n in names}
     assert measure_of(choice, names, memory.kept, memory.working, time_edges, memory_edges) == peak_of(
         graph, cost_model, dp)
+
+
+@pytest.mark.parametrize("build", [chain_graph, residual_graph, inception_block])
+def test_edge_tables_count_at_least_what_moves_and_the_fast_ways_agree(build):
+    """Every way of counting an edge's table gives at least the exact count (each value once per
+    reading device, each slice cut once), and the tabulated way equals the separable one."""
+    graph, machine = build(), Machine.simulated(1, 4)
+    cost_model = search.CostModel(machine, cache=False, progress=False)
+    tables = cost_model.tables(graph)
+    memory = MemoryTables(graph, cost_model, tables)
+    ways = set()
+    for i, (producer, consumer, j, size, _) in enumerate(memory.edges):
+        parts, needs = producer.parts, consumer.needs[j].table
+        fast = memory._fast_path(producer, consumer, j)
+        ways.add(fast[0])
+        rows, cols = np.arange(len(parts.starts)), np.arange(len(needs.starts))
+        asked = np.ones((len(rows), len(cols)), dtype=bool)
+        exact = np.full((len(rows), len(cols)), -1, dtype=np.int64)
+        edge_memory.edges_general(parts.lo, parts.hi, parts.device, parts.starts, needs.lo, needs.hi, needs.device,
+                                  needs.starts, size, 4, rows, cols, asked, exact)
+        counted = memory.edge(i)
+        assert (counted >= exact).all(), (producer.key, consumer.key)
+        assert (counted[exact == 0] == 0).all()
+        if fast[0] in ("tabulated", "separable"):
+            reader = edge_memory.local_parts(needs.device, needs.starts, 4)
+            classes = edge_memory.need_classes(needs.lo, needs.hi, needs.starts)
+            lonely = np.bincount(classes, minlength=len(classes))[classes] == 1
+            separable = np.full_like(exact, -1)
+            edge_memory.edges_separable(parts.lo, parts.hi, parts.device, parts.starts, parts.hi.max(axis=0),
+                                        edge_memory.local_parts(parts.device, parts.starts, 4), needs.lo, needs.hi,
+                                        needs.device, needs.starts, needs.degrees, reader, lonely,
+                                        np.asarray(consumer.needs[j].driven_by, dtype=np.int64), size, 4, rows, cols,
+                                        asked, separable)
+            assert (separable == counted).all()
+    assert "tabulated" in ways
 
 
 @pytest.mark.parametrize("build", [chain_graph, residual_graph])
@@ -267,7 +303,8 @@ def test_nothing_fits_names_the_smallest_peak_its_device_and_layers_and_the_budg
     graph, machine = models.vgg16(batch=16, image_size=32, num_classes=10), Machine.simulated(1, 2)
     with pytest.raises(search.MemoryBudgetError) as raised:
         search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False), memory="100MiB")
-    assert isinstance(raised.value, MemoryError)
+    assert isinstance(raised.value, MemoryError) and isinstance(raised.value, DeviceMemoryError)
+    assert raised.value.devices == (0,)
     text = str(raised.value)
     assert "the smallest peak found is 210." in text and "MiB on device 0" in text
     assert "most of it: fc2" in text and "the budget is 100.00 MiB (104857600 bytes)" in text
