@@ -40,7 +40,9 @@ class ParallelConfig:
     (a split over n, h or w) synchronize: one of SYNC_METHODS.  `c_sizes` makes the channel split
     uneven: the size of each of the `c` channel blocks, in order (default: as equal as possible);
     a layer's filters are interchangeable, so an uneven split is how a partition that gives each
-    device its own number of filters is expressed."""
+    device its own number of filters is expressed.  `recompute`: training keeps none of the layer's
+    output for backward; each part is computed again, on its device, just before the first backward
+    task that reads it (taskrt.planning.recompute), trading its forward's time for its memory."""
 
     n: int = 1
     c: int = 1
@@ -49,12 +51,14 @@ class ParallelConfig:
     devices: tuple[int, ...] = field(default=None)
     sync: str = "ps"
     c_sizes: tuple[int, ...] | None = None
+    recompute: bool = False
 
     def __post_init__(self):
         devices = self.devices
         if (type(self.n) is int and type(self.c) is int and type(self.h) is int and type(self.w) is int
                 and min(self.n, self.c, self.h, self.w) >= 1 and type(devices) is tuple
-                and self.sync in SYNC_METHODS and self.c_sizes is None and set(map(type, devices)) <= {int}):
+                and self.sync in SYNC_METHODS and self.c_sizes is None and set(map(type, devices)) <= {int}
+                and type(self.recompute) is bool):
             return  # already valid and normalized: the common case, checked at C speed (the search builds many)
         for dim in DIMS:
             value = getattr(self, dim)
@@ -68,6 +72,8 @@ class ParallelConfig:
             raise ValueError(f"devices must be ints, got {list(devices)}")
         if self.sync not in SYNC_METHODS:
             raise ValueError(f"sync={self.sync!r} is not one of {', '.join(map(repr, SYNC_METHODS))}")
+        if type(self.recompute) is not bool:
+            raise ValueError(f"recompute={self.recompute!r} must be true or false")
         object.__setattr__(self, "devices", devices)
         if self.c_sizes is not None:
             try:
@@ -120,6 +126,8 @@ class ParallelConfig:
             out["sync"] = self.sync
         if self.c_sizes is not None:
             out["c_sizes"] = list(self.c_sizes)
+        if self.recompute:
+            out["recompute"] = True
         return out
 
     @classmethod
@@ -129,7 +137,8 @@ class ParallelConfig:
     def __str__(self) -> str:
         degrees = ", ".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
         sizes = f" sizes {list(self.c_sizes)}" if self.c_sizes is not None else ""
-        return f"{{{degrees}}}{sizes} on {list(self.devices)}" + (f" ({self.sync})" if self.sync != "ps" else "")
+        return (f"{{{degrees}}}{sizes} on {list(self.devices)}" + (f" ({self.sync})" if self.sync != "ps" else "")
+                + (" (recompute)" if self.recompute else ""))
 
 
-FIELDS = (*DIMS, "devices", "sync", "c_sizes")  # the JSON fields of a config
+FIELDS = (*DIMS, "devices", "sync", "c_sizes", "recompute")  # the JSON fields of a config

@@ -103,7 +103,8 @@ class Strategy:
             extra = set(spec) - set(FIELDS)
             if extra:
                 raise StrategyError(f"{source}: layer {name!r}: unknown fields {sorted(extra)}; "
-                                    f"a config has {', '.join(DIMS)}, devices and optionally sync and c_sizes")
+                                    f"a config has {', '.join(DIMS)}, devices and optionally sync, c_sizes and "
+                                    "recompute")
             if "devices" not in spec:
                 raise StrategyError(f"{source}: layer {name!r}: missing field 'devices'")
             try:
@@ -145,7 +146,8 @@ class Strategy:
             degrees = "{" + ", ".join(f"{d}={getattr(cfg, d)}" for d in DIMS) + "}"
             sync = f"  (sync: {cfg.sync})" if cfg.sync != "ps" else ""
             sizes = f"  (channels {list(cfg.c_sizes)})" if cfg.c_sizes is not None else ""
-            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}{sync}{sizes}")
+            again = "  (recompute)" if cfg.recompute else ""
+            rows.append(f"{name:<22} {kind:<22} {degrees:<28} {list(cfg.devices)}{sync}{sizes}{again}")
         return "\n".join(rows)
 
 
@@ -164,6 +166,9 @@ def default_input_config(graph, layer, configs) -> ParallelConfig:
 
 def check_config(layer, cfg: ParallelConfig, num_devices) -> None:
     where = f"layer {layer.name!r} ({layer.kind})"
+    if cfg.recompute and (layer.is_input or layer.kind == "softmax_cross_entropy"):
+        what = "an input: its tiles are data" if layer.is_input else "the loss: it runs once, in forward"
+        raise StrategyError(f"{where} cannot be recomputed (recompute=true): it is {what}")
     for dim in DIMS:
         degree = getattr(cfg, dim)
         if degree == 1:
