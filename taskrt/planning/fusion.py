@@ -129,10 +129,21 @@ def run_of(value):
 def stages(dsk: dict, device: dict, given=frozenset()) -> dict:
     """key -> the most device changes on a path of tasks to it, not counting a change after a task
     of `given` (see `given_elsewhere`); `dsk` in dependency order."""
-    stage = {}
-    for key, (_, *args) in dsk.items():
+    stage, readers, late = {}, {}, []
+    for key, (fn, *args) in dsk.items():
         stage[key] = max((stage[a] + (device[a] != device[key] and a not in given) for a in args
                           if _is_key(a, stage)), default=0)
+        if getattr(fn, "late", False):
+            late.append(key)
+        for a in args:
+            if _is_key(a, stage):
+                readers.setdefault(a, []).append(key)
+    # A late task (a forward value computed again for backward: taskrt.planning.recompute) runs in
+    # the stage of its earliest reader, as late as it can without a reader's stage below its own
+    # (one less for a reader on another device); readers first, so a chain of them moves together
+    for key in reversed(late):
+        stage[key] = max(stage[key], min((stage[r] - (device[r] != device[key]) for r in readers.get(key, ())),
+                                         default=stage[key]))
     return stage
 
 

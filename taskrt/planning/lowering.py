@@ -18,6 +18,9 @@ the result ("fwd"); training also updates the group's running statistics there (
 Backward is the same shape over the gradient sums ("bstat", "bstats", "bwd"), and the summed
 sums are the parameter gradient the shard's update reads.  Every one of these values that
 crosses devices is a transfer of the plan like any other.
+
+A layer whose config says `recompute` keeps no output for backward: its backward readers read
+copies computed again just before them (taskrt.planning.recompute).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from math import prod
 from taskrt.ops.rect import Rect
 from taskrt.planning.params import shard_sizes
 from taskrt.planning.plan import BUFFER, DATA, HYPER_DEP, STATE, TASK, Buffer, Dep, Plan, Shard, Task, output_keys
+from taskrt.planning.recompute import Recomputation
 from taskrt.planning.tasks import (
     Alias,
     Backward,
@@ -89,6 +93,8 @@ class _Lowering:
         self.buffers: dict[str, list[Buffer]] = {}
         self.groups: dict[str, list[list]] = {}  # batch norm: parts by channel block
         self.grad_sums: dict[tuple[str, int], Dep] = {}  # (layer, group) -> its summed gradient sums
+        again = [layer.name for layer in graph if strategy[layer.name].recompute] if mode != "predict" else []
+        self.recompute = Recomputation(self.tasks, self.add, again) if again else None
 
     # ---- helpers ----------------------------------------------------------------------------
     def itemsize_of(self, layer_name) -> int:
@@ -98,6 +104,11 @@ class _Lowering:
     def add(self, task: Task) -> Dep:
         self.tasks[task.key] = task
         return Dep(TASK, task.key)
+
+    def for_backward(self, deps) -> tuple:
+        """The dependencies of a backward-phase task reading `deps`: recomputed layers' forward
+        values replaced by their copies computed again."""
+        return tuple(deps) if self.recompute is None else self.recompute.substitute(deps)
 
     def output_of(self, layer_name, part) -> Dep:
         if self.graph[layer_name].is_input:
@@ -295,7 +306,8 @@ class _Lowering:
                 dy = self._dy(deps, part, sources)
                 partial = self.add(Task((f"{name}-bstat", part.index), "bstat", name, part.device,
                                         GradSums(op, fwd.spec.inputs, fwd.spec.stats, dy, part.rect),
-                                        tuple(deps.deps), 2 * channels * self.itemsize, 5 * part.rect.volume))
+                                        self.for_backward(deps.deps), 2 * channels * self.itemsize,
+                                        5 * part.rect.volume))
                 combine.add(self.route(partial, part.device, home, name))
             sums = self.add(Task((f"{name}-bstats", g), "bstats", name, home, SumArrays(), tuple(combine.deps),
                                  2 * channels * self.itemsize, 2 * channels * len(group)))
@@ -314,7 +326,8 @@ class _Lowering:
             self.add(Task((f"{name}-bwd", part.index), "bwd", name, part.device,
                           NormBackward(op, part.rect, spec.inputs, spec.params, spec.stats, dy,
                                        deps.add(self.route(sums, home, part.device, name)), spec.params.layout),
-                          tuple(deps.deps), None, op.backward_flops(part.rect) - 5 * part.rect.volume))
+                          self.for_backward(deps.deps), None,
+                          op.backward_flops(part.rect) - 5 * part.rect.volume))
 
     # ---- backward ---------------------------------------------------------------------------
     def gradient_sources(self, layer_name):
@@ -343,7 +356,7 @@ class _Lowering:
             self.add(Task(
                 (f"{layer.name}-bwd", part.index), "bwd", layer.name, part.device,
                 Backward(layer.op, part.rect, spec.inputs, spec.params, output, dy, need_dx, spec.draw),
-                tuple(deps.deps), None, layer.op.backward_flops(part.rect),
+                self.for_backward(deps.deps), None, layer.op.backward_flops(part.rect),
             ))
 
     def _dy(self, deps, part, sources):

@@ -189,6 +189,28 @@ class Alias(Spec):
 
 
 @dataclass(frozen=True)
+class Recompute(Spec):
+    """A forward value computed again for backward (taskrt.planning.recompute): `spec`, a forward
+    part or a slice or alias of one, run again.  Late: fusion runs it in the stage of its
+    earliest reader, so a device computes it just before the backward task that reads it
+    (`taskrt.planning.fusion.stages`)."""
+
+    spec: Spec
+    late = True
+
+    def __call__(self, *values):
+        return self.spec(*values)
+
+    @property
+    def op(self) -> Op:
+        return self.spec.op
+
+    @property
+    def out(self) -> Rect:
+        return self.spec.out
+
+
+@dataclass(frozen=True)
 class Received(Spec):
     """`spec` run on values that came through Dask's messages (another device's outputs, the
     client's data tiles and state): each array at an address that is not a multiple of its
@@ -201,6 +223,10 @@ class Received(Spec):
 
     def __call__(self, *values):
         return self.spec(*(_aligned(v) for v in values))
+
+    @property
+    def late(self) -> bool:
+        return getattr(self.spec, "late", False)
 
 
 def _aligned(value):
