@@ -7,10 +7,13 @@ counted from the region rules instead of the plan's tasks:
 - every part's output, the data tiles, and every value forward moves: a producer's tile that a
   part on another device needs whole, or else the slice cut for it on the producer's device;
   each value counts once on the device that cuts it and once on each other device reading it;
-- the largest backward working set of a part on each device.
+- the largest backward working set of a part on each device, with the copies computed again of
+  the recomputed layers alive while its layer's backward runs (their outputs and moves count
+  there, not as activations).
 
 Where a plan would drop tasks no output needs (a part no consumer reads, a layer feeding
-nothing), or a config splits channels unevenly, the plan is lowered and measured instead.
+nothing), a config splits channels unevenly, or a recomputed layer is one whose backward does
+not run, the plan is lowered and measured instead.
 """
 
 from __future__ import annotations
@@ -46,19 +49,26 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
 
     layers = {layer.name: regions(layer, strategy[layer.name]) for layer in graph}
     needed = graph.needs_backward()
+    again = _recomputed(graph, strategy, needed)
+    if again is None:
+        return _lowered(graph, strategy, itemsize)
     devices = 1 + max(int(parts[2].max()) for parts, _ in layers.values())
     memory = np.zeros((devices, len(KINDS)), dtype=np.int64)
     present = np.zeros(devices, dtype=bool)  # devices the plan has tasks or data on
     read = {name: np.zeros(len(parts[2]), dtype=bool) for name, (parts, _) in layers.items()}  # by a consumer part
+    read_again = {name: np.zeros(len(layers[name][0][2]), dtype=bool) for name in again}  # in backward
+    readers = {name: [] for name in again}  # the layers whose backward reads each one's copies
     takes_dy = {}  # per part of a needed layer: whether its backward tasks read its output gradient
     moves = {name: [] for name in layers}  # per producer: the pieces its consumers' parts on other devices read
+    working = {}  # per layer, the largest backward working set of a part on each device
     for layer in graph:
         (lo, hi, device), needs = layers[layer.name]
         if layer.param_shapes:
             _shards(lo[:, 1], hi[:, 1], device, per_channel(layer.op), itemsize,
                     strategy[layer.name].sync == "allreduce", memory)
         if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
-            _outputs(lo, hi, device, 0 if layer.kind == "softmax_cross_entropy" else itemsize, memory, present)
+            kept = 0 if layer.kind == "softmax_cross_entropy" or layer.name in again else itemsize
+            _outputs(lo, hi, device, kept, memory, present)
         # which parts run a backward task some output needs (the loss's parts always do)
         backward = np.full(len(device), layer.kind == "softmax_cross_entropy"
                            or (layer.name in needed and bool(layer.param_shapes) and not layer.op.reduces_statistics))
@@ -67,24 +77,89 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
             (p_lo, p_hi, p_device), (n_lo, n_hi) = layers[src][0], needs[j]
             # its input gradient goes to a producer part's backward
             gradient = takes_dy[src] if src in needed and layer.name in needed else None
-            pieces = _reads(p_lo, p_hi, p_device, n_lo, n_hi, device, read[src], gradient, backward, inputs)
+            mark = read[src] if src not in again else np.zeros_like(read[src])
+            pieces = _reads(p_lo, p_hi, p_device, n_lo, n_hi, device, mark, gradient, backward, inputs)
+            reads_again = layer.kind != "softmax_cross_entropy"  # its backward reads what its forward read
+            if src in again:
+                read[src] |= mark
+                if reads_again and mark.any():
+                    read_again[src] |= mark
+                    readers[src].append(layer.name)
             if len(pieces):
-                moves[src].append(pieces)
+                moves[src].append((pieces, reads_again))
         if layer.name in needed:  # batch norm's gradient sums read it in every part
             takes_dy[layer.name] = backward | layer.op.reduces_statistics
-        _transient(lo, hi, device, backward, inputs, itemsize, memory)
+        scratch = np.zeros((devices, len(KINDS)), dtype=np.int64)
+        _transient(lo, hi, device, backward, inputs, itemsize, scratch)
+        working[layer.name] = scratch[:, TRANSIENT]
+        np.maximum(memory[:, TRANSIENT], working[layer.name], out=memory[:, TRANSIENT])
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
         return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
+    if not all(read_again[name].all() or _reads_itself(graph[name], needed) for name in again):
+        return _lowered(graph, strategy, itemsize)  # backward computes only some parts again
+    copies = {}  # per recomputed layer, the bytes of its copies on each device
     for layer in graph:
         size = _itemsize(layer, itemsize)
         (lo, hi, device), _ = layers[layer.name]
         if layer.is_input and read[layer.name].any():  # the data tiles
             present[device] = True
             np.add.at(memory[:, ACTIVATIONS], device, np.prod(hi - lo, axis=1) * size)
-        if moves[layer.name]:
-            _forward_values(layers[layer.name][0], moves[layer.name], size, memory)
+        if layer.name in again:  # forward drops them; backward computes them again
+            scratch = np.zeros((devices, len(KINDS)), dtype=np.int64)
+            np.add.at(scratch[:, ACTIVATIONS], device, np.prod(hi - lo, axis=1) * size)
+            read_back = [pieces for pieces, reads_again in moves[layer.name] if reads_again]
+            if read_back:
+                _forward_values(layers[layer.name][0], read_back, size, scratch)
+            copies[layer.name] = scratch[:, ACTIVATIONS]
+        elif moves[layer.name]:
+            _forward_values(layers[layer.name][0], [pieces for pieces, _ in moves[layer.name]], size, memory)
+    if again:
+        _working_with_copies(graph, readers, needed, working, copies, memory)
     return {d: DeviceMemory(*map(int, memory[d])) for d in np.flatnonzero(present).tolist()}
+
+
+def _reads_itself(layer, needed) -> bool:
+    """Whether a layer's own backward reads its output (and so every part of it)."""
+    return layer.name in needed and layer.op.saves_output and not layer.op.reduces_statistics
+
+
+def _recomputed(graph, strategy, needed) -> set | None:
+    """The recomputed layers whose copies backward reads: its own backward (where it reads its
+    output) or a consumer's other than the loss.  None where a recomputed layer's backward does
+    not run: consumers' copies may then read some of its parts only (the plan is lowered)."""
+    out = set()
+    for layer in graph:
+        if not strategy[layer.name].recompute:
+            continue
+        if layer.name not in needed:
+            return None
+        if _reads_itself(layer, needed) or any(graph[c].kind != "softmax_cross_entropy"
+                                               for c, _ in graph.consumers(layer.name)):
+            out.add(layer.name)
+    return out
+
+
+def _working_with_copies(graph, readers, needed, working, copies, memory):
+    """Each device's largest backward working set with the copies alive (taskrt.planning.memory):
+    a recomputed layer's copies live from the first layer whose backward reads them, or reads a
+    copy made from them, to the last, in backward's order of layers."""
+    position = {name: i for i, name in enumerate(graph.layers)}
+    spans = {}
+    for layer in reversed(list(graph)):
+        if layer.name not in readers:
+            continue
+        reading = readers[layer.name]
+        first = [position[c] for c in reading] + [spans[c][1] for c in reading if c in readers]
+        last = [position[c] for c in reading]
+        if _reads_itself(layer, needed):
+            first.append(position[layer.name])
+            last.append(position[layer.name])
+        spans[layer.name] = (min(last), max(first))  # (at least one reader: its consumers read all of it)
+    for name, at in position.items():
+        alive = sum((copies[layer] for layer, (last, first) in spans.items() if last <= at <= first),
+                    np.zeros_like(memory[:, TRANSIENT]))
+        np.maximum(memory[:, TRANSIENT], working.get(name, 0) + alive, out=memory[:, TRANSIENT])
 
 
 def _itemsize(layer, itemsize) -> int:

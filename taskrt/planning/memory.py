@@ -12,8 +12,13 @@ Kinds (bytes):
   momentum buffer, Adam's two moments), and an accumulated gradient when accumulating;
 - activations: what forward keeps for backward: its outputs, the slices it cut for others, the
   data tiles it was sent and every piece it received (backward reuses what forward fetched);
-- transient: the largest working set of one task beyond those (an output gradient assembled
-  from its pieces and the input gradients it produces).
+  none of a recomputed layer's (taskrt.planning.recompute): forward drops them;
+- transient: the largest working set of backward beyond those: one task's (an output gradient
+  assembled from its pieces and the input gradients it produces), plus the copies computed
+  again that are alive while its layer's backward runs: a recomputed layer's copies on a
+  device (its parts, the slices cut of them, the pieces received) live from the first layer
+  whose backward reads them (or reads a copy made from them) to the last, in backward's order
+  of layers.
 
 The sum is the peak of a step under the runtime's schedule (all of forward kept, then one
 backward task at a time), not counting Dask's own buffers.  `part_footprint` is the same
@@ -25,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from taskrt.planning.plan import DATA, TASK, Plan
+from taskrt.planning.recompute import PHASES
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "transient")
 
@@ -80,27 +86,81 @@ def plan_memory(plan: Plan, itemsize: int = 4, slots: int = 1,
     for layer, parts in plan.data.items():
         for part in parts:
             out[part.device]["activations"] += plan.data_nbytes[(layer, part.index)]
+    recomputed = {t.layer for t in plan.tasks if t.phase == "recompute"}
+    working: dict[tuple, int] = {}  # (layer, device) -> its largest backward task's working set
     for task in plan.tasks:
-        if task.phase in ("fwd", "slice") and task.nbytes:
+        if task.phase in ("fwd", "slice") and task.nbytes and task.layer not in recomputed:
             out[task.device]["activations"] += task.nbytes
         if task.phase in ("bwd", "loss"):
             spec = task.spec
-            out[task.device]["transient"] = max(out[task.device]["transient"],
-                                                part_footprint(spec.op, spec.out, itemsize).transient)
+            key = (task.layer, task.device)
+            working[key] = max(working.get(key, 0), part_footprint(spec.op, spec.out, itemsize).transient)
+    again: dict[tuple, int] = {}  # (recomputed layer, device) -> bytes of its copies there
+    for task in plan.tasks:
+        if task.phase in PHASES and task.phase != "resend":
+            again[(task.layer, task.device)] = again.get((task.layer, task.device), 0) + task.nbytes
     for transfer in plan.transfers():
-        if _is_forward_value(plan, transfer.dep):
+        origin = _forward_origin(plan, transfer.dep)
+        if origin is not None and origin not in recomputed:
             out[transfer.dst]["activations"] += transfer.nbytes
+        elif transfer.dep.kind == TASK and plan.by_key[transfer.dep.key].phase in PHASES:
+            layer = plan.by_key[transfer.dep.key].layer
+            again[(layer, transfer.dst)] = again.get((layer, transfer.dst), 0) + transfer.nbytes
+    order = {}  # each layer's position in forward's order
+    for task in plan.tasks:
+        if task.phase in ("fwd", "loss"):
+            order.setdefault(task.layer, len(order))
+    spans = _live_spans(plan, order) if recomputed else {}
+    for (_, device), nbytes in working.items():
+        out[device]["transient"] = max(out[device]["transient"], nbytes)
+    for layer, position in order.items():  # backward's working set there, with the copies alive
+        alive: dict[int, int] = {}
+        for (name, device), nbytes in again.items():
+            if spans[name][0] <= position <= spans[name][1]:
+                alive[device] = alive.get(device, 0) + nbytes
+        for device, nbytes in alive.items():
+            out[device]["transient"] = max(out[device]["transient"], working.get((layer, device), 0) + nbytes)
     return {d: DeviceMemory(**out[d]) for d in sorted(out)}
 
 
-def _is_forward_value(plan, dep) -> bool:
-    """Data, a forward output or a slice of one (through aliases): what forward fetches."""
+def _live_spans(plan, order) -> dict[str, tuple[int, int]]:
+    """Per recomputed layer, the positions (in forward's order of layers) of the last and first
+    layers whose backward reads its copies: backward runs from the first to the last, and a copy
+    read by another layer's copy is read when that one is made (its first reader)."""
+    readers: dict[str, set] = {}  # recomputed layer -> the tasks reading its copies
+    for task in plan.tasks:
+        for dep in task.deps:
+            if dep.kind == TASK and plan.by_key[dep.key].phase in PHASES:
+                readers.setdefault(plan.by_key[dep.key].layer, set()).add(task)
+    spans: dict[str, tuple[int, int]] = {}
+
+    def span(layer):
+        if layer not in spans:
+            first, last = [], []
+            for reader in readers[layer]:
+                if reader.phase in PHASES:
+                    if reader.layer != layer:  # a copy made of a copy: read when it is made
+                        first.append(span(reader.layer)[1])
+                else:
+                    first.append(order[reader.layer])
+                    last.append(order[reader.layer])
+            spans[layer] = (min(last, default=max(first)), max(first))
+        return spans[layer]
+
+    for layer in readers:
+        span(layer)
+    return spans
+
+
+def _forward_origin(plan, dep) -> str | None:
+    """The layer whose forward value `dep` is (data, a forward output or a slice of one, through
+    aliases: what forward fetches), or None."""
     while dep.kind == TASK:
         task = plan.by_key[dep.key]
         if task.phase != "send":
-            return task.phase in ("fwd", "slice")
+            return task.layer if task.phase in ("fwd", "slice") else None
         dep = task.deps[0]
-    return dep.kind == DATA
+    return dep.key[0] if dep.kind == DATA else None
 
 
 def summary(memory: dict[int, DeviceMemory]) -> str:
