@@ -1,6 +1,7 @@
 """A task's price for the simulator: the kernel seconds of each task of a plan under a cost model
-(parts timed or estimated as in the search's tables, updates and reductions timed like parts, the
-copy a CPU worker makes of what arrives in a message).  `CostModel.timer` gives it."""
+(parts timed or estimated as in the search's tables, a forward part computed again for backward
+as its forward, updates and reductions timed like parts, the copy a CPU worker makes of what
+arrives in a message).  `CostModel.timer` gives it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def task_timer(model, plan, corun: bool = False):
     if not model.estimated:  # parts not timed yet: measured together, not one call each
         missing = {}
         for task in plan.tasks:
-            if task.phase in ("fwd", "bwd", "loss"):
+            if task.phase in ("fwd", "recompute", "bwd", "loss"):
                 kind, op = model.kinds[model.kind_index[task.device]], task.spec.op
                 model._lookup(kind, op, task.spec.out, _need_dx(task), missing)
         model._measure_missing(missing)
@@ -43,13 +44,13 @@ def task_timer(model, plan, corun: bool = False):
 
     def kernel_time(task) -> float:
         spec = task.spec
-        if task.phase == "fwd":
+        if task.phase in ("fwd", "recompute"):  # a copy computed again: its forward's kernels
             return model.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[0]
         if task.phase == "bwd":
             return model.part_time(spec.op, spec.out, _need_dx(task), task.device, corun)[1]
         if task.phase == "loss":
             return sum(model.part_time(spec.op, spec.out, _need_dx(task), task.device, corun))
-        if task.phase in ("slice", "gslice", "rslice", "wgather"):  # copies into a fresh array
+        if task.phase in ("slice", "reslice", "gslice", "rslice", "wgather"):  # copies into a fresh array
             return task.nbytes / model.calibration.get("fresh_copy_bandwidth", model.memory_bandwidth)
         if task.phase in ("update", "reduce"):
             return model._sync_times[sync[task.key]]
@@ -58,7 +59,7 @@ def task_timer(model, plan, corun: bool = False):
             return task.nbytes * len(task.deps) / bandwidth
         # fstat, bstat: batch norm's per-part statistics; the part's measured forward and backward
         # (measure_parts runs the op's whole-tile kernels) already include computing them
-        return 0.0  # send, wfetch, grad: a reference to an array that exists already
+        return 0.0  # send, resend, wfetch, grad: a reference to an array that exists already
 
     return task_time
 
@@ -66,7 +67,7 @@ def task_timer(model, plan, corun: bool = False):
 def _need_dx(task) -> tuple:
     """Which input gradients a forward, backward or loss task's part timing includes (a batch
     norm's backward, taskrt.planning.tasks.NormBackward, exists only where its input needs one)."""
-    if task.phase == "fwd":
+    if task.phase in ("fwd", "recompute"):
         return tuple(False for _ in task.spec.op.in_shapes)
     if task.phase == "loss":
         return (True, False)
