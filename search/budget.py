@@ -9,6 +9,7 @@ with search.memory.step_memory, the accounting the rest of the search reports.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 
@@ -121,7 +122,7 @@ def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: li
         return None, report
     report.update(rounds=found.rounds, points=found.points, measure_bytes=found.memory,
                   pareto_points=len(found.front))
-    for k, local in enumerate([found.choice, *found.alternatives]):
+    for k, local in enumerate(itertools.chain([found.choice], found.alternatives)):  # each traced back as needed
         choice = {n: int(keep[n][i]) for n, i in local.items()}
         memory = memory_of_choice(graph, cost_model, tables, choice)
         if peak(memory)[1] <= budget:

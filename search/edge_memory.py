@@ -295,21 +295,53 @@ def edges_separable(lo, hi, device, starts, shape, local, need_lo, need_hi, to, 
 
 
 @numba.njit(cache=True, nogil=True)
-def interval_tables(lo, hi, need_lo, need_hi, need_starts, degrees, driver, e):
-    """For producer intervals [lo, hi) along input dimension e and each consumer config: the sum of
-    their overlaps with the config's distinct needs along e (one per block of the driving output
-    dimension `driver`; the first part's where nothing drives it) and how many hold them whole."""
-    intervals, consumers = len(lo), len(need_starts)
-    total = np.zeros((intervals, consumers), dtype=np.int64)
-    whole = np.zeros((intervals, consumers), dtype=np.int64)
-    for b in range(consumers):
-        blocks = 1 if driver < 0 else degrees[b, driver]
-        stride = 0 if driver < 0 else _stride(degrees, b, driver)
-        for k in range(blocks):
-            q = need_starts[b] + k * stride
-            for i in range(intervals):
-                total[i, b] += max(min(need_hi[q, e], hi[i]) - max(need_lo[q, e], lo[i]), 0)
-                whole[i, b] += 1 if need_lo[q, e] <= lo[i] and hi[i] <= need_hi[q, e] else 0
+def producer_intervals(lo, hi, shape):
+    """Per dimension e, the distinct intervals [lo, hi) of the parts (sorted; those of dimension e
+    at first[e]:first[e + 1]), and each part's interval's index among them."""
+    parts, rank = lo.shape
+    ids = np.empty((parts, rank), dtype=np.int64)
+    out_lo = np.empty(parts * rank, dtype=np.int64)
+    out_hi = np.empty(parts * rank, dtype=np.int64)
+    first = np.zeros(rank + 1, dtype=np.int64)
+    n = 0
+    for e in range(rank):
+        span = shape[e] + 1
+        keys = lo[:, e] * span + hi[:, e]
+        order = np.argsort(keys)
+        first[e] = n
+        for k in range(parts):
+            p = order[k]
+            if k == 0 or keys[p] != keys[order[k - 1]]:
+                out_lo[n], out_hi[n] = lo[p, e], hi[p, e]
+                n += 1
+            ids[p, e] = n - 1 - first[e]
+    first[rank] = n
+    return out_lo[:n].copy(), out_hi[:n].copy(), first, ids
+
+
+@numba.njit(cache=True, nogil=True)
+def interval_tables(lo, hi, first, need_lo, need_hi, need_starts, degrees, driven_by):
+    """For the producer intervals of each input dimension e (producer_intervals) and each consumer
+    config: the sum of their overlaps with the config's distinct needs along e (one per block of
+    the output dimension driving e; the first part's where nothing drives it) and how many hold
+    them whole: (dimensions, most intervals, consumer configs) each."""
+    rank, consumers = len(first) - 1, len(need_starts)
+    widest = 0
+    for e in range(rank):
+        widest = max(widest, first[e + 1] - first[e])
+    total = np.zeros((rank, widest, consumers), dtype=np.int64)
+    whole = np.zeros((rank, widest, consumers), dtype=np.int64)
+    for e in range(rank):
+        driver = driven_by[e]
+        for b in range(consumers):
+            blocks = 1 if driver < 0 else degrees[b, driver]
+            stride = 0 if driver < 0 else _stride(degrees, b, driver)
+            for k in range(blocks):
+                q = need_starts[b] + k * stride
+                for i in range(first[e + 1] - first[e]):
+                    x0, x1 = lo[first[e] + i], hi[first[e] + i]
+                    total[e, i, b] += max(min(need_hi[q, e], x1) - max(need_lo[q, e], x0), 0)
+                    whole[e, i, b] += 1 if need_lo[q, e] <= x0 and x1 <= need_hi[q, e] else 0
     return total, whole
 
 

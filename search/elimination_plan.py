@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from taskrt.search.eliminate import min_plus
@@ -221,10 +222,7 @@ def outside_bounds(plan: Plan, unary: dict, edges: list, log=None) -> Bounds | N
         else:
             u, w = step.neighbours
             out_m = outside[step.message]
-            through = min_plus(np.ascontiguousarray(out_m), np.ascontiguousarray(right.T))  # (u, v)
-            out_left = through + own[None, :]
-            out_right = min_plus(np.ascontiguousarray(left.T), np.ascontiguousarray(out_m)) + own[:, None]
-            out_own = (left + through).min(axis=0)
+            out_left, out_own, out_right = _node_backward(left, own, right, out_m)
             outside_left[j], outside_right[j] = out_left, out_right
             pass_down(step.left, (u, v), out_left, left)
             pass_down(step.right, (v, w), out_right, right)
@@ -232,3 +230,21 @@ def outside_bounds(plan: Plan, unary: dict, edges: list, log=None) -> Bounds | N
         marginal[v] = out_own + own
         pass_down(step.own, (v,), out_own)
     return Bounds(constant, marginal, outside, outside_own, outside_left, outside_right, pair)
+
+
+@numba.njit(cache=True, nogil=True)
+def _node_backward(left, own, right, out_m):
+    """A node step (v between u and w) backward, given the outside of its message over (u, w): the
+    outsides of its left sum over (u, v), its own over v and its right sum over (v, w)."""
+    through = min_plus(np.ascontiguousarray(out_m), np.ascontiguousarray(right.T))  # (u, v): w minimized
+    out_right = min_plus(np.ascontiguousarray(left.T), np.ascontiguousarray(out_m))  # (v, w): u minimized
+    rows, inner = left.shape
+    out_left = np.empty((rows, inner))
+    out_own = np.full(inner, np.inf)
+    for u in range(rows):
+        for v in range(inner):
+            out_left[u, v] = through[u, v] + own[v]
+            out_own[v] = min(out_own[v], left[u, v] + through[u, v])
+    for v in range(inner):
+        out_right[v] += own[v]
+    return out_left, out_own, out_right

@@ -130,3 +130,13 @@ def _grow(array, cap):
     out = np.empty((cap,) + array.shape[1:], dtype=array.dtype)
     out[: len(array)] = array
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def gather(table, rows, cols):
+    """table[np.ix_(rows, cols)] without numpy's overhead (the search slices many small tables)."""
+    out = np.empty((len(rows), len(cols)), dtype=table.dtype)
+    for i in range(len(rows)):
+        for k in range(len(cols)):
+            out[i, k] = table[rows[i], cols[k]]
+    return out

@@ -46,7 +46,9 @@ from taskrt.search.edge_memory import (
     is_grid,
     local_parts,
     need_classes,
+    producer_intervals,
 )
+from taskrt.search.fronts import gather
 from taskrt.search.layer_space import Configs
 
 
@@ -112,9 +114,9 @@ class MemoryTables:
         if fast is None:
             fast = self.cache[("fast", key)] = self._fast_path(producer, consumer, j)
         if fast[0] == "tabulated":
-            _, local, local_reader, lonely, ids, sums, counts, volumes = fast
+            _, local, local_reader, lonely, ids, sums, counts, volumes, shape = fast
             edges_tabulated(parts.lo, parts.hi, parts.device, parts.starts, local, needs.lo, needs.hi, needs.device,
-                             needs.starts, local_reader, lonely, ids, sums, counts, volumes, parts.hi.max(axis=0),
+                             needs.starts, local_reader, lonely, ids, sums, counts, volumes, shape,
                              size, self.devices, rows, cols, asked, table)
         elif fast[0] == "separable":
             _, shape, local, local_reader, lonely, driven_by = fast
@@ -132,7 +134,7 @@ class MemoryTables:
         if wanted is None and len(rows) == table.shape[0] and len(cols) == table.shape[1]:
             self.cache[("complete", key)] = True  # every config pair (in order): all known now
             return table
-        out = table[np.ix_(rows, cols)]
+        out = gather(table, rows, cols)
         return out if wanted is None else np.where(asked, out, UNKNOWN)
 
     def _fast_path(self, producer, consumer, j) -> tuple:
@@ -147,17 +149,12 @@ class MemoryTables:
             shape = parts.hi.max(axis=0)
             distinct = distinct_devices(parts.device, parts.starts)
             grid = distinct and is_grid(parts.lo, parts.hi, parts.block, parts.degrees, parts.starts, shape)
-            intervals = []
-            ids = np.empty((len(parts.lo), parts.lo.shape[1]), dtype=np.int64)
-            if grid:  # per dimension, the distinct intervals of its parts
-                for e in range(parts.lo.shape[1]):
-                    span = int(shape[e]) + 1
-                    keys, ids[:, e] = np.unique(parts.lo[:, e] * span + parts.hi[:, e], return_inverse=True)
-                    intervals.append((keys // span, keys % span))
+            # per dimension, the distinct intervals of its parts (and each part's)
+            intervals = producer_intervals(parts.lo, parts.hi, shape) if grid else None
             local = local_parts(parts.device, parts.starts, self.devices) if distinct else None
-            mine = self.cache[("producer", id(producer.grid))] = (distinct, grid, shape, local, ids, intervals,
+            mine = self.cache[("producer", id(producer.grid))] = (distinct, grid, shape, local, intervals,
                                                                   np.prod(parts.hi - parts.lo, axis=1))
-        distinct, grid, shape, local, ids, intervals, volumes = mine
+        distinct, grid, shape, local, intervals, volumes = mine
         theirs = self.cache.get(("consumer", id(consumer.needs[j])))
         if theirs is None:  # what depends on the consumer's needs alone
             driven_by = np.asarray(consumer.needs[j].driven_by, dtype=np.int64)
@@ -179,15 +176,9 @@ class MemoryTables:
             return ("separable", shape, local, local_reader, lonely, driven_by)
         # per (producer interval, consumer config) along each input dimension: the sum of its overlaps
         # with the config's distinct needs there, and how many of them hold it whole
-        rank = parts.lo.shape[1]
-        tables = [interval_tables(lo, hi, needs.lo, needs.hi, needs.starts, needs.degrees, driven_by[e], e)
-                  for e, (lo, hi) in enumerate(intervals)]
-        widest = max(t[0].shape[0] for t in tables)
-        sums = np.zeros((rank, widest, len(needs.starts)), dtype=np.int64)
-        counts = np.zeros_like(sums)
-        for e, (total, whole) in enumerate(tables):
-            sums[e, : len(total)], counts[e, : len(whole)] = total, whole
-        return ("tabulated", local, local_reader, lonely, ids, sums, counts, volumes)
+        lo, hi, first, ids = intervals
+        sums, counts = interval_tables(lo, hi, first, needs.lo, needs.hi, needs.starts, needs.degrees, driven_by)
+        return ("tabulated", local, local_reader, lonely, ids, sums, counts, volumes, shape)
 
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CostModel -> {key: table}

@@ -34,6 +34,7 @@ import numpy as np
 
 from taskrt.search.elimination_plan import DIAGONAL, EDGE, UNARY, elimination_plan, outside_bounds
 from taskrt.search.fronts import ZERO, FrontTable, combine
+from taskrt.search.fronts import gather as _gather
 
 ROUNDS = (1 / 64, 1 / 8, 1.0, np.inf)  # time limits: the unconstrained optimum times 1 + these
 FEW = 8  # layers with at most this many configs each: one round without time bounds (cheaper than them)
@@ -130,7 +131,7 @@ class _Search:
         for i, (u, v, matrix) in enumerate(time_edges):
             full = self.full[u] and self.full[v]
             t = np.asarray(matrix, dtype=np.float64)
-            t = t if full else t[np.ix_(kept[u], kept[v])]
+            t = t if full else _gather(t, kept[u], kept[v])
             if u != v and bounds is not None and np.isfinite(limit) and i in bounds.pair:
                 # only the config pairs some strategy within the time limit takes
                 wanted = self._slice(bounds.pair[i], (u, v)) <= limit * (1 + TOLERANCE)
@@ -197,7 +198,7 @@ class _Search:
 
         def result(alternatives: int):
             best = int(order[0])
-            others = [self._choice(final, int(p)) for p in order[1:1 + alternatives]]
+            others = _Lazy([int(p) for p in order[1:1 + alternatives]], lambda p: self._choice(final, p))
             front = [(float(table.time[p]), int(total[p])) for p in order]
             return self._choice(final, best), float(table.time[best]), int(total[best]), front, others
 
@@ -222,14 +223,13 @@ class _Search:
             groups = [[tables[c] for c in step.own], [tables[c] for c in step.left], [tables[c] for c in step.right]]
             n = step.neighbours
             scopes = [(v,), (n[0], v) if step.left else (), (v, n[-1]) if step.right else ()]
-            outsides = self._outsides(j, step, top)
             while sum(map(len, groups)) > 3:  # sum the components of one term first
                 g = max(range(3), key=lambda k: len(groups[k]))
                 a, b = groups[g][:2]
-                groups[g][:2] = [self._combine(scopes[g], None, [a, b], outsides[g])]
+                groups[g][:2] = [self._combine(scopes[g], None, [a, b], self._outside(j, step, top, g))]
             operands = [t for group in groups for t in group]
             scope = step.neighbours
-            result = self._combine(scope, v, operands, outsides[3])
+            result = self._combine(scope, v, operands, self._outside(j, step, top, 3))
             if self.tables[result].points == 0:
                 return None
             if step.kind == "free":
@@ -244,17 +244,19 @@ class _Search:
             finals[:2] = [self._combine((), None, finals[:2], None)]
         return finals[0]
 
-    def _outsides(self, j, step, top):
-        """Outside time bounds (full config space) of the step's own, left and right sums and of its
-        message, sliced to the kept configs; None where unknown."""
+    def _outside(self, j, step, top, which):
+        """The outside time bound (full config space) of step j's own (which 0), left (1) or right
+        (2) sum or its message (3), at the kept configs; None where unknown."""
         if not top or self.bounds is None:
-            return [None] * 4
+            return None
         b, n, v = self.bounds, step.neighbours, step.v
-        own = self._slice(b.outside_own[j], (v,))
-        left = self._slice(b.outside_left[j], (n[0], v)) if j in b.outside_left else None
-        right = self._slice(b.outside_right[j], (v, n[1])) if j in b.outside_right else None
-        message = None if step.kind == "free" else self._slice(b.outside[step.message], n)
-        return [own, left, right, message]
+        if which == 0:
+            return self._slice(b.outside_own[j], (v,))
+        if which == 1:
+            return self._slice(b.outside_left[j], (n[0], v)) if j in b.outside_left else None
+        if which == 2:
+            return self._slice(b.outside_right[j], (v, n[1])) if j in b.outside_right else None
+        return None if step.kind == "free" else self._slice(b.outside[step.message], n)
 
     def _slice(self, table, scope):
         """A full-space table over `scope` at the kept configs."""
@@ -262,27 +264,37 @@ class _Search:
             return table
         if len(scope) == 1:
             return table[self.kept[scope[0]]]
-        return table[np.ix_(self.kept[scope[0]], self.kept[scope[1]])]
+        return _gather(table, self.kept[scope[0]], self.kept[scope[1]])
 
     def _combine(self, scope: tuple, over, operands: list, outside, bases=None) -> int:
         """The table over `scope` of the min over layer `over` (None: no layer) of the operands' sum."""
-        axes = (scope[0] if scope else None, over, scope[1] if len(scope) > 1 else None)
-        cu, cv, cw = (self.sizes[a] if a is not None else 1 for a in axes)
+        sizes = self.sizes
+        u = scope[0] if scope else None
+        w = scope[1] if len(scope) > 1 else None
+        cu, cv, cw = sizes[u] if u else 1, sizes[over] if over else 1, sizes[w] if w else 1
         tables = [self.tables[t] for t in operands] + [ZERO] * (3 - len(operands))
-        ids = list(operands) + [0] * (3 - len(operands))
-        bases = bases or [0, 0, 0]
-        strides = [np.array([*t.strides(axes), base], dtype=np.int64) for t, base in zip(tables, bases)]
-        covered_time = sum(t.covered_time for t in tables)
-        covered_memory = sum(t.covered_memory for t in tables)
+        ids = tuple(operands) + (0,) * (3 - len(operands))
+        strides = np.zeros((3, 4), dtype=np.int64)
+        for k, table in enumerate(tables):  # entry strides along (u, over, w), and the base entry
+            names = table.scope
+            if len(names) == 2:
+                for name, stride in ((names[0], table.sizes[1]), (names[1], 1)):
+                    strides[k, 0 if name == u else 1 if name == over else 2] = stride
+            elif names:
+                strides[k, 0 if names[0] == u else 1 if names[0] == over else 2] = 1
+            if bases:
+                strides[k, 3] = bases[k]
+        a, b, c = tables
+        covered_time = a.covered_time + b.covered_time + c.covered_time
+        covered_memory = a.covered_memory + b.covered_memory + c.covered_memory
         rest = self.time_floor - covered_time
         bound = np.full(cu * cw, rest) if outside is None else np.maximum(np.asarray(outside, float).ravel(), rest)
-        a, b, c = tables
         offsets, t, s, x, refs = combine(cu, cw, cv, a.offsets, a.time, a.memory, a.working, strides[0],
                                          b.offsets, b.time, b.memory, b.working, strides[1],
                                          c.offsets, c.time, c.memory, c.working, strides[2],
                                          bound, self.x_floor, self.limit * (1 + TOLERANCE),
                                          self.budget - (self.memory_floor - covered_memory))
-        sizes = tuple(self.sizes[a] for a in scope)
+        sizes = tuple(sizes[n] for n in scope)
         return self._add(FrontTable(offsets, t, s, x, refs, tuple(ids), tuple(scope), sizes, None, covered_time,
                                     covered_memory))
 
@@ -363,6 +375,22 @@ class _Search:
         missing = set(self.names) - set(choice)
         assert not missing, f"no config traced back for {sorted(missing)}"
         return choice
+
+
+class _Lazy(list):
+    """The alternatives' choices, each traced back when first read (most are never needed)."""
+
+    def __init__(self, points, trace):
+        super().__init__(points)
+        self._trace, self._done = trace, {}
+
+    def __getitem__(self, i):
+        if i not in self._done:
+            self._done[i] = self._trace(super().__getitem__(i))
+        return self._done[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def _flat(names, kept_bytes, working):
