@@ -354,3 +354,35 @@ def test_the_single_device_trainer_takes_a_recomputing_graph_as_it_is():
     g = dropout_net()
     x, y = batch_for(g, seed=1)
     assert np.isfinite(SingleDeviceTrainer(g, dtype="float64").step(x, y))
+
+
+def test_runs_with_copies_replay_as_cuda_graphs(machine4, monkeypatch):
+    """Programs of a strategy recomputing every layer, on workers taken for GPU devices (the
+    stand-in device of tests/test_cuda_graphs.py): every run is captured and replayed, and six
+    steps give bit for bit the losses and parameters of the same steps launched kernel by kernel."""
+    from taskrt.execution.executor import Executor
+    from tests.graphs import alternating_strategy, with_and_without_graphs
+    from tests.test_cuda_graphs import _install_stand_in, _remove_stand_in, _stand_in_counts
+
+    monkeypatch.setattr(Executor, "gpu_devices", property(lambda self: frozenset(range(self.machine.num_devices))))
+    graph = models.lenet5(batch=8, image_size=16, width=0.5)
+    strategy = alternating_strategy(graph)
+    strategy = Strategy({n: dataclasses.replace(c, recompute=can_recompute(graph[n])) for n, c in strategy.items()})
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal(graph.inputs[0].shape).astype(np.float32),
+                rng.integers(0, 10, graph.inputs[0].shape[0])) for _ in range(6)]
+
+    def every_run_captured(graphs):
+        counts = [c for c in machine4.client.run(_stand_in_counts).values() if c["programs"]]
+        assert bool(counts) == graphs, counts
+        assert all(c["captures"] == c["programs"] and not c["failed"] for c in counts), counts
+
+    try:
+        results = with_and_without_graphs(machine4, graph, strategy, batches,
+                                          lambda: machine4.client.run(_install_stand_in), every_run_captured)
+    finally:
+        machine4.client.run(_remove_stand_in)
+    assert results[True][0] == results[False][0]
+    for layer, params in results[False][1].items():
+        for key, value in params.items():
+            np.testing.assert_array_equal(results[True][1][layer][key], value, err_msg=layer)
