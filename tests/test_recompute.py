@@ -386,3 +386,18 @@ def test_runs_with_copies_replay_as_cuda_graphs(machine4, monkeypatch):
     for layer, params in results[False][1].items():
         for key, value in params.items():
             np.testing.assert_array_equal(results[True][1][layer][key], value, err_msg=layer)
+
+
+def test_timelines_show_copies_as_a_phase_of_their_own():
+    from taskrt.observing.gantt import PHASE_COLORS, phase_color
+    from taskrt.observing.timeline import KERNELS, simulated_step
+    from taskrt.planning.simulate import simulate
+
+    g = models.lenet5(batch=4, image_size=16, width=0.5)
+    strategy = Strategy({layer.name: P(n=2, recompute=can_recompute(layer)) for layer in g if not layer.is_input})
+    plan = lower(g, strategy)
+    timeline = simulated_step(plan, simulate(plan, lambda task: 1e-3, Machine.simulated(1, 2)), range(2))
+    copies = [span for span in timeline.spans if span.lane == KERNELS and "-recompute " in span.name]
+    assert len(copies) == sum(t.phase == "recompute" for t in plan.tasks)
+    assert {phase_color(span) for span in copies} == {PHASE_COLORS["recompute"]}
+    assert PHASE_COLORS["recompute"] not in {PHASE_COLORS[p] for p in ("fwd", "bwd", "other")}

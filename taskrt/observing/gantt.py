@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from taskrt.observing.timeline import DATA, KERNELS, TRANSFERS_IN, TRANSFERS_OUT, WAITING, WAITS
 
-PHASE_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "loss": "#8172b3", "sync": "#55a868", "data": "#da8bc3",
-                "other": "#937860"}
+PHASE_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "loss": "#8172b3", "recompute": "#64b5cd", "sync": "#55a868",
+                "data": "#da8bc3", "other": "#937860"}
+RECOMPUTE_PHASES = ("recompute", "reslice", "resend")  # forward values computed again (taskrt.planning.recompute)
 SYNC_PHASES = ("update", "reduce", "grad", "wfetch", "wgather", "fstats", "bstats", "running")
 WAIT_COLORS = dict(zip(WAITS, ("#c8c8c8", "#f2c14e", "#8c8c8c", "#e4e4e4", "#b0b0b0")))
 TRANSFER_COLORS = {TRANSFERS_IN: "#c44e52", TRANSFERS_OUT: "#e8a0a2"}
@@ -21,6 +22,8 @@ def phase_color(span) -> str:
     phase = span.name.split(" ")[0].rsplit("-", 1)[-1]
     if phase in ("fwd", "bwd", "loss"):
         return PHASE_COLORS[phase]
+    if phase in RECOMPUTE_PHASES:
+        return PHASE_COLORS["recompute"]
     return PHASE_COLORS["sync" if phase in SYNC_PHASES else "other"]
 
 
