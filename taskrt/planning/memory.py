@@ -133,22 +133,16 @@ def _live_spans(plan, order) -> dict[str, tuple[int, int]]:
             if dep.kind == TASK and plan.by_key[dep.key].phase in PHASES:
                 readers.setdefault(plan.by_key[dep.key].layer, set()).add(task)
     spans: dict[str, tuple[int, int]] = {}
-
-    def span(layer):
-        if layer not in spans:
-            first, last = [], []
-            for reader in readers[layer]:
-                if reader.phase in PHASES:
-                    if reader.layer != layer:  # a copy made of a copy: read when it is made
-                        first.append(span(reader.layer)[1])
-                else:
-                    first.append(order[reader.layer])
-                    last.append(order[reader.layer])
-            spans[layer] = (min(last, default=max(first)), max(first))
-        return spans[layer]
-
-    for layer in readers:
-        span(layer)
+    for layer in sorted(readers, key=order.__getitem__, reverse=True):  # a copy's readers' copies first
+        first, last = [], []
+        for reader in readers[layer]:
+            if reader.phase in PHASES:
+                if reader.layer != layer:  # a copy made of a copy: read when it is made
+                    first.append(spans[reader.layer][1])
+            else:
+                first.append(order[reader.layer])
+                last.append(order[reader.layer])
+        spans[layer] = (min(last, default=max(first)), max(first))
     return spans
 
 

@@ -59,11 +59,22 @@ class Recomputation:
         return tuple(self.again(d) if self.recomputed(d) else d for d in deps)
 
     def again(self, dep: Dep) -> Dep:
-        """The copy computed again of forward value `dep` (made once, where first read)."""
-        if dep not in self.copies:
-            task = self.tasks[dep.key]
+        """The copy computed again of forward value `dep` (made once, where first read), after the
+        copies it reads (depth first, without recursion: a chain may be a whole network long)."""
+        stack = [dep]
+        while stack:
+            top = stack[-1]
+            if top in self.copies:
+                stack.pop()
+                continue
+            task = self.tasks[top.key]
+            missing = [d for d in task.deps if self.recomputed(d) and d not in self.copies]
+            if missing:
+                stack.extend(reversed(missing))
+                continue
+            stack.pop()
             phase = AGAIN[task.phase]
-            self.copies[dep] = self.add(Task(
+            self.copies[top] = self.add(Task(
                 (f"{task.layer}-{phase}", *task.key[1:]), phase, task.layer, task.device, Recompute(task.spec),
                 self.substitute(task.deps), task.nbytes, task.flops))
         return self.copies[dep]
