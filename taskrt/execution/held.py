@@ -9,9 +9,10 @@ the step, computed by a task, inside a fused run too, or received from another d
 drops it where the program or the run lets it go.  A value is counted by its buffer: a view (an
 alias, a tuple's element, a slice, a reshape, an array in a received message) is followed by
 `.base` to the array that owns the memory, so a buffer is counted once however many values read
-it.  This is the sum `taskrt.planning.peak` predicts.  It costs a type check, the walk along
-`.base` and a dictionary operation per value: a few tenths of a microsecond, some tens of
-microseconds per step of a LeNet-5 device.
+it.  This is the sum `taskrt.planning.peak` predicts.  Adding a value costs a type check, the
+walk along `.base` and a dictionary operation; letting it go, two dictionary operations on its id
+(the value itself is not read again): a few tenths of a microsecond each, some tens of
+microseconds per step of a LeNet-5 device (about 130 values).
 
 On a GPU worker whose cupy allocates from torch's allocator (`taskrt.gpu.device`), the step's
 peak as the allocator saw it is measured too: kernels' temporaries included.
@@ -25,13 +26,17 @@ import numpy as np
 
 
 class Held:
-    """Bytes held by distinct buffers: `now`, and `peak` since it was made."""
+    """Bytes held by distinct buffers: `now`, and `peak` since it was made (one step's)."""
 
-    __slots__ = ("_held", "_arrays", "now", "peak")
+    __slots__ = ("_held", "_of", "_arrays", "now", "peak")
 
     def __init__(self, gpu: bool = False):
         """`gpu`: a GPU worker's step (its values are cupy arrays)."""
-        self._held: dict = {}  # id of the array that owns the buffer -> [references, bytes]
+        self._held: dict = {}  # id of the array that owns a buffer -> [references, bytes]
+        # id of a value added -> the ids of its buffers' owners (one, or a tuple's): a value is let
+        # go without reading it again (after a kernel has run, its header is no longer in the
+        # processor's caches).  An id taken again by a later value is written again when it is added.
+        self._of: dict = {}
         self._arrays = array_types(gpu)
         self.now = 0
         self.peak = 0
@@ -40,44 +45,44 @@ class Held:
         """`value` (an array, a tuple of arrays and Nones, or anything else, which holds nothing
         counted here) appears `times` over."""
         if type(value) is tuple:
+            owners = []
             for element in value:
                 if element is not None:
-                    self.add(element, times)
-            return
+                    owners.append(self._add(element, times))
+            self._of[id(value)] = tuple(owners)
+        elif isinstance(value, self._arrays):
+            self._of[id(value)] = self._add(value, times)
+
+    def _add(self, value, times: int):
         arrays = self._arrays
         if not isinstance(value, arrays):
-            return
+            return None
         base = value.base
         while base is not None and isinstance(base, arrays):  # a view: to the array that owns the memory
             value, base = base, base.base
-        entry = self._held.get(id(value))
+        owner = id(value)
+        entry = self._held.get(owner)
         if entry is None:
-            self._held[id(value)] = [times, value.nbytes]
+            self._held[owner] = [times, value.nbytes]
             self.now += value.nbytes
             if self.now > self.peak:
                 self.peak = self.now
         else:
             entry[0] += times
+        return owner
 
     def drop(self, value) -> None:
-        """`value` is let go once."""
-        if type(value) is tuple:
-            for element in value:
-                if element is not None:
-                    self.drop(element)
+        """`value`, added before, is let go once."""
+        owners = self._of.get(id(value))
+        if owners is None:
             return
-        arrays = self._arrays
-        if not isinstance(value, arrays):
-            return
-        base = value.base
-        while base is not None and isinstance(base, arrays):
-            value, base = base, base.base
-        entry = self._held.get(id(value))
-        if entry is not None:
-            entry[0] -= 1
-            if not entry[0]:
-                self.now -= entry[1]
-                del self._held[id(value)]
+        for owner in owners if type(owners) is tuple else (owners,):
+            entry = self._held.get(owner)
+            if entry is not None:
+                entry[0] -= 1
+                if not entry[0]:
+                    self.now -= entry[1]
+                    del self._held[owner]
 
 
 def array_types(gpu: bool = False) -> tuple:

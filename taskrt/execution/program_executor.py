@@ -169,26 +169,29 @@ def _run_step(program: DeviceProgram, args: StepArgs, inputs, before, carried: l
         held.add(value, 1 if kind in ("prev", "read") or (program.gpu and name.kind == DATA) else 2)
     previous = value = None
     for instruction, drops in zip(program.code, program.drops):
+        # (no local variable keeps a value: each must go as soon as the program lets it go, so that
+        # its memory is reused and counted as let go)
         if isinstance(instruction, Compute):
-            run, values = instruction.run, [env[n] for n in instruction.inputs]
+            run = instruction.run
             if args.profiled:
                 from taskrt.observing.task_timing import ProfiledRun
 
-                outputs = ProfiledRun(run.steps, run.exports, (), None, args.key).timed(values, held)
+                env.update(zip(instruction.outputs, ProfiledRun(run.steps, run.exports, (), None, args.key).timed(
+                    [env[n] for n in instruction.inputs], held)))
             elif run.program is None:
-                outputs = run.run(values, held=held)
+                env.update(zip(instruction.outputs, run.run([env[n] for n in instruction.inputs], held=held)))
             else:  # replayed as a CUDA graph: its values as it gives them
-                outputs = run(*values)
-                held.add(outputs)
-            env.update(zip(instruction.outputs, outputs))
+                env.update(zip(instruction.outputs, run(*[env[n] for n in instruction.inputs])))
+                for name in instruction.outputs:
+                    held.add(env[name])
         elif isinstance(instruction, Recv):
             key = value_key(instruction.name, tag)
             if not seceded[0] and key not in box.values:
                 # About to wait: leave the worker's thread pool, so that its other tasks go on meanwhile
                 secede()
                 seceded[0] = True
-            env[instruction.name] = value = box.take(key, tag, address[instruction.src])
-            held.add(value)
+            env[instruction.name] = box.take(key, tag, address[instruction.src])
+            held.add(env[instruction.name])
         else:
             sent.append(box.send(address[instruction.dst], value_key(instruction.name, tag), tag,
                                  env[instruction.name]))
