@@ -138,6 +138,19 @@ def test_lenet5_measured_peak_is_the_predicted_one(machine2, name):
     assert trainer.stats.memory[0].measured == trainer.memory()[0].measured
 
 
+def test_recomputed_layers_measured_peak_is_the_predicted_one(machine2):
+    """Copies computed again for backward are values of the device's program like any other."""
+    graph = models.lenet5(batch=64)
+    plain = Strategy({layer.name: P(n=2) for layer in graph if not layer.is_input})
+    again = Strategy({layer.name: P(n=2, recompute=layer.kind == "conv2d") for layer in graph if not layer.is_input})
+    assert peak_memory(lower(graph, again))[1].total < peak_memory(lower(graph, plain))[1].total
+    trainer = Trainer(graph, again, machine2, lr=0.01, momentum=0.9, seed=0)
+    x, y = batch_of(graph)
+    for _ in range(2):
+        trainer.step(x, y)
+    assert all(abs(use.measured / use.predicted.total - 1) < 1e-3 for use in trainer.memory().values())
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
 @pytest.mark.parametrize("net", ["alexnet", "vgg16"])
 def test_larger_networks_measured_peak_is_the_predicted_one(machine2, net, name):
