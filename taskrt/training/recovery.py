@@ -285,6 +285,8 @@ class Recovery:
         (its event on the scheduler, MEMORY_EVENTS): raise DeviceMemoryError rather than recover (the
         step would run out again).  Elastic, the state of the last finished step is restored first
         (the snapshot, and the steps since replayed); otherwise it went with the worker."""
+        if all(d.memory is None for d in self.cluster_machine.devices):
+            return  # workers without a memory limit: no nanny restarts one for it
         client = self.cluster_machine.client
         deadline = time.monotonic() + MEMORY_EVENT_S
         while True:  # the nanny's word may come just after the worker is missed
