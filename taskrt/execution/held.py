@@ -30,14 +30,13 @@ class Held:
 
     __slots__ = ("_held", "_of", "_arrays", "now", "peak")
 
-    def __init__(self, gpu: bool = False):
-        """`gpu`: a GPU worker's step (its values are cupy arrays)."""
+    def __init__(self):
         self._held: dict = {}  # id of the array that owns a buffer -> [references, bytes]
         # id of a value added -> the ids of its buffers' owners (one, or a tuple's): a value is let
         # go without reading it again (after a kernel has run, its header is no longer in the
         # processor's caches).  An id taken again by a later value is written again when it is added.
         self._of: dict = {}
-        self._arrays = array_types(gpu)
+        self._arrays = array_types()
         self.now = 0
         self.peak = 0
 
@@ -85,12 +84,9 @@ class Held:
                     del self._held[owner]
 
 
-def array_types(gpu: bool = False) -> tuple:
-    """The array types a step's values may be: numpy's, and cupy's on a GPU worker (or once imported)."""
-    if gpu:
-        import cupy
-
-        return (np.ndarray, cupy.ndarray)
+def array_types() -> tuple:
+    """The array types a step's values may be: numpy's, and cupy's where it is imported (a GPU
+    worker imports it as it starts, `taskrt.machines.worker_setup`)."""
     cupy = sys.modules.get("cupy")
     return (np.ndarray,) if cupy is None else (np.ndarray, cupy.ndarray)
 

@@ -118,7 +118,7 @@ def run_program(program: DeviceProgram, steps: tuple, *inputs):
     per_step = [i for i, o in enumerate(program.outputs) if o.output in PER_STEP]
     previous, each, seceded, memory = None, [], [False], []
     for i, args in enumerate(steps):
-        held = Held(program.gpu)
+        held = Held()
         start_allocator_peak(program.gpu)
         try:
             if i == 0:
