@@ -140,7 +140,7 @@ def memory_of_choice(graph, cost_model, tables, choice: dict) -> dict:
     strategy = Strategy({n: tables.configs[n][i] for n, i in choice.items()})
     return step_memory(graph, strategy, cost_model.itemsize,
                        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]),
-                       cost_model.channel_params)
+                       cost_model.channel_params, len(cost_model.optimizer.slots))
 
 
 def _approximate(names, unary, edges, kept_bytes, working, edge_bytes, budget):

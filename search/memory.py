@@ -28,7 +28,8 @@ from taskrt.search.regions import Needs, part_table
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TRANSIENT = range(len(KINDS))
 
 
-def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=None) -> dict[int, DeviceMemory]:
+def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=None,
+                slots: int = 1) -> dict[int, DeviceMemory]:
     """Bytes per device, by kind, of one training step of `graph` under `strategy` (validated).
 
     `regions(layer, config)`, if given, returns the parts of `layer` under `config` as
@@ -37,7 +38,7 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
     `per_channel(op)`: `search.layer_space.channel_params` by default, or a CostModel's, which has them
     already."""
     if any(not config.is_even for config in strategy.configs.values()):
-        return _lowered(graph, strategy, itemsize)
+        return _lowered(graph, strategy, itemsize, slots)
     regions = regions or _regions
     if per_channel is None:
         known = {}
@@ -51,7 +52,7 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
     needed = graph.needs_backward()
     again = _recomputed(graph, strategy, needed)
     if again is None:
-        return _lowered(graph, strategy, itemsize)
+        return _lowered(graph, strategy, itemsize, slots)
     devices = 1 + max(int(parts[2].max()) for parts, _ in layers.values())
     memory = np.zeros((devices, len(KINDS)), dtype=np.int64)
     present = np.zeros(devices, dtype=bool)  # devices the plan has tasks or data on
@@ -65,7 +66,7 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
         (lo, hi, device), needs = layers[layer.name]
         if layer.param_shapes:
             _shards(lo[:, 1], hi[:, 1], device, per_channel(layer.op), itemsize,
-                    strategy[layer.name].sync == "allreduce", memory)
+                    strategy[layer.name].sync == "allreduce", slots, memory)
         if not layer.is_input:  # a forward (or loss) task per part; forward keeps its output
             kept = 0 if layer.kind == "softmax_cross_entropy" or layer.name in again else itemsize
             _outputs(lo, hi, device, kept, memory, present)
@@ -95,9 +96,9 @@ def step_memory(graph, strategy, itemsize: int = 4, regions=None, per_channel=No
         np.maximum(memory[:, TRANSIENT], working[layer.name], out=memory[:, TRANSIENT])
     kept = [layer for layer in graph if not layer.is_input and layer.kind != "softmax_cross_entropy"]
     if not all(read[layer.name].all() for layer in kept):
-        return _lowered(graph, strategy, itemsize)  # the plan drops the tasks of parts nothing reads
+        return _lowered(graph, strategy, itemsize, slots)  # the plan drops the tasks of parts nothing reads
     if not all(read_again[name].all() or _reads_itself(graph[name], needed) for name in again):
-        return _lowered(graph, strategy, itemsize)  # backward computes only some parts again
+        return _lowered(graph, strategy, itemsize, slots)  # backward computes only some parts again
     copies = {}  # per recomputed layer, the bytes of its copies on each device
     for layer in graph:
         size = _itemsize(layer, itemsize)
@@ -230,7 +231,7 @@ def _reads(lo, hi, device, need_lo, need_hi, to, read, gradient, backward, input
 
 
 @numba.njit(cache=True, nogil=True)
-def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, memory):
+def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, slots, memory):
     """Each part's device holds its shard's weights and gradient; the shard's state lives on its
     first device ("ps") or in one chunk per replica ("allreduce": taskrt.planning.plan.chunk_bounds), and the owner of
     each chunk receives the other replicas' gradients of it."""
@@ -254,7 +255,8 @@ def _shards(c_lo, c_hi, device, per_channel, itemsize, allreduce, memory):
         chunks = min(replicas, size) if allreduce else 1
         for i in range(chunks):
             chunk = (size // chunks + (1 if i < size % chunks else 0)) * itemsize
-            memory[members[i], OPTIMIZER] += chunk
+            memory[members[i], OPTIMIZER] += 2 * slots * chunk  # its slots, and their updated copies
+            memory[members[i], PARAMETERS] += chunk  # the updated weights, beside the old
             memory[members[i], GRADIENTS] += (replicas - 1) * chunk
             if chunks > 1:  # a master chunk beside the gathered copy
                 memory[members[i], PARAMETERS] += chunk
@@ -316,8 +318,8 @@ def _first_of_each(rows, columns):
     return first
 
 
-def _lowered(graph, strategy, itemsize):
+def _lowered(graph, strategy, itemsize, slots):
     from taskrt.planning.lowering import lower
     from taskrt.planning.memory import plan_memory
 
-    return plan_memory(lower(graph, strategy, itemsize=itemsize), itemsize)
+    return plan_memory(lower(graph, strategy, itemsize=itemsize), itemsize, slots)

@@ -63,6 +63,7 @@ class MemoryTables:
         self.devices = cost_model.machine.num_devices
         needed = graph.needs_backward()
         itemsize = cost_model.itemsize
+        slots = len(cost_model.optimizer.slots)
         self.kept, self.working, self.by_device, spaces = {}, {}, {}, {}
         for layer in graph:
             space = spaces[layer.name] = cost_model.layer_space(layer)
@@ -75,14 +76,15 @@ class MemoryTables:
             loss = layer.kind == "softmax_cross_entropy"
             backward = loss or layer.name in needed
             params = cost_model.channel_params(layer.op) if layer.param_shapes else 0
-            key = ("layer", space.key, allreduce.tobytes(), size, layer.is_input, loss, backward, params)
+            key = ("layer", space.key, allreduce.tobytes(), size, layer.is_input, loss, backward, params, slots)
             if key not in self.cache:
                 parts = space.parts
                 inputs = np.zeros(len(parts.device), dtype=np.int64)
                 for needs in space.needs:
                     inputs += _volumes(needs.table.lo, needs.table.hi)
                 self.cache[key] = _layer_tables(parts.lo, parts.hi, parts.device, parts.starts, allreduce, params,
-                                                size, itemsize, layer.is_input, loss, backward, inputs, self.devices)
+                                                size, itemsize, layer.is_input, loss, backward, inputs, self.devices,
+                                                slots)
             by_device, self.working[layer.name] = self.cache[key]
             self.by_device[layer.name] = by_device
             self.kept[layer.name] = by_device.max(axis=1) if by_device.shape[1] else np.zeros(len(by_device), np.int64)
@@ -207,7 +209,7 @@ def _volumes(lo, hi):
 
 @numba.njit(cache=True, nogil=True)
 def _layer_tables(lo, hi, device, starts, allreduce, per_channel, size, itemsize, is_input, loss, backward, inputs,
-                  devices):
+                  devices, slots):
     """Per config: what each device keeps of the layer (parameters, gradients, optimizer state,
     outputs or data tiles), and w = its largest backward working set of one part."""
     configs, total, rank = len(starts), len(device), lo.shape[1]
@@ -247,7 +249,8 @@ def _layer_tables(lo, hi, device, starts, allreduce, per_channel, size, itemsize
                 chunks = min(replicas, elements) if allreduce[a] else 1
                 for i in range(chunks):
                     chunk = (elements // chunks + (1 if i < elements % chunks else 0)) * itemsize
-                    memory[members[i]] += chunk + (replicas - 1) * chunk  # optimizer state, received gradients
+                    # optimizer state and its update, the updated weights, received gradients
+                    memory[members[i]] += (2 * slots + 1) * chunk + (replicas - 1) * chunk
                     if chunks > 1:
                         memory[members[i]] += chunk  # the master chunk
         kept[a] = memory

@@ -67,7 +67,53 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     """
     cost_model = cost_model or CostModel(machine)
     budgets = budgeting.device_budgets(machine, memory)  # a bad value fails before any work
-    given = fewer_devices  # None stays None for the search again: the machine left decides
+    strategy = _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
+                         budgets)
+    if budgets and not machine.is_simulated:
+        strategy = _fit_schedule(graph, machine, cost_model, strategy, budgets, lambda tighter: _optimize(
+            graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices, tighter))
+    strategy.replan = SearchAgain(check_by_simulation, fewer_devices, memory)
+    return strategy
+
+
+SCHEDULE_ROUNDS = 3  # searches under a tighter budget when the schedule's peak does not fit
+
+
+def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under):
+    """A strategy whose peak under the runtime's schedule (taskrt.planning.peak, what a Trainer
+    checks before its first step) fits `budgets` as well as its step_memory does.  The search's
+    sum counts one backward working set per device, where the schedule may hold several gradient
+    pieces at once (a split over channels sends one from every device): if the peak is over, the
+    search runs again with each budget scaled down by how far over it was, up to SCHEDULE_ROUNDS
+    times.  meta["schedule_peak_per_device"]: the peaks of the result."""
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+
+    tighter = dict(budgets)
+    for searched in range(SCHEDULE_ROUNDS + 1):
+        peaks = peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
+                            len(cost_model.optimizer.slots))
+        over = max(peaks[d].total / budgets[d] for d in peaks if d in budgets)
+        if over <= 1:
+            strategy.meta["schedule_peak_per_device"] = {str(d): p.total for d, p in peaks.items()}
+            strategy.meta["memory_budget"] = budgeting.smallest(budgets, strategy.meta.get("device_count",
+                                                                                             machine.num_devices))
+            return strategy
+        if searched < SCHEDULE_ROUNDS:
+            tighter = {d: int(b / over) for d, b in tighter.items()}
+            strategy = search_under(tighter)
+    device = max(peaks, key=lambda d: peaks[d].total / budgets.get(d, np.inf))
+    raise budgeting.MemoryBudgetError(
+        f"no strategy for {graph.name!r} found whose peak under the runtime's schedule fits "
+        f"{budgeting._size(budgets[device])} on device {device} of {machine.description}: the last tried holds "
+        f"{budgeting._size(peaks[device].total)} there (the search's own count: "
+        f"{budgeting._size(strategy.meta['memory_per_device'][str(device)]['total'])}). Use more devices, a smaller "
+        "batch, or a larger budget.", devices=(device,))
+
+
+def _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
+              budgets) -> Strategy:
+    """optimize's search under `budgets` ({device: bytes} or None), by the search's own count."""
     started = time.perf_counter()
     tables = cost_model.tables(graph)
     built = time.perf_counter()
@@ -106,12 +152,12 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
         # every layer has a valid config here: no need to validate the strategy again
         regions = cost_model.regions if check_by_simulation or check_by_measurement else (
             lambda layer, config: cost_model.regions(layer, config, choice[layer.name]))
-        memory_of = step_memory(graph, strategy, cost_model.itemsize, regions, cost_model.channel_params)
+        memory_of = step_memory(graph, strategy, cost_model.itemsize, regions, cost_model.channel_params,
+                                len(cost_model.optimizer.slots))
     strategy.meta["memory_per_device"] = _json(memory_of)
     strategy.meta["search"]["memory_s"] = time.perf_counter() - counted
     strategy.meta["memory_budget"] = budgeting.smallest(budgets, k)
     strategy.meta.setdefault("memory_bound", False)
-    strategy.replan = SearchAgain(check_by_simulation, given, memory)
     return strategy
 
 
@@ -244,7 +290,7 @@ def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None 
     if cost_model is None:
         return _json(step_memory(graph, strategy.validated(graph), itemsize))
     return _json(step_memory(graph, strategy.validated(graph), itemsize, cost_model.regions,
-                             cost_model.channel_params))
+                             cost_model.channel_params, len(cost_model.optimizer.slots)))
 
 
 def _json(memory) -> dict:
@@ -277,7 +323,7 @@ def _fits(graph, cost_model, strategy, budgets) -> bool:
     if not budgets:
         return True
     return budgeting.fits(step_memory(graph, strategy, cost_model.itemsize, cost_model.regions,
-                                     cost_model.channel_params), budgets)
+                                     cost_model.channel_params, len(cost_model.optimizer.slots)), budgets)
 
 
 def _check_by_measurement(graph, machine, cost_model, optimum: Strategy, budgets=None) -> Strategy:

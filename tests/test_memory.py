@@ -43,8 +43,8 @@ def test_parameter_server_holds_the_state_and_receives_whole_gradients(replicas)
     g = mlp()
     memory = plan_memory(lower(g, Strategy({n: P(n=replicas) for n in ("fc1", "fc2", "loss")})))
     server, replica = memory[0], memory[1]
-    assert server.parameters == replica.parameters == SHARD
-    assert server.optimizer == SHARD and replica.optimizer == 0
+    assert server.parameters == 2 * SHARD and replica.parameters == SHARD  # the server's updated weights too
+    assert server.optimizer == 2 * SHARD and replica.optimizer == 0  # the velocity, and its update
     assert server.gradients == replicas * SHARD and replica.gradients == SHARD
 
 
@@ -54,10 +54,10 @@ def test_allreduce_spreads_the_optimizer_state_and_the_gradient_sums(replicas):
     memory = plan_memory(lower(g, Strategy({n: P(n=replicas, sync="allreduce") for n in ("fc1", "fc2", "loss")})))
     chunks = {d: sum((size // replicas + (d < size % replicas)) * F32 for size in (120, 60)) for d in range(replicas)}
     for d, m in memory.items():
-        assert m.optimizer == chunks[d]
-        assert m.parameters == SHARD + chunks[d]  # the gathered copy beside its master chunk
+        assert m.optimizer == 2 * chunks[d]  # its chunk's velocity and the updated one
+        assert m.parameters == SHARD + 2 * chunks[d]  # the gathered copy beside its master chunk and its update
         assert m.gradients == SHARD + (replicas - 1) * chunks[d]
-    assert sum(m.optimizer for m in memory.values()) == SHARD  # one velocity in all
+    assert sum(m.optimizer for m in memory.values()) == 2 * SHARD  # one velocity in all, and its update
 
 
 def test_activations_are_what_forward_keeps_and_transient_is_one_backward_task():
@@ -89,7 +89,8 @@ def test_splitbrain_parameter_memory_per_device_follows_table_1():
     m = Machine.simulated(1, 16)
     conv, fc01, fc2 = 1_734_336, 4_194_304 + 1_048_576, 10_240
     for mp in (1, 2, 4, 8, 16):
-        memory = plan_memory(lower(g, search.splitbrain(g, m, mp, sync="ps")))
+        # the weights a device computes with (no update: its new weights would double the server's)
+        memory = plan_memory(lower(g, search.splitbrain(g, m, mp, sync="ps"), mode="gradients"))
         fc2_block = -(-10 // mp) * 1024 if mp <= 10 else fc2  # the first channel block is the largest
         assert memory[0].parameters == (conv + fc01 // mp + fc2_block) * F32, mp
         assert max(x.parameters for x in memory.values()) == memory[0].parameters

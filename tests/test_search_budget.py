@@ -306,7 +306,7 @@ def test_nothing_fits_names_the_smallest_peak_its_device_and_layers_and_the_budg
     assert isinstance(raised.value, MemoryError) and isinstance(raised.value, DeviceMemoryError)
     assert raised.value.devices == (0,)
     text = str(raised.value)
-    assert "the smallest peak found is 210." in text and "MiB on device 0" in text
+    assert "the smallest peak found is 338." in text and "MiB on device 0" in text
     assert "most of it: fc2" in text and "the budget is 100.00 MiB (104857600 bytes)" in text
     assert "\n" not in text
 
@@ -406,7 +406,7 @@ def test_cli_memory_flag(capsys):
     assert main([*args, "--memory", "1GiB"]) == 0
     assert "memory budget: 1024.0 MiB per device; the fastest strategy fits" in capsys.readouterr().out
     for value, said in [("lots", "--memory: expected a budget per device such as 16GiB"),
-                        ("100MiB", "the smallest peak found is 210.")]:
+                        ("100MiB", "the smallest peak found is 338.")]:
         with pytest.raises(SystemExit) as ended:
             main([*args, "--memory", value])
         text = capsys.readouterr().err + str(ended.value.code)
@@ -424,3 +424,50 @@ def test_large_graphs_fit_their_budget(name):
     strategy = search.optimize(graph, machine, cost_model, memory=int(0.995 * peak0))
     assert peak_of(graph, cost_model, strategy) <= int(0.995 * peak0)
     assert strategy.meta["memory_bound"]
+
+
+def _schedule_case():
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+    from taskrt.search.optimize import memory_per_device
+
+    graph, machine = models.lenet5(batch=16), Machine.simulated(4, 4)
+    strategy = search.model_parallel(graph, machine).validated(graph, machine)
+    strategy.meta["memory_per_device"] = memory_per_device(graph, strategy)
+    peaks = {d: p.total for d, p in peak_memory(lower(graph, strategy), 4, 1).items()}
+    return graph, machine, strategy, peaks
+
+
+def test_a_result_whose_schedule_peak_fits_is_kept_with_its_peaks():
+    from taskrt.search.optimize import _fit_schedule
+
+    graph, machine, strategy, peaks = _schedule_case()
+    budgets = {d: peaks[d] for d in peaks}
+    kept = _fit_schedule(graph, machine, search.CostModel(machine, cache=False, progress=False), strategy, budgets,
+                         lambda tighter: pytest.fail("searched again"))
+    assert kept is strategy and kept.meta["schedule_peak_per_device"] == {str(d): p for d, p in peaks.items()}
+
+
+def test_a_result_over_budget_by_the_schedule_is_searched_again_under_a_tighter_budget():
+    """The search's sum may count less than the schedule holds (model parallelism's gradient pieces
+    from every device at once): then it searches again with each budget scaled down by the excess,
+    and says so when no round fits."""
+    from taskrt.search.optimize import SCHEDULE_ROUNDS, _fit_schedule
+
+    graph, machine, strategy, peaks = _schedule_case()
+    sums = {int(d): m["total"] for d, m in strategy.meta["memory_per_device"].items()}
+    assert any(peaks[d] > sums[d] for d in peaks)  # the case this guards against
+    budgets = {d: sums[d] for d in peaks}
+    over = max(peaks[d] / budgets[d] for d in peaks)
+    asked = []
+
+    def search_under(tighter):
+        asked.append(tighter)
+        return strategy
+
+    with pytest.raises(search.MemoryBudgetError, match="peak under the runtime's schedule") as raised:
+        _fit_schedule(graph, machine, search.CostModel(machine, cache=False, progress=False), strategy, budgets,
+                      search_under)
+    assert len(asked) == SCHEDULE_ROUNDS
+    assert asked[0] == {d: int(b / over) for d, b in budgets.items()}
+    assert isinstance(raised.value, MemoryError)

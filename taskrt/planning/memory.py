@@ -9,7 +9,8 @@ Kinds (bytes):
 - gradients: its parameter gradients, plus the replicas' gradients it receives to sum (a
   parameter server receives whole shards, an all-reduce owner one chunk from each replica);
 - optimizer: the optimizer's state of the chunks it owns (`slots` arrays per chunk: SGD's
-  momentum buffer, Adam's two moments), and an accumulated gradient when accumulating;
+  momentum buffer, Adam's two moments), their updated copies in training, and an accumulated
+  gradient when accumulating;
 - activations: what forward keeps for backward: its outputs, the slices it cut for others, the
   data tiles it was sent and every piece it received (backward reuses what forward fetched);
   none of a recomputed layer's (taskrt.planning.recompute): forward drops them;
@@ -20,8 +21,9 @@ Kinds (bytes):
   whose backward reads them (or reads a copy made from them) to the last, in backward's order
   of layers.
 
-The sum is the peak of a step under the runtime's schedule (all of forward kept, then one
-backward task at a time), not counting Dask's own buffers.  `part_footprint` is the same
+The sum counts everything a step holds at some time on a device, with no order and no sharing:
+an upper bound of the peak under the runtime's schedule (taskrt.planning.peak, what a worker
+measures), cheap enough for the search to count without lowering (search.memory).  `part_footprint` is the same
 accounting for one part of one layer, which the search uses to drop configs that cannot fit.
 """
 
@@ -79,6 +81,9 @@ def plan_memory(plan: Plan, itemsize: int = 4, slots: int = 1,
             for lo, hi, d in chunks:
                 chunk = (hi - lo) * itemsize
                 out[d]["optimizer"] += chunk * (slots + accumulating)
+                if plan.mode == "train":  # the updated weights and slots, beside the old till the step ends
+                    out[d]["parameters"] += chunk
+                    out[d]["optimizer"] += chunk * slots
                 if len(chunks) > 1:  # a master chunk beside the gathered copy
                     out[d]["parameters"] += chunk
                 if training:
