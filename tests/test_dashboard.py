@@ -32,7 +32,7 @@ def test_page_is_served_and_shows_the_running_strategy(machine4):
     trainer = Trainer(graph, mixed(graph), machine4)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        trainer.step(rng.standard_normal(graph.inputs[0].shape), rng.integers(0, 10, 4))
+        trainer.step(rng.standard_normal(graph.inputs[0].shape).astype(np.float32), rng.integers(0, 10, 4))
     trainer.publish(predicted_step_s=0.123)
     url = page_url(machine4.client)
     assert url.startswith("http://127.0.0.1:") and url.endswith(PATH)
@@ -48,6 +48,8 @@ def test_page_is_served_and_shows_the_running_strategy(machine4):
         assert "lenet5" in header.text and "mixed-for-the-page" in header.text
         assert "3 steps" in header.text and "measured bytes (step 3) equal the plan" in header.text
         assert "predicted 123.0 ms" in header.text
+        memory = trainer.memory()
+        assert f"device 1: {memory[1].predicted.total / 2**20:,.1f} / {memory[1].measured / 2**20:,.1f}" in header.text
         data = sources(doc)
         grid, pairs, steps = data["layer"], data["pair"], data["step"]
         cells = set(zip(grid["layer"], grid["device"], grid["split"]))
@@ -66,8 +68,10 @@ def test_page_says_so_when_nothing_was_published():
 
     data = {"graph": "g", "strategy": "s", "machine": "m", "steps_done": 0, "layers": [], "devices": [],
             "planned_bytes": {"0->1": 10}, "measured_bytes": {"0->1": 12}, "measured_step": 1,
-            "step_times": [], "predicted_step_s": None, "recoveries": []}
+            "step_times": [], "predicted_step_s": None, "recoveries": [],
+            "memory": [[0, 3 * 2**20, 2**20, 4 * 2**20], [2, 2**21, None, None]]}
     assert "<b>differ from the plan</b>" in _header(data)
+    assert "device 0: 3.0 / 1.0 of 4.0; device 2: 2.0 / ?</p>" in _header(data)
     assert bytes_columns(data) == {"pair": ["0->1"], "planned": [10], "measured": [12]}
     assert grid_columns(data) == {"layer": [], "device": [], "color": [], "label": [], "split": []}
 
@@ -79,3 +83,21 @@ def test_split_names(degrees, name):
     from taskrt.observing.dashboard import _split_name
 
     assert _split_name(degrees) == name
+
+
+def test_bytes_measured_before_a_recovery_are_not_shown_under_the_new_numbering(monkeypatch):
+    """A recovery numbers the devices anew: the pairs measured before it would name other devices."""
+    from types import SimpleNamespace
+
+    from taskrt.observing import dashboard
+
+    shown = []
+    monkeypatch.setattr(dashboard, "page_data", lambda trainer, measured, *rest: shown.append(measured) or {})
+    client = SimpleNamespace(set_metadata=lambda *args: None)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(meta={}), stats=SimpleNamespace(measured_bytes={(2, 0): 5}),
+                              devices_in_use=[0, 1, 2], machine=SimpleNamespace(client=client))
+    publisher = dashboard.Publisher(trainer)
+    publisher.publish(measure=True)
+    trainer.devices_in_use = [0, 2]
+    publisher.publish(measure=False)
+    assert shown == [{(2, 0): 5}, None]

@@ -57,7 +57,20 @@ def page_data(trainer, measured: dict | None, step_times: list, predicted_s: flo
         "predicted_step_s": predicted_s,
         "recoveries": [{k: r[k] for k in ("at_step", "lost_devices", "devices", "snapshot_step")} | {
             "replayed": len(r["replayed"])} for r in trainer.recoveries],
+        "memory": _memory(trainer, whole),
     }
+
+
+def _memory(trainer, whole) -> list:
+    """Per device in use: [device, predicted peak, measured peak (the last step's), its memory]
+    in bytes (None where not known)."""
+    try:
+        uses = trainer.memory()
+    except Exception as error:  # noqa: BLE001  (the page is a view: it shows what it can)
+        logging.getLogger("taskrt").debug("no memory on the dashboard page: %r", error)
+        return []
+    return [[whole[d], u.predicted.total, u.allocated if u.allocated is not None else u.measured, u.capacity]
+            for d, u in sorted(uses.items())]
 
 
 class Publisher:
@@ -69,6 +82,7 @@ class Publisher:
         self.predicted_s = trainer.strategy.meta.get("predicted_step_s")
         self._last = 0.0
         self._measured, self._measured_at = None, 0.0
+        self._measured_on = None  # the devices in use when measured: a recovery numbers them anew
 
     def profiled(self, profile):
         """Show the last step of `profile` (a taskrt.observing.profile.Profile) from now on."""
@@ -90,6 +104,9 @@ class Publisher:
         try:
             if measure and trainer.stats is not None:
                 self._measured, self._measured_at = trainer.stats.measured_bytes, time.monotonic()
+                self._measured_on = list(trainer.devices_in_use)
+            if self._measured_on != list(trainer.devices_in_use):  # measured before a recovery
+                self._measured = None
             data = page_data(trainer, self._measured, self.step_times, self.predicted_s)
             trainer.machine.client.set_metadata([METADATA_KEY], data)
         except Exception as error:  # noqa: BLE001  (the page is a view: a worker lost meanwhile must not
@@ -270,8 +287,20 @@ def _header(data: dict) -> str:
         f"<li>at step {r['at_step']}: lost device(s) {r['lost_devices']}, now on {r['devices']}, "
         f"restored step {r['snapshot_step']}, replayed {r['replayed']} step(s)</li>" for r in data["recoveries"])
     return (f"<h2>taskrt: {data['graph']} under strategy {data['strategy'] or '(unnamed)'}</h2>"
-            f"<p>{data['machine']}; {data['steps_done']} steps{agree}{timing}</p>"
+            f"<p>{data['machine']}; {data['steps_done']} steps{agree}{timing}</p>" + _memory_line(data)
             + (f"<p>recoveries from lost workers:</p><ul>{recoveries}</ul>" if recoveries else ""))
+
+
+def _memory_line(data: dict) -> str:
+    """Each device's predicted step peak, the last step's measured one and its memory, in MiB."""
+    def mib(b):
+        return "?" if b is None else f"{b / 2**20:,.1f}"
+
+    rows = data.get("memory") or []
+    if not rows:
+        return ""
+    cells = "; ".join(f"device {d}: {mib(p)} / {mib(m)}" + (f" of {mib(c)}" if c else "") for d, p, m, c in rows)
+    return f"<p>memory per step, predicted / measured MiB: {cells}</p>"
 
 
 def register() -> None:

@@ -240,7 +240,7 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         (`taskrt.planning.peak`) beside the peak its worker measured in the last finished step and
         the most so far (`taskrt.training.memory.summary` prints them), and the device's memory."""
         out = {}
-        for d, peak in peak_memory(self.plan, self.dtype.itemsize, len(self.optimizer.slots)).items():
+        for d, peak in self._predicted_peaks().items():
             held, allocated = self._measured.get(d, (None, None))
             out[d] = MemoryUse(peak, held, self._measured_max.get(d), allocated, self.machine.devices[d].memory)
         return out
@@ -249,8 +249,17 @@ class Trainer(Submission, Recovery, Snapshots, Placement):
         """DeviceMemoryError where the strategy's predicted peak exceeds a device's memory (unless
         `check_memory` is off)."""
         if self.check_memory:
-            check_fits(peak_memory(self.plan, self.dtype.itemsize, len(self.optimizer.slots)), self.machine,
+            check_fits(self._predicted_peaks(), self.machine,
                        self.devices_in_use, self.graph.name, self.strategy.name, replanned)
+
+    def _predicted_peaks(self) -> dict:
+        """peak_memory of the training plan, kept while the plan is (a replay of every device's
+        program: 0.1 s for ResNet-50, too long to repeat for every look at the dashboard)."""
+        plan, slots, peaks = getattr(self, "_peaks", (None, None, None))
+        if plan is not self.plan or slots != len(self.optimizer.slots):
+            slots = len(self.optimizer.slots)
+            self._peaks = (self.plan, slots, peak_memory(self.plan, self.dtype.itemsize, slots))
+        return self._peaks[2]
 
     def _note_memory(self, run) -> None:
         """Keep the memory `run`'s programs measured (each device's last, and its most so far)."""
