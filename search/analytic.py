@@ -162,6 +162,10 @@ def layer_dims(graph) -> tuple[LayerDims, ...]:
         params = layer.param_shapes
         weights, biases = prod(params["weight"]), prod(params["bias"]) if "bias" in params else 0
         if layer.kind == "conv2d":
+            if layer.op.groups != 1 or tuple(layer.op.dilation) != (1, 1):
+                raise ValueError(f"layer {layer.name!r}: a conv2d with groups={layer.op.groups}, dilation="
+                                 f"{tuple(layer.op.dilation)}: the paper's model counts dense, undilated convolutions "
+                                 "(every filter reads every input channel; a halo of half the kernel)")
             _, x_c, x_h, x_w = layer.op.in_shapes[0]
             _, y_c, y_h, y_w = layer.shape
             kh, kw = layer.op.kernel

@@ -265,6 +265,10 @@ def coarse_grain(graph, work="flops", itemsize: int = 4) -> CoarseModel:
                            "follower_work": 0.0})
         elif kind in FILTER_KINDS:
             source = layer.inputs[0]
+            if getattr(layer.op, "groups", 1) != 1:
+                raise HypergraphError(f"layer {layer.name!r} ({kind}, groups={layer.op.groups}): the hypergraph "
+                                      "models describe dense filters, each reading every input channel; a grouped "
+                                      "convolution's filters read their own group's channels only")
             if source not in owner:
                 raise HypergraphError(f"layer {layer.name!r} ({kind}) reads {source!r}, which the hypergraph "
                                       "models cannot follow to the filters that produce it")

@@ -316,3 +316,12 @@ def test_bench_figures_are_consistent():
     best512 = [row for row in result["best"] if row["P"] == PAPER_P]
     assert [(row["paper_total_speedup"], row["paper_comm_speedup"]) for row in best512] == [(2.1, 5.0), (2.5, 9.7)]
     assert any("B <= 12" in line and "13.63" in line for line in result["summary"])
+
+
+@pytest.mark.parametrize("keywords", [{"groups": 2}, {"dilation": 2}])
+def test_grouped_or_dilated_convolutions_are_named_not_miscounted(keywords):
+    g = taskrt.Graph("grouped")
+    x = g.input("x", shape=(4, 4, 8, 8))
+    g.conv2d(x, 4, kernel=3, padding=2, name="odd", **keywords)
+    with pytest.raises(ValueError, match="layer 'odd': a conv2d with groups=.*dense, undilated"):
+        an.layer_dims(g)

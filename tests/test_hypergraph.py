@@ -108,6 +108,15 @@ def test_graphs_with_merging_branches_are_refused():
         hg.coarse_grain(models.inception_v3(batch=2, image_size=75, width=1 / 16))
 
 
+def test_grouped_convolutions_are_refused():
+    g = tr.Graph("grouped")
+    x = g.input("x", (2, 4, 8, 8))
+    y = g.conv2d(x, 4, 3, padding=1, groups=4, name="depthwise")
+    g.softmax_cross_entropy(g.linear(g.flatten(y), 3))
+    with pytest.raises(hg.HypergraphError, match=r"'depthwise' \(conv2d, groups=4\).*own group's channels"):
+        hg.coarse_grain(g)
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_closed_form_volume_equals_the_explicit_hypergraph(data):
