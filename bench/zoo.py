@@ -112,6 +112,7 @@ def equality_row(family: str) -> dict:
     torch_loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
     torch_loss.backward()
     opt.step()
+    torch_loss = float(torch_loss.detach())
     for handle in handles:
         handle.remove()
     expected = {k: v.detach().numpy() for k, v in module.state_dict().items()}
@@ -119,10 +120,10 @@ def equality_row(family: str) -> dict:
     params = [relative(got[k], v) for k, v in expected.items() if "running" not in k and "num_batches" not in k]
     running = [relative(got[k], v) for k, v in expected.items() if "running" in k]
     tracked = all(int(got[k]) == int(v) for k, v in expected.items() if "num_batches" in k)
-    worst = max([abs(loss - float(torch_loss)) / abs(float(torch_loss)), *params, *running])
+    worst = max([abs(loss - torch_loss) / abs(torch_loss), *params, *running])
     return {"family": family, "layers": len(graph.layers), "parameters": sum(v.size for v in
                                                                            expected.values() if v.dtype.kind == "f"),
-            "import_s": import_s, "loss_rel": abs(loss - float(torch_loss)) / abs(float(torch_loss)),
+            "import_s": import_s, "loss_rel": abs(loss - torch_loss) / abs(torch_loss),
             "param_rel": max(params), "running_rel": max(running, default=0.0), "keys_equal": set(got) == set(expected),
             "batches_tracked": tracked, "equal": worst <= ZOO_EQUAL and set(got) == set(expected) and tracked}
 
