@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -94,16 +95,25 @@ def _total(m) -> int:
     return m["total"] if isinstance(m, dict) else m.total
 
 
-def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int, log=None):
+def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int, log=None,
+                   recompute=None, cap: float = np.inf, memory_tables=None):
     """The fastest choice (config index per layer in `tables`) among those in `keep` whose measure
     fits `budget`, checked with step_memory: ((choice, its step_memory), report), or (None, report)
     when none fits.  `unary` and `edges` are the time tables restricted to `keep`; `log` the
-    unconstrained search's records of them (search.eliminate.Result.log)."""
+    unconstrained search's records of them (search.eliminate.Result.log).  `recompute`: (a
+    search.recompute_tables.RecomputeTables, the set of layers recomputed), the tables changed
+    accordingly; `cap`: only a choice no slower is sought.  report["time_s"]: the result's time."""
     started = time.perf_counter()
-    memory_tables = MemoryTables(graph, cost_model, tables)
+    memory_tables = memory_tables or MemoryTables(graph, cost_model, tables)
     names = list(graph.layers)
     kept_bytes = {n: memory_tables.kept[n][keep[n]] for n in names}
     working = {n: memory_tables.working[n][keep[n]] for n in names}
+    edge_working, recomputed = None, frozenset()
+    if recompute is not None and recompute[1]:
+        again, recomputed = recompute[0], frozenset(recompute[1])
+        unary, edges, kept_bytes, working, edge_working = again.problem(recomputed, keep, unary, edges, kept_bytes,
+                                                                        working)
+        log = None  # other time tables than the unconstrained search's
 
     def edge_bytes(i, rows, cols, wanted=None):
         u, v = edges[i][0], edges[i][1]
@@ -112,10 +122,13 @@ def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: li
     method = "node and edge elimination over time-memory fronts (exact under the measure)"
     try:
         found = budget_search(names, unary, edges, kept_bytes, working, edge_bytes, budget,
-                              alternatives=ALTERNATIVES, log=log)
+                              alternatives=ALTERNATIVES, log=log, edge_working=edge_working, cap=cap)
     except TooWide:
-        found, method = _approximate(names, unary, edges, kept_bytes, working, edge_bytes, budget), (
+        found, method = _approximate(names, unary, edges, kept_bytes, _folded(working, edges, edge_working),
+                                     edge_bytes, budget), (
             "approximate: the graph is too wide to search exactly under the budget")
+        if found is not None and found.time > cap:
+            found = None
     report = {"method": method, "budget_bytes": budget, "tables_s": memory_tables.seconds}
     if found is None:
         report["search_s"] = time.perf_counter() - started
@@ -124,23 +137,41 @@ def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: li
                   pareto_points=len(found.front))
     for k, local in enumerate(itertools.chain([found.choice], found.alternatives)):  # each traced back as needed
         choice = {n: int(keep[n][i]) for n, i in local.items()}
-        memory = memory_of_choice(graph, cost_model, tables, choice)
+        memory = memory_of_choice(graph, cost_model, tables, choice, recomputed)
         if peak(memory)[1] <= budget:
-            report.update(checked=k + 1, search_s=time.perf_counter() - started)
+            report.update(checked=k + 1, search_s=time.perf_counter() - started, time_s=found.front[k][0])
             return (choice, memory), report
     report["search_s"] = time.perf_counter() - started
     report["rejected_by_check"] = True
     return None, report
 
 
-def memory_of_choice(graph, cost_model, tables, choice: dict) -> dict:
-    """step_memory of the strategy taking config `choice[layer]` of `tables` per layer."""
-    from taskrt.graph.strategy import Strategy
+def _folded(working, edges, edge_working):
+    """Per layer working sets bounding the edges' too (each consumer's, over its producer's configs)."""
+    if edge_working is None:
+        return working
+    out = dict(working)
+    for (_, v, _), x in zip(edges, edge_working):
+        if x is not None:
+            out[v] = np.maximum(out[v], x.max(axis=0))
+    return out
 
-    strategy = Strategy({n: tables.configs[n][i] for n, i in choice.items()})
+
+def memory_of_choice(graph, cost_model, tables, choice: dict, recomputed=frozenset()) -> dict:
+    """step_memory of the strategy taking config `choice[layer]` of `tables` per layer, the layers
+    in `recomputed` recomputed."""
+    strategy = strategy_of_choice(tables, choice, recomputed)
     return step_memory(graph, strategy, cost_model.itemsize,
                        lambda layer, config: cost_model.regions(layer, config, choice[layer.name]),
                        cost_model.channel_params, len(cost_model.optimizer.slots))
+
+
+def strategy_of_choice(tables, choice: dict, recomputed=frozenset()):
+    """The Strategy taking config `choice[layer]` of `tables`, the layers in `recomputed` recomputed."""
+    from taskrt.graph.strategy import Strategy
+
+    configs = {n: tables.configs[n][i] for n, i in choice.items()}
+    return Strategy({n: replace(c, recompute=True) if n in recomputed else c for n, c in configs.items()})
 
 
 def _approximate(names, unary, edges, kept_bytes, working, edge_bytes, budget):
@@ -165,40 +196,78 @@ def _approximate(names, unary, edges, kept_bytes, working, edge_bytes, budget):
     return None
 
 
-def nothing_fits(graph, machine, cost_model, tables, keep: dict, edges: list, budgets: dict, devices: int):
+def nothing_fits(graph, machine, cost_model, tables, keep: dict, edges: list, budgets: dict, devices: int,
+                 recompute: bool = False):
     """The MemoryBudgetError for a search where no strategy fits: it names the smallest peak found
     (the strategy with the least measure, its peak by step_memory), the device it is on, the
-    layers that hold most of it there, and the budget."""
+    layers that hold most of it there, and the budget.  With `recompute`, the least measure with
+    every layer that can be recomputed recomputed is tried as well, and the message says so."""
+    from taskrt.search.recompute_tables import RecomputeTables, candidates
+
     memory_tables = MemoryTables(graph, cost_model, tables)
+    if recompute:
+        recompute = (RecomputeTables(graph, cost_model, tables, memory_tables), candidates(graph))
+    tried = [frozenset()] + ([frozenset(recompute[1])] if recompute is not None and recompute[1] else [])
+    smallest_found = None
+    for recomputed in tried:
+        choice, measure = _least_memory_choice(graph, memory_tables, keep, edges,
+                                               recompute[0] if recomputed else None, recomputed)
+        memory = memory_of_choice(graph, cost_model, tables, choice, recomputed)
+        if smallest_found is None or peak(memory)[1] < peak(smallest_found[1])[1]:
+            smallest_found = (choice, memory, recomputed, measure)
+    choice, memory, recomputed, measure = smallest_found
+    device, nbytes = peak(memory)
+    by_device = {n: memory_tables.by_device[n][choice[n]] for n in graph.layers}
+    for n in recomputed:  # their outputs are not kept
+        by_device[n] = by_device[n] - recompute[0].outputs(n)[choice[n]]
+    holders = sorted(((int(by_device[n][device]), n) for n in graph.layers if device < len(by_device[n])),
+                     reverse=True)[:3]
+    held = ", ".join(f"{n} {_size(b)}" for b, n in holders if b > 0)
+    where = f" of the first {devices}" if devices < machine.num_devices else ""
+    budget = smallest(budgets, devices)
+    again = ""
+    if len(tried) > 1:
+        again = (f", recomputing {len(recomputed)} layers' activations in backward" if recomputed else
+                 ", keeping every activation (recomputing them in backward does not lower it)")
+    if nbytes <= budget and measure is not None:  # the search takes a strategy by its measure, an upper bound
+        again += f", though its measure, which the search must fit, is {_size(measure)}"
+    if len(tried) > 1:
+        again += f"; recomputation was tried for all {len(tried[1])} layers that allow it"
+    return MemoryBudgetError(
+        f"no strategy for {graph.name!r} fits in {_size(budget)} per device{where} on {machine.description}: "
+        f"the smallest peak found is {_size(nbytes)} on device {device}"
+        + (f" (most of it: {held})" if held else "") + again
+        + f"; the budget is {_size(budget)} ({budget} bytes). Use more devices, a smaller batch, or a larger budget.",
+        devices=(device,))
+
+
+def _least_memory_choice(graph, memory_tables, keep, edges, again, recomputed) -> tuple:
+    """The choice (config index per layer in the tables) of least measure, `recomputed` recomputed,
+    and its measure (None where the graph is too wide to search for it)."""
     names = list(graph.layers)
     kept_bytes = {n: memory_tables.kept[n][keep[n]] for n in names}
     working = {n: memory_tables.working[n][keep[n]] for n in names}
+    edge_working = None
+    if recomputed:
+        _, _, kept_bytes, working, edge_working = again.problem(recomputed, keep, {n: np.zeros(len(keep[n]))
+                                                                                   for n in names},
+                                                                edges, kept_bytes, working)
 
     def edge_bytes(i, rows, cols):
         return memory_tables.edge(i, keep[edges[i][0]][rows], keep[edges[i][1]][cols])
 
-    budget = smallest(budgets, devices)
     # below the measure of the most split strategy (every layer on its least-memory config) plus one
     least = {n: int(np.argmin(kept_bytes[n] + working[n])) for n in names}
     ceiling = (sum(int(kept_bytes[n][least[n]]) for n in names) + max(int(working[n][least[n]]) for n in names)
                + sum(int(edge_bytes(i, [least[u]], [least[v]])[0, 0]) for i, (u, v, _) in enumerate(edges)) + 1)
+    if edge_working is not None:
+        ceiling += max((int(x[least[u], least[v]]) for (u, v, _), x in zip(edges, edge_working) if x is not None),
+                       default=0)
     try:
-        found = least_memory(names, edges, kept_bytes, working, edge_bytes, ceiling)
+        found = least_memory(names, edges, kept_bytes, working, edge_bytes, ceiling, edge_working)
     except TooWide:
         found = None
-    choice = {n: int(keep[n][(found.choice if found else least)[n]]) for n in names}
-    memory = memory_of_choice(graph, cost_model, tables, choice)
-    device, nbytes = peak(memory)
-    holders = sorted(((int(memory_tables.by_device[n][choice[n]][device]), n) for n in names
-                      if device < memory_tables.by_device[n].shape[1]), reverse=True)[:3]
-    held = ", ".join(f"{n} {_size(b)}" for b, n in holders if b > 0)
-    where = f" of the first {devices}" if devices < machine.num_devices else ""
-    return MemoryBudgetError(
-        f"no strategy for {graph.name!r} fits in {_size(budget)} per device{where} on {machine.description}: "
-        f"the smallest peak found is {_size(nbytes)} on device {device}"
-        + (f" (most of it: {held})" if held else "")
-        + f"; the budget is {_size(budget)} ({budget} bytes). Use more devices, a smaller batch, or a larger budget.",
-        devices=(device,))
+    return {n: int(keep[n][(found.choice if found else least)[n]]) for n in names}, found.memory if found else None
 
 
 def _size(nbytes) -> str:

@@ -329,8 +329,15 @@ class CostModel:
         t_x = {name: 0.0 for name in graph.layers}
         for _, dst, _, matrix in tables.edges:
             t_x[dst] += float(matrix[0, 0])
-        return Breakdown({n: float(v[0]) for n, v in tables.compute.items()},
-                         {n: float(v[0]) for n, v in tables.sync.items()}, t_x, self.estimated)
+        t_c = {n: float(v[0]) for n, v in tables.compute.items()}
+        for name in (n for n, c in strategy.items() if c.recompute):  # its forward and forward transfers again
+            t_c[name] += float(self.compute_costs([graph[name]], {name: self.layer_space(graph[name], single[name])},
+                                                  set())[name][0])
+            for src, dst, j, _ in tables.edges:
+                if src == name and graph[dst].kind != "softmax_cross_entropy":
+                    u, v = self.layer_space(graph[src], single[src]), self.layer_space(graph[dst], single[dst])
+                    t_x[dst] += float(self.transfer_job(u, v, v.needs[j], self.itemsize, False)()[0, 0])
+        return Breakdown(t_c, {n: float(v[0]) for n, v in tables.sync.items()}, t_x, self.estimated)
 
     # ---- t_c --------------------------------------------------------------------------------
     def compute_costs(self, graph, spaces, needed) -> dict[str, np.ndarray]:

@@ -13,6 +13,9 @@ from taskrt.search.cost import Breakdown, CostModel
 from taskrt.search.eliminate import minimize
 from taskrt.search.layer_space import Configs
 from taskrt.search.memory import step_memory
+from taskrt.search.memory_tables import MemoryTables
+from taskrt.search.recompute_search import fit_budget
+from taskrt.search.recompute_tables import RecomputeTables
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
@@ -187,24 +190,33 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
     eliminating = time.perf_counter() - started
     choice = {name: int(keep[name][i]) for name, i in result.choice.items()}
     memory, budget, bound, report = None, budgeting.smallest(budgets, k), False, None
+    recomputed = frozenset()
     if budget is not None:
         checking = time.perf_counter()
         memory = budgeting.memory_of_choice(graph, cost_model, tables, choice)
         if not budgeting.fits(memory, budgets):  # the unconstrained optimum does not fit: search under the budget
             bound = True
-            fitting, report = budgeting.search_fitting(graph, cost_model, tables, keep, unary,
-                                                      [(u, v, m) for u, v, m in edges], budget)
+            fitting, recomputed, report = fit_budget(graph, cost_model, tables, keep, unary,
+                                                     [(u, v, m) for u, v, m in edges], budget, choice, result.cost)
             if fitting is None:
-                return lambda: budgeting.nothing_fits(graph, machine, cost_model, tables, keep, edges, budgets, k)
+                return lambda: budgeting.nothing_fits(graph, machine, cost_model, tables, keep, edges, budgets, k,
+                                                      recompute=True)
             fitted, memory = fitting
             choice = fitted
         budget_s = time.perf_counter() - checking
-    configs = {name: tables.configs[name][i] for name, i in choice.items()}
+    configs = budgeting.strategy_of_choice(tables, choice, recomputed).configs
+    t_c = {n: float(tables.compute[n][choice[n]]) for n in graph.layers}
     t_x = {name: 0.0 for name in graph.layers}
     for u, v, _, m in tables.edges:
         t_x[v] += float(m[choice[u], choice[v]])
-    breakdown = Breakdown({n: float(tables.compute[n][choice[n]]) for n in graph.layers},
-                          {n: float(tables.sync[n][choice[n]]) for n in graph.layers}, t_x, tables.estimated)
+    if recomputed:  # each recomputed layer's forward again, and its forward transfers again
+        again = RecomputeTables(graph, cost_model, tables, MemoryTables(graph, cost_model, tables))
+        for name in recomputed:
+            t_c[name] += float(again.forward(name)[choice[name]])
+            for i in again.resent.get(name, ()):
+                consumer = tables.edges[i][1]
+                t_x[consumer] += float(again.resend(i)[choice[name], choice[consumer]])
+    breakdown = Breakdown(t_c, {n: float(tables.sync[n][choice[n]]) for n in graph.layers}, t_x, tables.estimated)
     meta = {
         "predicted_step_s": breakdown.total,
         "estimated": tables.estimated,
@@ -217,6 +229,7 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
     }
     if budget is not None:
         meta["memory_bound"] = bound
+        meta["recomputed"] = sorted(recomputed, key=list(graph.layers).index)
         meta["search"]["budget_s"] = budget_s
         if report is not None:
             meta["search"]["budget"] = report

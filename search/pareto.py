@@ -60,7 +60,7 @@ class Found:
 
 def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, working: dict, edge_bytes,
                   budget: float, rounds=ROUNDS, alternatives: int = 0, log=None,
-                  few: int | None = None) -> Found | None:
+                  few: int | None = None, edge_working=None, cap: float = np.inf) -> Found | None:
     """The fastest choice with M(S) <= `budget`, or None when none fits.
 
     `time_unary`: layer -> seconds per config; `time_edges`: (u, v, seconds matrix); `kept_bytes`
@@ -70,7 +70,9 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     `alternatives`, the next fastest feasible choices of the final front come along (for a check
     that rejects the first).  `log`: search.eliminate.minimize's records of the time tables (saves
     the bounds' forward pass).  `few`: the most configs of a layer searched without time bounds (FEW).
-    Times must be finite."""
+    `edge_working`: per edge, a working set per config pair (a matrix over all configs) or None
+    (search.recompute_tables: a recomputed layer's copy at a consumer's backward).  `cap`: only
+    strategies no slower are sought (a time limit for every round).  Times must be finite."""
     started = clock.perf_counter()
     pairs = [(u, v) for u, v, _ in time_edges]
     plan = elimination_plan(names, pairs)
@@ -80,9 +82,11 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     flat = _flat(names, kept_bytes, working)
     points = 0
     limits = [np.inf] if optimum is None else [optimum * (1 + slack) + 1e-12 for slack in rounds]
+    if cap < np.inf:  # the rounds below the cap, then the cap itself
+        limits = [limit for limit in limits if limit < cap] + [cap]
     for r, limit in enumerate(limits):  # no bounds to prune by: one round without a limit
         search = _Search(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
-                         flat=flat)
+                         flat=flat, edge_working=edge_working)
         result = search.run()
         points += search.points
         if result is not None:
@@ -93,14 +97,15 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     return None
 
 
-def least_memory(names, time_edges: list, kept_bytes: dict, working: dict, edge_bytes, ceiling: float) -> Found | None:
+def least_memory(names, time_edges: list, kept_bytes: dict, working: dict, edge_bytes, ceiling: float,
+                 edge_working=None) -> Found | None:
     """The choice with the least M(S) (time ignored), searched below `ceiling` (e.g. the M of a
-    known strategy, plus one)."""
+    known strategy, plus one); `edge_working` as budget_search's."""
     zero_unary = {n: np.zeros(len(kept_bytes[n])) for n in names}
     zero_edges = [(u, v, np.zeros((len(kept_bytes[u]), len(kept_bytes[v])))) for u, v, _ in time_edges]
     plan = elimination_plan(names, [(u, v) for u, v, _ in time_edges])
     search = _Search(names, zero_unary, zero_edges, kept_bytes, working, edge_bytes, ceiling, np.inf, None, plan,
-                     by_memory=True)
+                     by_memory=True, edge_working=edge_working)
     result = search.run()
     if result is None:
         return None
@@ -110,7 +115,7 @@ def least_memory(names, time_edges: list, kept_bytes: dict, working: dict, edge_
 
 class _Search:
     def __init__(self, names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
-                 by_memory=False, flat=None):
+                 by_memory=False, flat=None, edge_working=None):
         self.names, self.plan, self.bounds = names, plan, bounds
         self.budget, self.limit, self.by_memory = budget, limit, by_memory
         self.tables: list[FrontTable] = [ZERO]
@@ -138,10 +143,14 @@ class _Search:
                 memory = edge_bytes(i, kept[u], kept[v], wanted)
             else:
                 memory = edge_bytes(i, kept[u], kept[v])
+            x = None if edge_working is None else edge_working[i]
+            if x is not None and not full:
+                x = _gather(np.ascontiguousarray(x), kept[u], kept[v])
             if u == v:  # a layer reading one tensor twice: both ends take the same config
-                self.edges.append(self._single((u,), np.diag(t).copy(), np.diag(memory).copy(), None))
+                self.edges.append(self._single((u,), np.diag(t).copy(), np.diag(memory).copy(),
+                                               None if x is None else np.diag(x).copy()))
             else:
-                self.edges.append(self._single((u, v), t, memory, None))
+                self.edges.append(self._single((u, v), t, memory, x))
         tables = [self.tables[t] for t in [*self.unary.values(), *self.edges]]
         self.time_floor = sum(t.covered_time for t in tables)
         self.memory_floor = sum(t.covered_memory for t in tables)
