@@ -8,8 +8,9 @@ the sets tried are a small family:
 
 - the layers that can be recomputed (search.recompute_tables.candidates) ranked by the bytes
   recomputing them saves (a(L, c) with and without the output, at the unconstrained optimum's
-  config) per second it costs (the forward again, and the forward transfers again): pools,
-  activations and batch norms first, convolutions later;
+  config) per second it costs (the forward again, and the forward transfers again): layers
+  cheap for their output first (pools, activations, a convolution with few input channels),
+  the costly convolutions later;
 - the prefixes of that ranking of sizes 1, 2, 4, ... and all of them, in order.
 
 A set is searched only for strategies faster than the best fitting one so far, and the sets
