@@ -33,3 +33,9 @@ THESIS_VOLUME = {
     "coarse hypergraph": {2: 27, 4: 61, 8: 298, 16: 661, 32: 1300, 64: 2388, 128: 4604},
     "fine hypergraph": {2: 27.5, 4: 56.3, 8: 307.3, 16: 549.2, 32: 916.8, 64: 1340.1, 128: 1964.0},
 }
+# bench memory
+MEMORY_PEAK_GOAL = 0.10  # |measured / predicted - 1| of every device's peak (CPU workers)
+MEMORY_DEMO_TOLERANCE = 1e-4  # float32 loss against one device's, relative (sums in another order): as convergence's
+MEMORY_EXACT = 1e-9  # float64 loss of a recomputing strategy against one device's, relative
+MEMORY_RECOMPUTE_GOAL = 0.10  # recomputation's simulated step-time increase against the measured one
+MEMORY_SEARCH_GOAL = 2.0  # the search under a binding budget against the unconstrained search

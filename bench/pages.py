@@ -25,6 +25,7 @@ from taskrt.bench.verdicts import (
     hypergraph_verdict,
     ist_verdict,
     kernels_verdict,
+    memory_verdict,
     optim_verdict,
     overhead_verdict,
     peer_verdict,
@@ -79,6 +80,21 @@ QUICK = "`--quick`:"
 
 
 PAGES = {
+    "memory": Page(
+        "memory per device, predicted and measured, and under a budget",
+        "A: each device's predicted peak (each device's program replayed, `taskrt.planning.peak`) against the "
+        "peak its worker held (`taskrt.execution.held`) after a few steps, for bench accuracy's networks and "
+        "strategies on `Machine.local(1)` and `local(2)`; B: the fastest strategy the search finds under "
+        "shrinking budgets (simulated step, peak under the schedule) beside data parallelism, OWT and SplitBrain, "
+        "drawn in memory.png; C: VGG-16-32 at batch 64 on `local(2)` with each worker's memory limit below data "
+        "parallelism's need: refused, the search's strategy trained against one device; D: a budget only "
+        "recomputation meets, its strategy's loss and time cost against one device's and the simulator's.",
+        f"`python -m taskrt.bench memory` (about 20 minutes; {QUICK} LeNet-5 in A, VGG-16-32 alone in B and D, "
+        "4 steps in C).",
+        "every predicted peak within 10% of the measured; data parallelism refused where it does not fit and the "
+        "search's strategy training to one device's loss under the memory; a recomputing strategy exact and its "
+        "time cost simulated within 10% (the budgeted search at most 2x the unconstrained, beside).",
+        memory_verdict),
     "zoo": Page(
         "PyTorch's networks imported",
         "torchvision's definitions of ResNet-18 and -50, VGG-11 with batch norm, DenseNet-121, GoogLeNet, "

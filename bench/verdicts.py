@@ -380,3 +380,48 @@ def zoo_verdict(record) -> str:
             + f" ({met(speed_ok)}); two devices "
             + ", ".join(f"{r['family']} {r['local2_vs_local1']:.2f}x" for r in two)
             + f" ({met(two_ok)}); searches under {ZOO_SEARCH_S:g} s ({met(search_ok)})")
+
+
+def memory_verdict(record) -> str:
+    """Goals 1, 3 and 4 of issue 54 (goal 2, the search's time under a budget, shown beside)."""
+    from taskrt.bench.goals import (
+        MEMORY_DEMO_TOLERANCE,
+        MEMORY_EXACT,
+        MEMORY_PEAK_GOAL,
+        MEMORY_RECOMPUTE_GOAL,
+        MEMORY_SEARCH_GOAL,
+    )
+
+    rows = record["rows"]
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    parts = [f"predicted peaks {met(worst <= MEMORY_PEAK_GOAL)}: every one of {len(rows)} devices' peaks within "
+             f"{worst:.1%} of the measured (goal {MEMORY_PEAK_GOAL:.0%})"]
+    ratios = [c["bound_search_ratio"] for c in record.get("curves") or [] if c.get("bound_search_ratio")]
+    if ratios:
+        parts.append(f"the search under a binding budget {max(ratios):.2f}x the unconstrained search at most, median "
+                     f"over budgets ({met(max(ratios) <= MEMORY_SEARCH_GOAL)}, goal {MEMORY_SEARCH_GOAL:g}x)")
+    demo = record.get("demonstration")
+    if demo is None:
+        parts.append("the demonstration NOT run")
+    else:
+        ok = (truth(demo["data_parallel"]["refused"]) and demo["max_rel_difference"] <= MEMORY_DEMO_TOLERANCE
+              and truth(demo["under_memory"]))
+        parts.append(f"the demonstration {met(ok)}: data parallelism "
+                     + ("refused before any step" if truth(demo["data_parallel"]["refused"]) else "NOT refused")
+                     + f", the search's strategy within {demo['max_rel_difference']:.1e} of one device's loss (goal "
+                     f"{MEMORY_DEMO_TOLERANCE:g}), its measured peaks "
+                     + ("under" if truth(demo["under_memory"]) else "NOT under") + " the devices' memory")
+    cases = record.get("recompute")
+    if not cases:
+        parts.append("recomputation NOT run")
+    for r in cases or []:
+        if not r["found"]:
+            parts.append(f"recomputation on {r['model']} NOT met: {r['why']}")
+            continue
+        exact = r["float64_max_rel_difference"] <= MEMORY_EXACT and truth(r["float32_bitwise_equal"])
+        close = r["increase_error"] is not None and abs(r["increase_error"]) <= MEMORY_RECOMPUTE_GOAL
+        parts.append(f"recomputation on {r['model']} {met(exact and close)}: loss "
+                     + ("exact" if exact else "NOT exact") + f" ({r['float64_max_rel_difference']:.0e} in float64), "
+                     f"time cost simulated {r['increase_error']:+.0%} off the measured "
+                     f"{r['measured_increase_ms']:.0f} ms (goal {MEMORY_RECOMPUTE_GOAL:.0%})")
+    return "; ".join(parts)

@@ -124,3 +124,43 @@ def test_the_peer_page_judges_two_devices_against_one_and_pytorch():
     rows = [{"model": "alexnet32", **fast}, {"model": "vgg16_32", **slow_vs_torch}]
     verdict = next(line for line in header("peer", {"rows": rows}) if "This run:" in line)
     assert "two devices beat one: NOT met" in verdict and "alexnet32: searched on local(2) at 1.50x local(1)" in verdict
+
+
+def memory_record(ratio=1.0, refused=True, demo_difference=3e-6, under=True, exact=1e-14, bitwise=True,
+                  increase_error=0.04, found=True):
+    """A `bench memory` record in the shape bench/memory.py writes, its judged numbers as given."""
+    rows = [{"model": "lenet5", "devices": 2, "strategy": "data", "device": d, "ratio": r}
+            for d, r in enumerate([1.0, ratio])]
+    demo = {"data_parallel": {"refused": refused}, "max_rel_difference": demo_difference, "under_memory": under}
+    case = ({"model": "vgg16_32", "found": True, "float64_max_rel_difference": exact, "float32_bitwise_equal": bitwise,
+             "increase_error": increase_error, "measured_increase_ms": 120.0} if found
+            else {"model": "vgg16_32", "found": False, "why": "recomputing every layer needs more"})
+    return {"rows": rows, "curves": [{"bound_search_ratio": 1.4}], "demonstration": demo, "recompute": [case]}
+
+
+def test_the_memory_verdict_meets_all_goals_only_together():
+    from taskrt.bench.verdicts import memory_verdict
+
+    text = memory_verdict(memory_record())
+    assert "NOT" not in text and text.count("met") == 4, text
+    assert "within 0.0% of the measured" in text and "1.40x" in text
+    assert "predicted peaks NOT met" in memory_verdict(memory_record(ratio=1.11))
+    assert "predicted peaks met" in memory_verdict(memory_record(ratio=0.91))
+    for missed in ({"refused": False}, {"demo_difference": 2e-4}, {"under": False}):
+        assert "the demonstration NOT met" in memory_verdict(memory_record(**missed)), missed
+    for missed in ({"exact": 1e-6}, {"bitwise": False}, {"increase_error": -0.12}):
+        assert "recomputation on vgg16_32 NOT met" in memory_verdict(memory_record(**missed)), missed
+    assert "recomputation on vgg16_32 NOT met: recomputing" in memory_verdict(memory_record(found=False))
+
+
+def test_the_memory_verdict_says_what_did_not_run():
+    from taskrt.bench.verdicts import memory_verdict
+
+    record = memory_record()
+    del record["demonstration"], record["recompute"]
+    text = memory_verdict(record)
+    assert "the demonstration NOT run" in text and "recomputation NOT run" in text
+    assert "bit" not in text and "goal 2x" in text
+    # a JSON record's yes and no are read as such
+    assert "NOT met" in memory_verdict({**memory_record(), "demonstration": {
+        "data_parallel": {"refused": "False"}, "max_rel_difference": 0.0, "under_memory": "True"}})
