@@ -30,6 +30,8 @@ These run by name only (long, or needing a GPU, torch or 8 cores):
                strategies on local(1/2/4/8) CPU workers measured beside the simulation (needs 8+ cores)
   optim        what AdamW, clipping and Nesterov cost a step against SGD with momentum on 2 local devices
   zoo          torchvision's networks imported with from_torch: equality with PyTorch, speed, search time
+  memory       memory per device: predicted against measured peaks, the fastest strategy under shrinking
+               budgets (memory.png), VGG-16-32 where data parallelism does not fit, recomputation's cost
 
 With --budget S, each benchmark runs in its own process and the run stops once S seconds are
 spent: a benchmark still running then is stopped, the rest are skipped, and both are listed.
@@ -51,7 +53,8 @@ from taskrt.bench.report import QUICK_VARIABLE
 BENCHMARKS = ["kernels", "overhead", "search", "strategies", "accuracy", "scaling", "convergence", "seeds", "data"]
 # not in `all`: gholami is part of seeds; gpu needs a GPU; scaling_measured needs 8 cores; hypergraph, ist,
 # even with --quick (peer also needs the optional torch; ist takes hours without --quick)
-ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs", "scaling_measured", "optim", "zoo"]
+ON_REQUEST = ["gholami", "gpu", "hypergraph", "ist", "elastic", "peer", "programs", "scaling_measured", "optim", "zoo",
+              "memory"]
 
 
 def _seconds(text):
