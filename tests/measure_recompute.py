@@ -2,32 +2,90 @@
 quiet machine):
 
     .venv/bin/python -m tests.measure_recompute vgg16_32,alexnet32 data 60
+    .venv/bin/python -m tests.measure_recompute vgg16_32:64 searched 15
 
 The same strategy (`data`: every layer over samples; `owt`: convolutions over samples, the
-fully-connected layers over channels) with and without its convolutions recomputed, trained in
-interleaved rounds; the measured increase is the median of the rounds' paired differences, the
-simulated one the difference of the simulator's steps under a CostModel of the same cluster (as
-bench/accuracy.py predicts).  Prints a JSON row per model, with both memory predictions."""
+fully-connected layers over channels; `searched`: what search.optimize returns for a budget only
+recomputation meets, halfway between the least peak it finds with recomputation and the least
+keeping every activation) with and without its layers recomputed (`data`, `owt`: the
+convolutions), trained in interleaved rounds; the measured increase is the median of the rounds'
+paired differences, the simulated one the difference of the simulator's steps under a CostModel
+of the same cluster (as bench/accuracy.py predicts).  A model may name its batch ("vgg16_32:64").
+Prints a JSON row per model, with both memory predictions; `searched` adds the search's budget,
+the layers recomputed and the loss of two float64 steps beside one device's."""
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 import taskrt as tr
 from taskrt import models, search
 from taskrt.bench.measure import interleaved
+from taskrt.bench.memory_recompute import paired_rounds
 from taskrt.graph.config import ParallelConfig as P
 from taskrt.planning.memory import plan_memory
 from taskrt.planning.peak import peak_memory
 from taskrt.search.measured import random_batch
+from taskrt.training.reference import SingleDeviceTrainer
 
-MODELS = {"vgg16_32": lambda: models.vgg16(batch=16, image_size=32, num_classes=10),
-          "alexnet32": lambda: models.alexnet(batch=32, image_size=32, num_classes=10)}
+MODELS = {"vgg16_32": lambda batch=16: models.vgg16(batch=batch, image_size=32, num_classes=10),
+          "alexnet32": lambda batch=32: models.alexnet(batch=batch, image_size=32, num_classes=10)}
+UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
+
+
+def least_peak(g, machine, cm, keep_everything=False) -> float:
+    """The smallest peak the search finds (its MemoryBudgetError's), optionally keeping every activation."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    with ExitStack() as stack:
+        if keep_everything:  # no layer can be recomputed
+            for module in ("recompute_search", "recompute_tables"):
+                stack.enter_context(mock.patch(f"taskrt.search.{module}.candidates", return_value=[]))
+        try:
+            search.optimize(g, machine, cm, fewer_devices=False, memory=1)
+        except search.MemoryBudgetError as error:
+            number, unit = re.search(r"smallest peak found is ([\d.]+) (\w+)", str(error)).groups()
+            return float(number) * UNITS[unit]
+    raise AssertionError("a budget of one byte fits")
+
+
+def searched(g, machine, cm):
+    """The budgeted search's strategy for a budget only recomputation meets (between the least
+    peaks with and without recomputation, halfway or nearer the latter where the runtime's
+    schedule holds more than the search's count), and the same configs keeping every
+    activation; with what the search said."""
+    keeping, again = least_peak(g, machine, cm, keep_everything=True), least_peak(g, machine, cm)
+    for fraction in (0.5, 0.75, 0.95):  # nearer the least peak keeping everything where the schedule's is over
+        budget = int(again + fraction * (keeping - again))
+        try:
+            strategy = search.optimize(g, machine, cm, fewer_devices=False, memory=budget)
+            break
+        except search.MemoryBudgetError as error:
+            print(f"budget {budget}: {error}", flush=True)
+    else:
+        raise AssertionError("no budget between the least peaks fits")
+    plain = tr.Strategy({n: dataclasses.replace(c, recompute=False) for n, c in strategy.items()})
+    info = {"budget_bytes": budget, "least_keeping_bytes": keeping, "least_recomputing_bytes": again,
+            "recomputed": strategy.meta["recomputed"], "predicted_step_s": strategy.meta["predicted_step_s"],
+            "predicted_keeping_s": cm.breakdown(g, plain).total,
+            "schedule_peak_per_device": strategy.meta.get("schedule_peak_per_device"),
+            "search_recompute": strategy.meta["search"].get("budget", {}).get("recompute")}
+    return {"plain": plain.validated(g), "recompute": strategy}, info
+
+
+def exactness(g, strategy, machine, x, y) -> dict:
+    """Two float64 steps of `strategy` beside one device's: the losses and their largest difference."""
+    hyper = {"lr": 1e-3, "momentum": 0.9, "dtype": "float64", "seed": 3}
+    reference = SingleDeviceTrainer(g, **hyper)
+    trainer = tr.Trainer(g, strategy, machine, **hyper)
+    losses = [(trainer.step(x, y), reference.step(x, y)) for _ in range(2)]
+    return {"losses_float64": losses, "largest_difference": max(abs(a - b) for a, b in losses)}
 
 
 def strategies(g, split):
@@ -47,25 +105,19 @@ if __name__ == "__main__":
     machine = tr.Machine.local(2)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cm = search.CostModel(machine, cache=f"{tmp}/costs.json")
+        # the search times every config's parts: the cache of this host's part timings saves that
+        cm = search.CostModel(machine, cache=None if split == "searched" else f"{tmp}/costs.json")
         for name in names:
-            g = MODELS[name]()
+            model, _, batch = name.partition(":")
+            g = MODELS[model](int(batch)) if batch else MODELS[model]()
             x, y = random_batch(g, 0)
-            trainers = {k: tr.Trainer(g, s, machine, lr=1e-4, momentum=0.9, seed=0)
-                        for k, s in strategies(g, split).items()}
-            for t in trainers.values():
-                t.step(x, y)
-            # interleaved rounds (bench.measure.interleaved's turns: two steps in a row, the second
+            chosen, info = searched(g, machine, cm) if split == "searched" else (strategies(g, split), None)
+            trainers = {k: tr.Trainer(g, s, machine, lr=1e-4, momentum=0.9, seed=0) for k, s in chosen.items()}
+            # interleaved rounds (bench.memory_recompute.paired_rounds: two steps in a row, the second
             # timed), each round's plain and recomputing steps back to back: the increase is the
             # median of the rounds' differences, so the host's drift over the rounds cancels
             interleaved({k: t.step for k, t in trainers.items()}, x, y, 2, name)
-            times = {k: [] for k in trainers}
-            for _ in range(rounds):
-                for k, t in trainers.items():
-                    t.step(x, y)
-                    start = time.perf_counter()
-                    t.step(x, y)
-                    times[k].append(time.perf_counter() - start)
+            times, _ = paired_rounds(trainers, x, y, rounds)
             load = os.getloadavg()
             sims, mem = {}, {}
             for k, t in trainers.items():
@@ -91,6 +143,10 @@ if __name__ == "__main__":
                    "memory_sum_bytes": {k: v[0] for k, v in mem.items()},
                    "memory_peak_bytes": {k: v[1] for k, v in mem.items()}}
             row["increase_error"] = row["simulated_increase_ms"] / row["measured_increase_ms"] - 1
+            if info is not None:
+                first = {k: t.step(x, y) for k, t in trainers.items()}  # float32: the same kernels on the same tiles
+                row.update(search=info, float32_losses_equal=first["plain"] == first["recompute"],
+                           **exactness(g, chosen["recompute"], machine, x, y))
             out[name] = row
             print(name, split, json.dumps(row, indent=1, default=str), flush=True)
     machine.close()
