@@ -70,10 +70,11 @@ class RecomputeTables:
     def forward(self, name: str) -> np.ndarray:
         """Seconds of the layer's slowest part's forward, and its task's overhead, per config."""
         if name not in self._forward:
-            layer = self.graph[name]
-            space = self.cost_model.layer_space(layer)
-            # as a layer whose backward does not run: forward only, no input gradient (task_prices' key)
-            self._forward[name] = self.cost_model.compute_costs([layer], {name: space}, set())[name]
+            # every candidate at once: parts not timed yet are measured together, not a layer at a time
+            layers = [self.graph[n] for n in dict.fromkeys([name, *candidates(self.graph)]) if n not in self._forward]
+            spaces = {layer.name: self.cost_model.layer_space(layer) for layer in layers}
+            # as layers whose backward does not run: forward only, no input gradient (task_prices' key)
+            self._forward.update(self.cost_model.compute_costs(layers, spaces, set()))
         return self._forward[name]
 
     def outputs(self, name: str) -> np.ndarray:

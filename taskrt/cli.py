@@ -248,6 +248,8 @@ def cmd_search(args):
             bound = ("it bound: the fastest strategy that fits, searched in "
                      f"{info['budget_s'] * 1e3:.1f} ms ({info['budget']['method']})" if meta["memory_bound"]
                      else "the fastest strategy fits")
+            if meta.get("recomputed"):
+                bound += f"; recomputing {len(meta['recomputed'])} layers in backward: {', '.join(meta['recomputed'])}"
             print(f"memory budget: {meta['memory_budget'] / 2**20:.1f} MiB per device; {bound}\n")
         if "device_counts" in meta:
             print(f"devices: kept {meta['device_count']} of {machine.num_devices}; simulated step per device count: "

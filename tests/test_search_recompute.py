@@ -31,6 +31,7 @@ from taskrt.search.memory_tables import UNKNOWN, MemoryTables
 from taskrt.search.recompute_search import family_sizes, ranked
 from taskrt.search.recompute_tables import RecomputeTables, candidates
 from tests.test_recompute import check_recomputation
+from tests.test_search_budget import residual_graph
 
 recompute_search = sys.modules["taskrt.search.recompute_search"]
 
@@ -172,8 +173,9 @@ def test_the_result_is_the_fastest_over_the_family_by_brute_force(fraction):
     assert peak(graph, strategy) <= budget
 
 
-def test_the_measure_with_recomputed_layers_bounds_the_peak():
-    problem = Problem(tiny())
+@pytest.mark.parametrize("build", [tiny, residual_graph])
+def test_the_measure_with_recomputed_layers_bounds_the_peak(build):
+    problem = Problem(build())
     rng = np.random.default_rng(0)
     sets = problem.family + [frozenset(s) for k in (1, 2) for s in itertools.combinations(candidates(problem.graph), k)]
     for recomputed in sets:
