@@ -41,7 +41,10 @@ from taskrt.training.trainer import Trainer
 
 MIB = 2**20
 PEAK_STEPS = 3
-DEMO_LIMIT = "960MiB"  # each worker's Dask memory_limit in C: about 390 MiB for a step's arrays
+# each worker's Dask memory_limit in C: about 540 MiB for a step's arrays, below data parallelism's 600. At
+# 960 MiB (about 390 MiB for them, where the budget binds) both workers paused for good after a few steps at
+# 800 MiB: the kernels' temporaries are outside the count that the devices' memory leaves room for
+DEMO_LIMIT = "1.2GiB"
 DEMO_STEPS = 12
 DEMO_HYPER = {"lr": 1e-3, "momentum": 0.9, "seed": 0}
 CURVES = {"vgg16_32": lambda: models.vgg16(batch=64, image_size=32, num_classes=10),

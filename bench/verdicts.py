@@ -398,8 +398,9 @@ def memory_verdict(record) -> str:
              f"{worst:.1%} of the measured (goal {MEMORY_PEAK_GOAL:.0%})"]
     ratios = [c["bound_search_ratio"] for c in record.get("curves") or [] if c.get("bound_search_ratio")]
     if ratios:
-        parts.append(f"the search under a binding budget {max(ratios):.2f}x the unconstrained search at most, median "
-                     f"over budgets ({met(max(ratios) <= MEMORY_SEARCH_GOAL)}, goal {MEMORY_SEARCH_GOAL:g}x)")
+        parts.append(f"a search under a binding budget took at most {max(ratios):.2f}x the unconstrained search's time "
+                     f"(per network, the median over its budgets; {met(max(ratios) <= MEMORY_SEARCH_GOAL)}, goal "
+                     f"{MEMORY_SEARCH_GOAL:g}x)")
     demo = record.get("demonstration")
     if demo is None:
         parts.append("the demonstration NOT run")
