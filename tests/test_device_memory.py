@@ -12,6 +12,8 @@ def test_usable_memory_is_the_limit_below_the_pause_less_the_process():
     with dask.config.set({"distributed.worker.memory.pause": 0.8}):
         assert usable_memory(1000, 100) == pytest.approx(800 - 100 - 250)
         assert usable_memory(1000, 900) == 0.0
+    with dask.config.set({"distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": 0.95}):
+        assert usable_memory(1000, 100) == pytest.approx(950 - 100 - 250)  # where the nanny ends it
     assert usable_memory(None, 100) is None
     assert usable_memory(0, 100) is None
 
@@ -19,4 +21,7 @@ def test_usable_memory_is_the_limit_below_the_pause_less_the_process():
 def test_a_local_worker_reports_its_limit_less_its_own_footprint():
     with tr.Machine.local(1, memory_limit="1GiB", probe=False) as machine:
         memory = machine.devices[0].memory
-    assert 0.2 * 2**30 < memory < 0.55 * 2**30
+        # no pause, which would stall training for good: the memory a worker holds is not freed by one
+        pauses = machine.client.run(lambda dask_worker: dask_worker.memory_manager.memory_pause_fraction)
+    assert 0.3 * 2**30 < memory < 0.7 * 2**30
+    assert list(pauses.values()) == [False]

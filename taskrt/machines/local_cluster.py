@@ -18,6 +18,13 @@ DASK_SETTINGS = {
     # to walk in the scheduler (taskrt.machines.worker_setup); the workers' transfer logs stay long
     "distributed.admin.low-level-log-length": 100,
     "distributed.worker.daemon": False,
+    # No pause at 80% of a memory_limit: a worker's memory is the step's own values and what the
+    # allocator keeps for the next step (below), which a pause never frees; paused, a worker never
+    # starts its next program and training stalls for good.  The trainer checks each step's peak
+    # against the devices' memory before it runs (taskrt.machines.machine.usable_memory, from the
+    # limit at which the nanny ends a worker), and a worker the nanny ends anyway is a
+    # DeviceMemoryError naming the device and the step (taskrt.training.memory).
+    "distributed.worker.memory.pause": False,
     # A step's temporaries must land on memory the worker already has.  Dask's nanny gives its workers
     # MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's dynamic mmap threshold: every large
     # temporary became a fresh mmap that page-faulted again (kernels 1.6x slower than in-process).

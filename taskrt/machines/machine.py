@@ -262,15 +262,17 @@ async def _set_resource(tag, dask_worker=None):
 def usable_memory(limit, resident: int) -> float | None:
     """Bytes a step's arrays may take on a CPU worker with Dask memory limit `limit` (None or 0:
     unknown): the share below which Dask's worker keeps running tasks (it pauses at
-    `distributed.worker.memory.pause` of its limit, 0.8 by default, and its nanny ends it at 0.95),
-    less what the process holds before any step (`resident`: the interpreter, its libraries, Dask)
-    and the freed arrays it may keep for reuse (taskrt.machines.worker_setup.keep_free_memory)."""
+    `distributed.worker.memory.pause` of its limit, 0.8 by default, off on Machine.local's workers;
+    its nanny ends it at `...terminate`, 0.95), less what the process holds before any step
+    (`resident`: the interpreter, its libraries, Dask) and the freed arrays it may keep for reuse
+    (taskrt.machines.worker_setup.keep_free_memory)."""
     if not limit:
         return None
     import dask
 
-    pause = dask.config.get("distributed.worker.memory.pause", 0.8) or 0.95
-    return max(float(limit) * pause - resident - limit // KEEP_FREE_SHARE, 0.0)
+    share = (dask.config.get("distributed.worker.memory.pause", 0.8)
+             or dask.config.get("distributed.worker.memory.terminate", 0.95) or 1.0)
+    return max(float(limit) * share - resident - limit // KEEP_FREE_SHARE, 0.0)
 
 
 def _describe_device(dask_worker=None) -> dict:
