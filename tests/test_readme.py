@@ -47,6 +47,7 @@ def test_the_script_is_every_block_but_the_gpu_and_cluster_ones():
     script = readme_script()
     assert "tr.Machine.local(2)" in script and "trainer.fit(train, epochs=3" in script
     assert "search.optimize(g, machine)" in script and "trainer.profile(" in script
+    assert "search.optimize(g, machine, memory=" in script and "summary(trainer.memory())" in script
     assert "Machine.local(2, gpu=True)" not in script and "Client(scheduler_file" not in script
     assert "tr.from_torch" not in script  # run by its own test, where torchvision is installed
     compile(script, "readme.py", "exec")
