@@ -88,7 +88,9 @@ def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under):
     sum counts one backward working set per device, where the schedule may hold several gradient
     pieces at once (a split over channels sends one from every device): if the peak is over, the
     search runs again with each budget scaled down by how far over it was, up to SCHEDULE_ROUNDS
-    times.  meta["schedule_peak_per_device"]: the peaks of the result."""
+    times.  The peak counted is the held values with the kernels' scratch on top
+    (`PeakMemory.needed`), as the Trainer's check counts it.  meta["schedule_peak_per_device"]: the
+    held peaks of the result, meta["schedule_scratch_per_device"]: the scratch on top of them."""
     from taskrt.planning.lowering import lower
     from taskrt.planning.peak import peak_memory
 
@@ -96,20 +98,22 @@ def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under):
     for searched in range(SCHEDULE_ROUNDS + 1):
         peaks = peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
                             len(cost_model.optimizer.slots))
-        over = max(peaks[d].total / budgets[d] for d in peaks if d in budgets)
+        over = max(peaks[d].needed / budgets[d] for d in peaks if d in budgets)
         if over <= 1:
             strategy.meta["schedule_peak_per_device"] = {str(d): p.total for d, p in peaks.items()}
+            strategy.meta["schedule_scratch_per_device"] = {str(d): p.scratch for d, p in peaks.items()}
             strategy.meta["memory_budget"] = budgeting.smallest(budgets, strategy.meta.get("device_count",
                                                                                              machine.num_devices))
             return strategy
         if searched < SCHEDULE_ROUNDS:
             tighter = {d: int(b / over) for d, b in tighter.items()}
             strategy = search_under(tighter)
-    device = max(peaks, key=lambda d: peaks[d].total / budgets.get(d, np.inf))
+    device = max(peaks, key=lambda d: peaks[d].needed / budgets.get(d, np.inf))
     raise budgeting.MemoryBudgetError(
         f"no strategy for {graph.name!r} found whose peak under the runtime's schedule fits "
         f"{budgeting._size(budgets[device])} on device {device} of {machine.description}: the last tried holds "
-        f"{budgeting._size(peaks[device].total)} there (the search's own count: "
+        f"{budgeting._size(peaks[device].total)} there and its kernels' scratch "
+        f"{budgeting._size(peaks[device].scratch)} on top (the search's own count: "
         f"{budgeting._size(strategy.meta['memory_per_device'][str(device)]['total'])}). Use more devices, a smaller "
         "batch, or a larger budget.", devices=(device,))
 

@@ -196,7 +196,8 @@ def test_a_strategy_predicted_not_to_fit_is_refused_before_any_step(machine2):
     assert error.value.devices == (0,) and isinstance(error.value, MemoryError)
     assert text.startswith("alexnet under strategy 'data parallel' does not fit the memory of 1 device(s), "
                            "before any step")
-    assert f"device 0: predicted peak {peaks[0].total / 2**20:.1f} MiB against its memory 400.0 MiB" in text
+    assert (f"device 0: predicted peak {peaks[0].total / 2**20:.1f} MiB held + {peaks[0].scratch / 2**20:.1f} MiB of "
+            f"kernels' scratch") in text and f"= {peaks[0].needed / 2**20:.1f} MiB against its memory 400.0 MiB" in text
     assert "device 1:" not in text
     assert "parameters 200.9, optimizer 200.9, gradients 141.1, workspace 128.0 MiB" in text
     assert "layers holding most: fc1 384.3, fc2 256.1" in text and "while task ('fc1-update', 0, 0) runs" in text
@@ -208,7 +209,7 @@ def test_a_strategy_predicted_not_to_fit_is_refused_before_any_step(machine2):
 
 def test_a_strategy_replanned_on_fewer_devices_is_checked_too(machine2):
     graph = models.lenet5(batch=64)
-    whole = small(machine2, 3.0)  # two devices fit (2.5 MiB each), one device alone does not
+    whole = small(machine2, 5.0)  # two devices fit (2.5 MiB held + 1.8 of scratch each), one alone does not (5.9)
     trainer = Trainer(graph, search.model_parallel(graph, whole), whole, lr=0.01)
     with pytest.raises(tr.DeviceMemoryError, match=r"re-planned on the devices left after a lost worker, does "
                                                    r"not fit the memory of 1 device\(s\)") as error:

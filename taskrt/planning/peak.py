@@ -23,11 +23,19 @@ Held at the peak, by kind (bytes):
 - transfers: values received and not yet read here, and values made here that only wait to be sent;
 - workspace: what the task running at the peak has just made (`at` names it).
 
-Not counted: a kernel's own temporaries (an input assembled from several pieces, im2col
-buffers, a gradient sum before the update), values that arrived before the program asks for them,
-and what the process holds besides the step (Python, libraries, Dask).  A worker measures the same
-sum (`taskrt.execution.held`), so the two agree up to what the model does not know about a value's
-buffer; a GPU worker's allocator peak includes the kernels' temporaries too.
+`scratch` (not a kind, not in `total`): the most the kernels' own temporaries add on top of what is
+held, `max over tasks (held while the task runs + its scratch) - total`, the task at `scratch_at`.
+A task's scratch is what its numpy kernels allocate besides their result (`taskrt.ops.scratch`: a
+convolution's padded copies, im2col columns, Winograd's buffers, a backward's relu-masked gradient);
+`total + scratch` is what a device needs at least, what `taskrt.training.memory.check_fits` compares
+with its memory.  `total` stays the held values alone, what the workers measure.
+
+Not counted in `total` nor in `scratch`: other kernels' temporaries (an input assembled from
+several pieces, a gradient sum before the update, other ops' buffers), values that arrived before
+the program asks for them, and what the process holds besides the step (Python, libraries, Dask,
+the allocator's free memory).  A worker measures the same sum (`taskrt.execution.held`), so the
+two agree up to what the model does not know about a value's buffer; a GPU worker's allocator
+peak includes the kernels' temporaries too.
 
 `taskrt.planning.memory.plan_memory` is the other account, the one the search uses: the sum of
 everything a step ever holds on a device (all of forward, all gradients, the optimizer's state, the
@@ -37,9 +45,10 @@ fast enough to prune configurations; this one is what a worker should see.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from math import prod
 
+from taskrt.ops import scratch
 from taskrt.planning.plan import BUFFER, DATA, STATE, TASK, Dep, Plan
 from taskrt.planning.programs import Compute, Recv, Send, device_programs
 from taskrt.planning.tasks import (
@@ -77,6 +86,13 @@ class PeakMemory:
     workspace: int = 0
     at: tuple | None = None
     layers: tuple = ()
+    scratch: int = 0
+    scratch_at: tuple | None = None
+
+    @property
+    def needed(self) -> int:
+        """Held values and the kernels' scratch on top: the least memory the step needs."""
+        return self.total + self.scratch
 
     @property
     def total(self) -> int:
@@ -90,6 +106,7 @@ class PeakMemory:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["at"] = None if self.at is None else list(self.at)
         out["layers"] = [list(pair) for pair in self.layers]
+        out["scratch_at"] = None if self.scratch_at is None else list(self.scratch_at)
         return {**out, "total": self.total}
 
 
@@ -127,13 +144,17 @@ class _Replay:
 
     def peak(self) -> PeakMemory:
         total, event = self._run()
-        return self._run(stop=event) if total else PeakMemory()
+        if not total:
+            return PeakMemory()
+        (top, at), peak = self.top, self._run(stop=event)
+        return replace(peak, scratch=max(top - total, 0), scratch_at=at if top > total else None)
 
     # ---- the replay ---------------------------------------------------------------------------
     def _run(self, stop=None):
         """The program replayed: (peak bytes, its event); with `stop`, the PeakMemory at that event."""
         self.buffers: dict[int, list] = {}  # root -> [references, bytes, kind, layer]
         self.total, self.best, self.event, self.made, self.fresh = 0, (0, 0), 0, (), 0
+        self.top = (0, None)  # (held + the running task's scratch, its key) at its most
         live: dict = {}
         for name in self.program.inputs:  # given: held for the whole step (one more reference)
             live[name] = self._given(name)
@@ -151,6 +172,9 @@ class _Replay:
                     live[Dep(TASK, key)] = value = self._make(self.plan.by_key[key], spec, args)
                     self._hold(value)
                     self.made = tuple(r for r in _roots(value) if r >= first)
+                    extra = _scratch(spec, self.itemsize)
+                    if extra and self.total + extra > self.top[0]:
+                        self.top = (self.total + extra, key)
                     if self._check(stop, key, live):
                         return self.breakdown
                     for kind, ref in refs:
@@ -377,6 +401,16 @@ def _inner(spec):
     while isinstance(getattr(spec, "spec", None), Spec):
         spec = spec.spec
     return spec
+
+
+def _scratch(spec, itemsize: int) -> int:
+    """Bytes the kernels of a task allocate besides its result (`taskrt.ops.scratch`; convolutions)."""
+    spec = _inner(spec)
+    if not isinstance(spec, (Forward, Backward)) or spec.op.kind != "conv2d" or spec.inputs.rects[0] is None:
+        return 0
+    backward = isinstance(spec, Backward)
+    return scratch.conv_part(spec.op, spec.out, spec.inputs.rects[0].shape, itemsize, backward,
+                             backward and spec.need_dx[0])
 
 
 def _kind(task) -> str:

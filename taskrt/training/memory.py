@@ -6,7 +6,8 @@ a strategy fits before any step, and what the trainer says when a device runs ou
     use.predicted.total, use.measured, use.measured_max, use.capacity
     print(summary(trainer.memory()))   # predicted by kind against measured, per device
 
-A trainer whose strategy's predicted peak exceeds a device's memory (`Device.memory`: a CPU
+A trainer whose strategy's predicted peak, with its kernels' scratch on top (`PeakMemory.needed`),
+exceeds a device's memory (`Device.memory`: a CPU
 worker's memory_limit, a GPU's memory; None: not checked) raises DeviceMemoryError before any step
 (`Trainer(..., check_memory=False)` trains anyway); so does a strategy re-planned after a lost
 worker.  A step that runs out of memory on its worker (an allocator's MemoryError, torch's or
@@ -49,17 +50,19 @@ class MemoryUse:
 
 def summary(memory: dict) -> str:
     """One line per device (MiB): the predicted peak by kind and in all, the last step's measured
-    peak and the most so far, the device's memory."""
+    peak and the most so far, the kernels' scratch on top of the predicted peak, the device's memory."""
     short = {"parameters": "params", "optimizer": "optim", "activations": "activ", "gradients": "grads",
              "transfers": "transfer", "workspace": "work"}
-    rows = ["predicted peak by kind, against the peak measured on the workers (MiB):",
+    rows = ["predicted peak by kind, against the peak measured on the workers; the kernels' scratch on top "
+            "of the peak and the device's memory (MiB):",
             f"{'device':>6} " + " ".join(f"{short[k]:>9}" for k in KINDS)
-            + f" {'predicted':>10} {'measured':>9} {'max':>9} {'capacity':>9}"]
+            + f" {'predicted':>10} {'measured':>9} {'max':>9} {'scratch':>9} {'capacity':>9}"]
     for device, use in memory.items():
         p = use.predicted
         measured = use.allocated if use.allocated is not None else use.measured
         rows.append(f"{device:>6} " + " ".join(f"{getattr(p, k) / MIB:9.2f}" for k in KINDS)
-                    + f" {p.total / MIB:10.2f} {_mib(measured, 9)} {_mib(use.measured_max, 9)} {_mib(use.capacity, 9)}")
+                    + f" {p.total / MIB:10.2f} {_mib(measured, 9)} {_mib(use.measured_max, 9)}"
+                    + f" {p.scratch / MIB:9.2f} {_mib(use.capacity, 9)}")
     if any(use.allocated is not None for use in memory.values()):
         rows.append("(measured on GPU devices: the allocator's peak, kernels' temporaries included)")
     return "\n".join(rows)
@@ -86,14 +89,15 @@ def where(at) -> str:
 
 
 def check_fits(peaks: dict, machine, numbering, graph_name: str, strategy_name: str, replanned: bool = False) -> None:
-    """Raise DeviceMemoryError naming each device whose predicted peak (`peaks`: {device:
-    PeakMemory}) exceeds its memory on `machine`; `numbering[d]`: device d's number on the whole
-    machine (what the message says)."""
+    """Raise DeviceMemoryError naming each device whose predicted peak with its kernels' scratch
+    (`peaks`: {device: PeakMemory}; `PeakMemory.needed`) exceeds its memory on `machine`;
+    `numbering[d]`: device d's number on the whole machine (what the message says)."""
     over = {d: peak for d, peak in peaks.items()
-            if machine.devices[d].memory is not None and peak.total > machine.devices[d].memory}
+            if machine.devices[d].memory is not None and peak.needed > machine.devices[d].memory}
     if not over:
         return
-    lines = [f"device {numbering[d]}: predicted peak {peak.total / MIB:.1f} MiB against its memory "
+    lines = [f"device {numbering[d]}: predicted peak {peak.total / MIB:.1f} MiB held + {peak.scratch / MIB:.1f} MiB "
+             f"of kernels' scratch{_scratch_at(peak)} = {peak.needed / MIB:.1f} MiB against its memory "
              f"{machine.devices[d].memory / MIB:.1f} MiB ({described(peak)})" for d, peak in over.items()]
     what = f"{graph_name} under strategy {strategy_name!r}" if strategy_name else graph_name
     when = ", re-planned on the devices left after a lost worker," if replanned else ""
@@ -101,6 +105,10 @@ def check_fits(peaks: dict, machine, numbering, graph_name: str, strategy_name: 
         f"{what}{when} does not fit the memory of {len(over)} device(s), before any step:\n  " + "\n  ".join(lines)
         + f"\n{ADVICE} (Trainer(..., check_memory=False) trains anyway.)",
         devices=[numbering[d] for d in over])
+
+
+def _scratch_at(peak: PeakMemory) -> str:
+    return f" (while task {peak.scratch_at!r} runs)" if peak.scratch_at is not None else ""
 
 
 def ran_out(device: int, step, cause: str, use: MemoryUse | None, good_step: int,
