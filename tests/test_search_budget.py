@@ -448,18 +448,22 @@ def _schedule_case():
     graph, machine = models.lenet5(batch=16), Machine.simulated(4, 4)
     strategy = search.model_parallel(graph, machine).validated(graph, machine)
     strategy.meta["memory_per_device"] = memory_per_device(graph, strategy)
-    peaks = {d: p.total for d, p in peak_memory(lower(graph, strategy), 4, 1).items()}
-    return graph, machine, strategy, peaks
+    return graph, machine, strategy, peak_memory(lower(graph, strategy), 4, 1)
 
 
 def test_a_result_whose_schedule_peak_fits_is_kept_with_its_peaks():
     from taskrt.search.optimize import _fit_schedule
 
     graph, machine, strategy, peaks = _schedule_case()
-    budgets = {d: peaks[d] for d in peaks}
+    budgets = {d: p.needed for d, p in peaks.items()}  # the held peak with the kernels' scratch on top
+    assert all(p.scratch > 0 for p in peaks.values())
     kept = _fit_schedule(graph, machine, search.CostModel(machine, cache=False, progress=False), strategy, budgets,
                          lambda tighter: pytest.fail("searched again"))
-    assert kept is strategy and kept.meta["schedule_peak_per_device"] == {str(d): p for d, p in peaks.items()}
+    assert kept is strategy and kept.meta["schedule_peak_per_device"] == {str(d): p.total for d, p in peaks.items()}
+    assert kept.meta["schedule_scratch_per_device"] == {str(d): p.scratch for d, p in peaks.items()}
+    with pytest.raises(search.MemoryBudgetError, match="kernels' scratch"):  # the held peaks alone do not fit
+        _fit_schedule(graph, machine, search.CostModel(machine, cache=False, progress=False), strategy,
+                      {d: p.total for d, p in peaks.items()}, lambda tighter: strategy)
 
 
 def test_a_result_over_budget_by_the_schedule_is_searched_again_under_a_tighter_budget():
@@ -470,9 +474,9 @@ def test_a_result_over_budget_by_the_schedule_is_searched_again_under_a_tighter_
 
     graph, machine, strategy, peaks = _schedule_case()
     sums = {int(d): m["total"] for d, m in strategy.meta["memory_per_device"].items()}
-    assert any(peaks[d] > sums[d] for d in peaks)  # the case this guards against
+    assert any(peaks[d].total > sums[d] for d in peaks)  # the case this guards against
     budgets = {d: sums[d] for d in peaks}
-    over = max(peaks[d] / budgets[d] for d in peaks)
+    over = max(peaks[d].needed / budgets[d] for d in peaks)
     asked = []
 
     def search_under(tighter):
