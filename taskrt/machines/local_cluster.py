@@ -48,6 +48,23 @@ DASK_SETTINGS = {
 }
 
 
+TRIM = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
+
+
+def kept_heap(memory_limit) -> int:
+    """glibc's MALLOC_TRIM_THRESHOLD_ for workers of `memory_limit` (as Dask's Nanny takes it): the
+    free heap a worker keeps for its next step, 1 GiB (above), but at most 1/KEEP_HEAP_SHARE of a
+    limit, which the devices' memory leaves room for (taskrt.machines.machine.usable_memory).
+    Measured: VGG-16-32 at batch 64 kept 220-340 MiB of free heap, which a worker at a limit of
+    1.3 GiB had no room for."""
+    from distributed.worker_memory import parse_memory_limit
+
+    from taskrt.machines.worker_setup import KEEP_HEAP_SHARE
+
+    limit = parse_memory_limit(memory_limit, 1, logger=logging.getLogger("taskrt"))
+    return min(DASK_SETTINGS[TRIM], limit // KEEP_HEAP_SHARE) if limit else DASK_SETTINGS[TRIM]
+
+
 def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
     """(client, cluster, GPUs used) of a new local cluster of `n` workers, each tagged with its
     device's resource (taskrt.machines.machine.resource_tag); see Machine.local."""
@@ -70,7 +87,7 @@ def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
         logging.getLogger("taskrt").warning(
             "Machine.local(%d) on %d cores: timings are not meaningful, bytes and results are",
             n, os.cpu_count())
-    dask.config.set(DASK_SETTINGS)
+    dask.config.set({**DASK_SETTINGS, TRIM: kept_heap(memory_limit)})
     level = logging.WARNING if quiet else logging.INFO
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
     if gpu and n == gpus and has_dask_cuda():

@@ -26,7 +26,7 @@ from taskrt.machines.calibration import HOP_WORK_S, INLINE_PROBE_BYTES
 from taskrt.machines.device_kinds import DEVICE_KINDS, INFINIBAND_100G, NVLINK
 from taskrt.machines.devices import Device, MachineError, resource_tag
 from taskrt.machines.link_probe import probe_links
-from taskrt.machines.worker_setup import KEEP_FREE_SHARE
+from taskrt.machines.worker_setup import KEEP_FREE_SHARE, KEEP_HEAP_SHARE
 
 __all__ = ["DEVICE_KINDS", "HOP_WORK_S", "INFINIBAND_100G", "INLINE_PROBE_BYTES", "NVLINK", "Device", "Machine",
            "MachineError", "probe_links", "resource_tag", "worker_info"]
@@ -264,15 +264,16 @@ def usable_memory(limit, resident: int) -> float | None:
     unknown): the share below which Dask's worker keeps running tasks (it pauses at
     `distributed.worker.memory.pause` of its limit, 0.8 by default, off on Machine.local's workers;
     its nanny ends it at `...terminate`, 0.95), less what the process holds before any step
-    (`resident`: the interpreter, its libraries, Dask) and the freed arrays it may keep for reuse
-    (taskrt.machines.worker_setup.keep_free_memory)."""
+    (`resident`: the interpreter, its libraries, Dask), the freed arrays it may keep for reuse
+    (taskrt.machines.worker_setup.keep_free_memory) and the free heap glibc may keep
+    (taskrt.machines.local_cluster.kept_heap)."""
     if not limit:
         return None
     import dask
 
     share = (dask.config.get("distributed.worker.memory.pause", 0.8)
              or dask.config.get("distributed.worker.memory.terminate", 0.95) or 1.0)
-    return max(float(limit) * share - resident - limit // KEEP_FREE_SHARE, 0.0)
+    return max(float(limit) * share - resident - limit // KEEP_FREE_SHARE - limit // KEEP_HEAP_SHARE, 0.0)
 
 
 def _describe_device(dask_worker=None) -> dict:

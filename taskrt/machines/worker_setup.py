@@ -52,6 +52,7 @@ def freeze_heap(dask_worker=None, dask_scheduler=None) -> int:
 
 
 KEEP_FREE_SHARE = 4  # a worker keeps free for reuse up to 1/KEEP_FREE_SHARE of its memory limit
+KEEP_HEAP_SHARE = 8  # and glibc's free heap up to 1/KEEP_HEAP_SHARE of it (Machine.local's MALLOC_TRIM_THRESHOLD_)
 
 
 def keep_free_memory(worker) -> None:
