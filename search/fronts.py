@@ -94,8 +94,8 @@ def combine(cu, cw, cv, a_off, a_t, a_s, a_x, a_st, b_off, b_t, b_s, b_x, b_st, 
                         for k in range(c_off[ec], c_off[ec + 1]):
                             t3 = t2 + c_t[k]
                             s3 = s2 + c_s[k]
-                            x3 = max(x2, c_x[k])
-                            if t3 > t_max or s3 + max(x3, x_floor) > memory_limit:
+                            x3 = max(x2, c_x[k], x_floor)  # every strategy's working set is at least x_floor
+                            if t3 > t_max or s3 + x3 > memory_limit:
                                 continue
                             dominated = False
                             for m in range(start, n):

@@ -84,17 +84,59 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     limits = [np.inf] if optimum is None else [optimum * (1 + slack) + 1e-12 for slack in rounds]
     if cap < np.inf:  # the rounds below the cap, then the cap itself
         limits = [limit for limit in limits if limit < cap] + [cap]
-    for r, limit in enumerate(limits):  # no bounds to prune by: one round without a limit
+    r = 0
+    while r < len(limits):  # no bounds to prune by: one round without a limit
+        limit = limits[r]
         search = _Search(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
                          flat=flat, edge_working=edge_working)
         result = search.run()
         points += search.points
+        r += 1
         if result is not None:
             choice, t, m, front, others = result(alternatives)
-            return Found(choice, t, m, front, r + 1, points, clock.perf_counter() - started, others)
+            return Found(choice, t, m, front, r, points, clock.perf_counter() - started, others)
         if np.isinf(limit):
             break
+        if r == 1 and r < len(limits):  # the first limit was too tight: does anything fit at all?
+            settled = _least_time_bound(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget,
+                                        edge_working, flat)
+            if settled is None:
+                return None
+            rest = [x for x in limits[r:] if x < settled]  # then the settled time, if below the last limit
+            limits = limits[:r] + rest + ([] if rest and rest[-1] == limits[-1] else [min(settled, limits[-1])])
     return None
+
+
+def _least_time_bound(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, edge_working, flat):
+    """None when no choice's measure fits `budget`; else the time of one that fits (the fastest fitting
+    one is no slower: a time limit keeping it), or inf where that is not known cheaply."""
+    from taskrt.search.eliminate import minimize
+
+    kept = _fitting_configs(names, flat, budget, np.ones(len(flat[0]), dtype=bool))
+    if kept is None:
+        return None
+    every = [edge_bytes(i, kept[u], kept[v]) for i, (u, v, _) in enumerate(time_edges)]
+    # the least summed memory (search.eliminate's min-plus over byte counts, exact in float64 below 2**53)
+    least = minimize({n: kept_bytes[n][kept[n]].astype(np.float64) for n in names},
+                     [(u, v, m.astype(np.float64)) for (u, v, _), m in zip(time_edges, every)])
+    floor = max(int(np.min(working[n][kept[n]])) for n in names)  # every choice's working set is at least this
+    if not least.method.startswith("approximate") and least.cost + floor > budget:
+        return None
+    c = {n: int(kept[n][i]) for n, i in least.choice.items()}
+    measure = (sum(int(kept_bytes[n][c[n]]) for n in names)
+               + sum(int(m[least.choice[u], least.choice[v]]) for (u, v, _), m in zip(time_edges, every))
+               + max([int(working[n][c[n]]) for n in names]
+                     + [int(x[c[u], c[v]]) for (u, v, _), x in zip(time_edges, edge_working or ()) if x is not None]))
+    if measure > budget:  # the least sum's choice does not fit: the exact least measure decides
+        try:
+            found = least_memory(names, time_edges, kept_bytes, working, edge_bytes, budget, edge_working)
+        except TooWide:
+            return np.inf
+        if found is None:
+            return None
+        c = found.choice
+    return (sum(float(time_unary[n][c[n]]) for n in names)
+            + sum(float(m[c[u], c[v]]) for u, v, m in time_edges))
 
 
 def least_memory(names, time_edges: list, kept_bytes: dict, working: dict, edge_bytes, ceiling: float,
@@ -167,22 +209,10 @@ class _Search:
 
     def _kept(self, kept_bytes, working, flat):
         """Per layer, the configs that may appear in a strategy within the limits (indices)."""
-        names = self.names
-        values, works, starts, lengths = flat
-        ok = np.ones(len(values), dtype=bool)
+        ok = np.ones(len(flat[0]), dtype=bool)
         if self.bounds is not None and np.isfinite(self.limit):
-            ok &= np.concatenate([self.bounds.marginal[n] for n in names]) <= self.limit * (1 + TOLERANCE)
-        big = np.iinfo(np.int64).max // 4
-        for _ in range(2):  # each layer's memory against the rest's least (edges at least 0)
-            if not np.add.reduceat(ok, starts).all():
-                return None
-            least = np.minimum.reduceat(np.where(ok, values, big), starts)
-            floor = np.minimum.reduceat(np.where(ok, works, big), starts).max()
-            rest = int(least.sum()) - np.repeat(least, lengths)
-            ok &= values + rest + np.maximum(works, floor) <= self.budget
-        if not np.add.reduceat(ok, starts).all():
-            return None
-        return {n: np.flatnonzero(ok[start:start + length]) for n, start, length in zip(names, starts, lengths)}
+            ok &= np.concatenate([self.bounds.marginal[n] for n in self.names]) <= self.limit * (1 + TOLERANCE)
+        return _fitting_configs(self.names, flat, self.budget, ok)
 
     def _add(self, table: FrontTable) -> int:
         self.tables.append(table)
@@ -400,6 +430,23 @@ class _Lazy(list):
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+def _fitting_configs(names, flat, budget, ok):
+    """Per layer, the configs among `ok` (a mask over _flat's order) whose own memory with the rest's
+    least fits `budget` (indices); None when some layer has none."""
+    values, works, starts, lengths = flat
+    big = np.iinfo(np.int64).max // 4
+    for _ in range(2):  # each layer's memory against the rest's least (edges at least 0)
+        if not np.add.reduceat(ok, starts).all():
+            return None
+        least = np.minimum.reduceat(np.where(ok, values, big), starts)
+        floor = np.minimum.reduceat(np.where(ok, works, big), starts).max()
+        rest = int(least.sum()) - np.repeat(least, lengths)
+        ok &= values + rest + np.maximum(works, floor) <= budget
+    if not np.add.reduceat(ok, starts).all():
+        return None
+    return {n: np.flatnonzero(ok[start:start + length]) for n, start, length in zip(names, starts, lengths)}
 
 
 def _flat(names, kept_bytes, working):
