@@ -37,12 +37,22 @@ def candidates(graph) -> list[str]:
     some backward reads (its own, or a consumer's other than the loss): search.memory's
     `_recomputed`."""
     needed = graph.needs_backward()
+    consumers = consumer_map(graph)
     out = []
     for layer in graph:
         if layer.is_input or layer.kind == LOSS or layer.name not in needed:
             continue
-        if reads_itself(layer, needed) or any(graph[c].kind != LOSS for c, _ in graph.consumers(layer.name)):
+        if reads_itself(layer, needed) or any(graph[c].kind != LOSS for c, _ in consumers.get(layer.name, ())):
             out.append(layer.name)
+    return out
+
+
+def consumer_map(graph) -> dict:
+    """graph.consumers of every layer, in one pass: name -> [(consumer, input index)]."""
+    out = {}
+    for layer in graph:
+        for i, src in enumerate(layer.inputs):
+            out.setdefault(src, []).append((layer.name, i))
     return out
 
 
@@ -60,22 +70,29 @@ class RecomputeTables:
         self.cache = _CACHES.setdefault(cost_model, {})
         self.needed = graph.needs_backward()
         self.position = {name: i for i, name in enumerate(graph.layers)}
+        self.consumers = consumer_map(graph)
         self.edge_index, self.resent = {}, {}  # (producer, consumer) -> first edge; producer -> edges resent
         for i, (u, v, _, _) in enumerate(tables.edges):
             self.edge_index.setdefault((u, v), i)
             if graph[v].kind != LOSS:
                 self.resent.setdefault(u, []).append(i)
-        self._forward, self._outputs = {}, {}
+        self._forward, self._outputs, self._candidates = {}, {}, None
 
     def forward(self, name: str) -> np.ndarray:
         """Seconds of the layer's slowest part's forward, and its task's overhead, per config."""
         if name not in self._forward:
             # every candidate at once: parts not timed yet are measured together, not a layer at a time
-            layers = [self.graph[n] for n in dict.fromkeys([name, *candidates(self.graph)]) if n not in self._forward]
+            layers = [self.graph[n] for n in dict.fromkeys([name, *self.candidates()]) if n not in self._forward]
             spaces = {layer.name: self.cost_model.layer_space(layer) for layer in layers}
             # as layers whose backward does not run: forward only, no input gradient (task_prices' key)
             self._forward.update(self.cost_model.compute_costs(layers, spaces, set()))
         return self._forward[name]
+
+    def candidates(self) -> list[str]:
+        """candidates(graph), found once."""
+        if self._candidates is None:
+            self._candidates = candidates(self.graph)
+        return self._candidates
 
     def outputs(self, name: str) -> np.ndarray:
         """Bytes of the layer's output on each device, per config: (configs, devices)."""
@@ -114,7 +131,7 @@ class RecomputeTables:
 
     def readers(self, name: str) -> list[str]:
         """The layers whose backward reads the layer's copy (its consumers but the loss)."""
-        return list(dict.fromkeys(c for c, _ in self.graph.consumers(name) if self.graph[c].kind != LOSS))
+        return list(dict.fromkeys(c for c, _ in self.consumers.get(name, ()) if self.graph[c].kind != LOSS))
 
     def spans(self, recomputed) -> dict:
         """Per recomputed layer, the positions (layer order) its copy is alive over in backward."""
