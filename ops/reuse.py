@@ -90,6 +90,14 @@ def keep_at_most(nbytes: int) -> None:
     MAX_FREE_BYTES = int(nbytes)
 
 
+def clear() -> None:
+    """Let go of every block kept for reuse (e.g. after timing kernels of shapes a step never uses)."""
+    global _kept
+    with _lock:
+        _free.clear()
+        _kept = 0
+
+
 def kept_bytes() -> int:
     """Bytes held for reuse now."""
     return _kept

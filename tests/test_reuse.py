@@ -50,3 +50,18 @@ def test_updates_on_reused_memory_leave_earlier_results_intact():
         history.append((w, w.copy()))
     for kept, value in history:
         np.testing.assert_array_equal(kept, value)
+
+
+def test_clear_lets_go_of_every_kept_block():
+    from taskrt.ops import reuse
+
+    previous = reuse.MAX_FREE_BYTES
+    reuse.keep_at_most(1 << 30)
+    try:
+        a = reuse.empty((1 << 20,), "float64")
+        del a
+        assert reuse.kept_bytes() >= 8 << 20
+        reuse.clear()
+        assert reuse.kept_bytes() == 0
+    finally:
+        reuse.keep_at_most(previous)
