@@ -39,6 +39,7 @@ from taskrt.search.fronts import gather as _gather
 ROUNDS = (1 / 64, 1 / 8, 1.0, np.inf)  # time limits: the unconstrained optimum times 1 + these
 FEW = 8  # layers with at most this many configs each: one round without time bounds (cheaper than them)
 CONDITION_LIMIT = 4096  # sub-problems solved for a residual graph at most (past it: TooWide)
+SETTLE_POINTS = 4096  # a round keeping this many points that finds nothing: settle whether anything fits
 TOLERANCE = 1e-9  # relative slack of the time limits and min-marginals (rounding)
 
 
@@ -84,7 +85,7 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     limits = [np.inf] if optimum is None else [optimum * (1 + slack) + 1e-12 for slack in rounds]
     if cap < np.inf:  # the rounds below the cap, then the cap itself
         limits = [limit for limit in limits if limit < cap] + [cap]
-    r = 0
+    r, settled = 0, False
     while r < len(limits):  # no bounds to prune by: one round without a limit
         limit = limits[r]
         search = _Search(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget, limit, bounds, plan,
@@ -97,13 +98,15 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
             return Found(choice, t, m, front, r, points, clock.perf_counter() - started, others)
         if np.isinf(limit):
             break
-        if r == 1 and r < len(limits):  # the first limit was too tight: does anything fit at all?
-            settled = _least_time_bound(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget,
+        if not settled and r < len(limits) and (search.points >= SETTLE_POINTS or np.isinf(limits[r])):
+            # a costly round found nothing (or no limit is next): does anything fit at all?
+            settled = True
+            least_s = _least_time_bound(names, time_unary, time_edges, kept_bytes, working, edge_bytes, budget,
                                         edge_working, flat)
-            if settled is None:
+            if least_s is None:
                 return None
-            rest = [x for x in limits[r:] if x < settled]  # then the settled time, if below the last limit
-            limits = limits[:r] + rest + ([] if rest and rest[-1] == limits[-1] else [min(settled, limits[-1])])
+            rest = [x for x in limits[r:] if x < least_s]  # then that time, if below the last limit
+            limits = limits[:r] + rest + ([] if rest and rest[-1] == limits[-1] else [min(least_s, limits[-1])])
     return None
 
 
