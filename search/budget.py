@@ -96,13 +96,15 @@ def _total(m) -> int:
 
 
 def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int, log=None,
-                   recompute=None, cap: float = np.inf, memory_tables=None):
+                   recompute=None, cap: float = np.inf, memory_tables=None, shared=None):
     """The fastest choice (config index per layer in `tables`) among those in `keep` whose measure
     fits `budget`, checked with step_memory: ((choice, its step_memory), report), or (None, report)
     when none fits.  `unary` and `edges` are the time tables restricted to `keep`; `log` the
     unconstrained search's records of them (search.eliminate.Result.log).  `recompute`: (a
     search.recompute_tables.RecomputeTables, the set of layers recomputed), the tables changed
-    accordingly; `cap`: only a choice no slower is sought.  report["time_s"]: the result's time."""
+    accordingly; `cap`: only a choice no slower is sought; `shared`: search.pareto.budget_search's (one
+    dict for the searches of one graph, the first keeping every activation).  report["time_s"]: the
+    result's time."""
     started = time.perf_counter()
     memory_tables = memory_tables or MemoryTables(graph, cost_model, tables)
     names = list(graph.layers)
@@ -122,7 +124,7 @@ def search_fitting(graph, cost_model, tables, keep: dict, unary: dict, edges: li
     method = "node and edge elimination over time-memory fronts (exact under the measure)"
     try:
         found = budget_search(names, unary, edges, kept_bytes, working, edge_bytes, budget,
-                              alternatives=ALTERNATIVES, log=log, edge_working=edge_working, cap=cap)
+                              alternatives=ALTERNATIVES, log=log, edge_working=edge_working, cap=cap, shared=shared)
     except TooWide:
         found, method = _approximate(names, unary, edges, kept_bytes, _folded(working, edges, edge_working),
                                      edge_bytes, budget), (

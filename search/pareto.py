@@ -61,7 +61,7 @@ class Found:
 
 def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, working: dict, edge_bytes,
                   budget: float, rounds=ROUNDS, alternatives: int = 0, log=None,
-                  few: int | None = None, edge_working=None, cap: float = np.inf) -> Found | None:
+                  few: int | None = None, edge_working=None, cap: float = np.inf, shared=None) -> Found | None:
     """The fastest choice with M(S) <= `budget`, or None when none fits.
 
     `time_unary`: layer -> seconds per config; `time_edges`: (u, v, seconds matrix); `kept_bytes`
@@ -73,12 +73,19 @@ def budget_search(names, time_unary: dict, time_edges: list, kept_bytes: dict, w
     the bounds' forward pass).  `few`: the most configs of a layer searched without time bounds (FEW).
     `edge_working`: per edge, a working set per config pair (a matrix over all configs) or None
     (search.recompute_tables: a recomputed layer's copy at a consumer's backward).  `cap`: only
-    strategies no slower are sought (a time limit for every round).  Times must be finite."""
+    strategies no slower are sought (a time limit for every round).  `shared`: a dict kept across searches
+    of one graph whose times only grow from the first's (search.recompute_search's sets): the first
+    search's plan and bounds, lower bounds of the later ones' (so their pruning stays exact).  Times must
+    be finite."""
     started = clock.perf_counter()
-    pairs = [(u, v) for u, v, _ in time_edges]
-    plan = elimination_plan(names, pairs)
+    shared = {} if shared is None else shared
+    if "plan" not in shared:
+        shared["plan"] = elimination_plan(names, [(u, v) for u, v, _ in time_edges])
+    plan = shared["plan"]
     small = max(len(kept_bytes[n]) for n in names) <= (FEW if few is None else few)  # no bounds: one round
-    bounds = None if small else outside_bounds(plan, time_unary, [m for _, _, m in time_edges], log)
+    if not small and "bounds" not in shared:
+        shared["bounds"] = outside_bounds(plan, time_unary, [m for _, _, m in time_edges], log)
+    bounds = None if small else shared["bounds"]
     optimum = bounds.total if bounds is not None else None
     flat = _flat(names, kept_bytes, working)
     points = 0

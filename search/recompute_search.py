@@ -38,8 +38,9 @@ def fit_budget(graph, cost_model, tables, keep: dict, unary: dict, edges: list, 
     the layers recomputed, report).  `unary`, `edges`: the time tables restricted to `keep`;
     `optimum`: the unconstrained optimum's config index per layer in `tables`, `optimum_s` its time."""
     memory_tables = MemoryTables(graph, cost_model, tables)
+    shared = {}  # the plan and time bounds of the search keeping everything: lower bounds for every set's
     fitting, report = search_fitting(graph, cost_model, tables, keep, unary, edges, budget,
-                                     memory_tables=memory_tables)
+                                     memory_tables=memory_tables, shared=shared)
     started = time.perf_counter()
     again = RecomputeTables(graph, cost_model, tables, memory_tables)
     best = fitting, frozenset(), report
@@ -53,7 +54,7 @@ def fit_budget(graph, cost_model, tables, keep: dict, unary: dict, edges: list, 
             break
         found, found_report = search_fitting(graph, cost_model, tables, keep, unary, edges, budget,
                                              recompute=(again, recomputed), cap=best_s * (1 - 1e-9),
-                                             memory_tables=memory_tables)
+                                             memory_tables=memory_tables, shared=shared)
         tried.append({"layers": size, "fits": found is not None, "time_s": found_report.get("time_s"),
                       "search_s": found_report["search_s"]})
         if found is not None:
