@@ -222,6 +222,20 @@ def test_the_simulators_fused_plan_is_the_graph_the_executor_submits(data):
     one per exported value, the unfused ones; each plan task once; the same bytes move."""
     g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
     _, strategy = data.draw(random_strategies(g, max_devices=4))
+    check_fused_plan(g, strategy)
+
+
+@pytest.mark.xfail(strict=True, reason="known: with the state carried from an earlier step's runs, the executor "
+                   "fuses device 0's forward into a run that fused_plan leaves unfused, where every layer but a "
+                   "loss on two other devices is on device 0")
+def test_the_simulators_fused_plan_where_only_the_loss_is_elsewhere():
+    g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
+    strategy = Strategy({layer.name: P(devices=[0]) for layer in g if layer.name != "loss"} | {
+        "loss": P(n=2, devices=[1, 2])})
+    check_fused_plan(g, strategy)
+
+
+def check_fused_plan(g, strategy):
     plan = lower(g, strategy.validated(g))
     dsk, restriction, _ = step_graph(plan, "3-ef", *fake_inputs(plan))
     view, members = fused_plan(plan)
