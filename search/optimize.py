@@ -13,9 +13,7 @@ from taskrt.search.cost import Breakdown, CostModel
 from taskrt.search.eliminate import minimize
 from taskrt.search.layer_space import Configs
 from taskrt.search.memory import step_memory
-from taskrt.search.memory_tables import MemoryTables
 from taskrt.search.recompute_search import fit_budget
-from taskrt.search.recompute_tables import RecomputeTables
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
@@ -200,7 +198,7 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
         memory = budgeting.memory_of_choice(graph, cost_model, tables, choice)
         if not budgeting.fits(memory, budgets):  # the unconstrained optimum does not fit: search under the budget
             bound = True
-            fitting, recomputed, report = fit_budget(graph, cost_model, tables, keep, unary,
+            fitting, recomputed, report, again = fit_budget(graph, cost_model, tables, keep, unary,
                                                      [(u, v, m) for u, v, m in edges], budget, choice, result.cost)
             if fitting is None:
                 return lambda: budgeting.nothing_fits(graph, machine, cost_model, tables, keep, edges, budgets, k,
@@ -213,13 +211,11 @@ def _search_on(graph, machine, cost_model, tables, k: int, check_by_simulation: 
     t_x = {name: 0.0 for name in graph.layers}
     for u, v, _, m in tables.edges:
         t_x[v] += float(m[choice[u], choice[v]])
-    if recomputed:  # each recomputed layer's forward again, and its forward transfers again
-        again = RecomputeTables(graph, cost_model, tables, MemoryTables(graph, cost_model, tables))
-        for name in recomputed:
-            t_c[name] += float(again.forward(name)[choice[name]])
-            for i in again.resent.get(name, ()):
-                consumer = tables.edges[i][1]
-                t_x[consumer] += float(again.resend(i)[choice[name], choice[consumer]])
+    for name in recomputed:  # each recomputed layer's forward again, and its forward transfers again
+        forward, resent = again.seconds_again(name, choice)
+        t_c[name] += forward
+        for consumer, seconds in resent.items():
+            t_x[consumer] += seconds
     breakdown = Breakdown(t_c, {n: float(tables.sync[n][choice[n]]) for n in graph.layers}, t_x, tables.estimated)
     meta = {
         "predicted_step_s": breakdown.total,

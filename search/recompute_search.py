@@ -35,8 +35,9 @@ from taskrt.search.recompute_tables import RecomputeTables, candidates
 def fit_budget(graph, cost_model, tables, keep: dict, unary: dict, edges: list, budget: int, optimum: dict,
                optimum_s: float):
     """The fastest fitting choice under `budget` with recomputation: ((choice, step_memory) or None,
-    the layers recomputed, report).  `unary`, `edges`: the time tables restricted to `keep`;
-    `optimum`: the unconstrained optimum's config index per layer in `tables`, `optimum_s` its time."""
+    the layers recomputed, report, the RecomputeTables that priced them).  `unary`, `edges`: the time
+    tables restricted to `keep`; `optimum`: the unconstrained optimum's config index per layer in
+    `tables`, `optimum_s` its time."""
     memory_tables = MemoryTables(graph, cost_model, tables)
     shared = {}  # the plan and time bounds of the search keeping everything: lower bounds for every set's
     fitting, report = search_fitting(graph, cost_model, tables, keep, unary, edges, budget,
@@ -62,7 +63,7 @@ def fit_budget(graph, cost_model, tables, keep: dict, unary: dict, edges: list, 
     fitting, recomputed, report = best
     report = dict(report, recompute={"candidates": len(ranking), "tried": tried, "recomputed": len(recomputed),
                                      "seconds": time.perf_counter() - started})
-    return fitting, recomputed, report
+    return fitting, recomputed, report, again
 
 
 def family_sizes(count: int) -> list[int]:
@@ -79,8 +80,6 @@ def ranked(again: RecomputeTables, optimum: dict) -> list[str]:
         saved = int(again.memory.kept[name][c] - again.kept_without_output(name)[c])
         if saved <= 0:
             continue
-        seconds = float(again.forward(name)[c])
-        for i in again.resent.get(name, ()):
-            seconds += float(again.resend(i)[c, optimum[again.tables.edges[i][1]]])
-        rate[name] = saved / max(seconds, 1e-12)
+        forward, resent = again.seconds_again(name, optimum)
+        rate[name] = saved / max(forward + sum(resent.values()), 1e-12)
     return sorted(rate, key=lambda n: (-rate[n], again.position[n]))

@@ -129,6 +129,15 @@ class RecomputeTables:
             self.cache[key] = model.transfer_job(producer, consumer, consumer.needs[j], itemsize, False)()
         return self.cache[key]
 
+    def seconds_again(self, name: str, choice: dict) -> tuple[float, dict]:
+        """At the configs of `choice` (config index per layer in the tables): the layer's forward
+        computed again, and per consumer the seconds of its forward transfers sent again."""
+        resent = {}
+        for i in self.resent.get(name, ()):
+            consumer = self.tables.edges[i][1]
+            resent[consumer] = resent.get(consumer, 0.0) + float(self.resend(i)[choice[name], choice[consumer]])
+        return float(self.forward(name)[choice[name]]), resent
+
     def readers(self, name: str) -> list[str]:
         """The layers whose backward reads the layer's copy (its consumers but the loss)."""
         return list(dict.fromkeys(c for c, _ in self.consumers.get(name, ()) if self.graph[c].kind != LOSS))
