@@ -87,10 +87,11 @@ def start(n: int, memory_limit="auto", quiet=True, gpu: bool = False):
         logging.getLogger("taskrt").warning(
             "Machine.local(%d) on %d cores: timings are not meaningful, bytes and results are",
             n, os.cpu_count())
-    dask.config.set({**DASK_SETTINGS, TRIM: kept_heap(memory_limit)})
+    trim = kept_heap(memory_limit)
+    dask.config.set({**DASK_SETTINGS, TRIM: trim})
     # A Nanny takes a variable already in this process's environment over the config's, and it
     # copies the config's into this environment as it spawns: an earlier machine's would stay
-    os.environ[TRIM.rsplit(".", 1)[1]] = str(kept_heap(memory_limit))
+    os.environ[TRIM.rsplit(".", 1)[1]] = str(trim)
     level = logging.WARNING if quiet else logging.INFO
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
     if gpu and n == gpus and has_dask_cuda():
