@@ -69,7 +69,7 @@ def _memory(trainer, whole) -> list:
     except Exception as error:  # noqa: BLE001  (the page is a view: it shows what it can)
         logging.getLogger("taskrt").debug("no memory on the dashboard page: %r", error)
         return []
-    return [[whole[d], u.predicted.total, u.allocated if u.allocated is not None else u.measured, u.capacity]
+    return [[whole[d], u.predicted.total, u.observed, u.capacity]
             for d, u in sorted(uses.items())]
 
 

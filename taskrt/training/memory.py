@@ -43,6 +43,11 @@ class MemoryUse:
     allocated: int | None = None
     capacity: float | None = None
 
+    @property
+    def observed(self) -> int | None:
+        """The last step's peak as shown: a GPU allocator's where measured, else the held values."""
+        return self.allocated if self.allocated is not None else self.measured
+
     def to_dict(self) -> dict:
         return {"predicted": self.predicted.to_dict(), "measured": self.measured, "measured_max": self.measured_max,
                 "allocated": self.allocated, "capacity": self.capacity}
@@ -59,9 +64,8 @@ def summary(memory: dict) -> str:
             + f" {'predicted':>10} {'measured':>9} {'max':>9} {'scratch':>9} {'capacity':>9}"]
     for device, use in memory.items():
         p = use.predicted
-        measured = use.allocated if use.allocated is not None else use.measured
         rows.append(f"{device:>6} " + " ".join(f"{getattr(p, k) / MIB:9.2f}" for k in KINDS)
-                    + f" {p.total / MIB:10.2f} {_mib(measured, 9)} {_mib(use.measured_max, 9)}"
+                    + f" {p.total / MIB:10.2f} {_mib(use.observed, 9)} {_mib(use.measured_max, 9)}"
                     + f" {p.scratch / MIB:9.2f} {_mib(use.capacity, 9)}")
     if any(use.allocated is not None for use in memory.values()):
         rows.append("(measured on GPU devices: the allocator's peak, kernels' temporaries included)")
