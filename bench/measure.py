@@ -33,8 +33,15 @@ QUICK_MODELS = {"lenet5": LOCAL_MODELS["lenet5"]}
 
 
 def interleaved(runners: dict, x, y, rounds: int, desc: str, clock=time.perf_counter, turn: int = 2) -> dict:
-    """Median seconds per step of each runner, one turn of each per round after one warm-up step.
-    `clock`: wall time by default; `time.thread_time` counts only the calling thread's CPU time.
+    """Median seconds per step of each runner (`interleaved_times`)."""
+    return {label: statistics.median(t) for label, t in interleaved_times(runners, x, y, rounds, desc, clock,
+                                                                          turn).items()}
+
+
+def interleaved_times(runners: dict, x, y, rounds: int, desc: str, clock=time.perf_counter,
+                      turn: int = 2) -> dict:
+    """Seconds of each runner's timed step per round, one turn of each per round after one warm-up
+    step.  `clock`: wall time by default; `time.thread_time` counts only the calling thread's CPU time.
     A turn is `turn` steps in a row, the last one timed: it follows a step of its own, as in
     training.  A Trainer's step returns with work left on the workers and in this process's event
     loop (the getitems naming the new state, freeing the last step's values), which slowed
@@ -50,7 +57,7 @@ def interleaved(runners: dict, x, y, rounds: int, desc: str, clock=time.perf_cou
             start = clock()
             step(x, y)
             times[label].append(clock() - start)
-    return {label: statistics.median(t) for label, t in times.items()}
+    return times
 
 
 def strategies_for(graph, machine, cost_model) -> dict:

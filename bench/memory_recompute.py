@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import numpy as np
 
 from taskrt import search
+from taskrt.bench.measure import interleaved_times
 from taskrt.graph.strategy import Strategy
 from taskrt.planning.lowering import lower
 from taskrt.planning.memory import plan_memory
@@ -157,15 +157,9 @@ def exactness(graph, strategy, machine, steps: int = EXACT_STEPS) -> dict:
 def paired_rounds(trainers: dict, x, y, rounds: int) -> tuple[dict, dict]:
     """Step times of each trainer in interleaved rounds (two steps each, the second timed) after a
     warm-up step, and every loss each returned."""
-    losses = {k: [t.step(x, y)] for k, t in trainers.items()}
-    times = {k: [] for k in trainers}
-    for _ in range(rounds):
-        for k, t in trainers.items():
-            losses[k].append(t.step(x, y))
-            start = time.perf_counter()
-            losses[k].append(t.step(x, y))
-            times[k].append(time.perf_counter() - start)
-    return times, losses
+    losses = {k: [] for k in trainers}
+    runners = {k: (lambda x, y, k=k, t=t: losses[k].append(t.step(x, y))) for k, t in trainers.items()}
+    return interleaved_times(runners, x, y, rounds, "recomputation's cost"), losses
 
 
 def time_cost(graph, strategy, machine, cost_model, rounds: int) -> dict:
