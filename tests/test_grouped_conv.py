@@ -12,7 +12,6 @@ from unittest import mock
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +30,11 @@ from tests.strategies import layer_configs, random_strategies
 from tests.test_ops import grid_partition, make_inputs, random_rect, tile_inputs
 from tests.test_search import plan_edge_transfers, region_edge_bytes, timed
 
-F = torch.nn.functional
+try:
+    import torch
+except ImportError:  # a machine without the CPU wheel: the tests against PyTorch skip, the rest run
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install -e '.[torch]')")
 
 
 def conv(shape, cout, kernel, stride=1, padding=0, dilation=1, groups=1, activation=None, bias=True):
@@ -47,9 +50,9 @@ def torch_reference(op, x, params, dy):
     """(y, dx, {name: grad}) by torch.nn.functional.conv2d and autograd."""
     xt = torch.from_numpy(x).requires_grad_()
     pt = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
-    y = F.conv2d(xt, pt["weight"], pt.get("bias"), op.stride, op.padding, op.dilation, op.groups)
+    y = torch.nn.functional.conv2d(xt, pt["weight"], pt.get("bias"), op.stride, op.padding, op.dilation, op.groups)
     if op.activation == "relu":
-        y = F.relu(y)
+        y = torch.nn.functional.relu(y)
     y.backward(torch.from_numpy(dy))
     return y.detach().numpy(), xt.grad.numpy(), {k: v.grad.numpy() for k, v in pt.items()}
 
@@ -61,6 +64,7 @@ CASES = [(g, d, s, p, SIZES[i % len(SIZES)]) for i, (g, d, s, p) in
          enumerate(itertools.product(GROUPS, (1, 2), (1, 2), (0, 1, 2)))]
 
 
+@needs_torch
 @pytest.mark.parametrize("groups, dilation, stride, padding, size", CASES,
                          ids=[f"{g}-d{d}-s{s}-p{p}" for g, d, s, p, _ in CASES])
 def test_whole_tensor_matches_torch_and_the_torch_path(groups, dilation, stride, padding, size):
@@ -84,6 +88,7 @@ def test_whole_tensor_matches_torch_and_the_torch_path(groups, dilation, stride,
             assert relative(dp[k], dp_ref[k]) < 1e-12, (backend, k)
 
 
+@needs_torch
 @pytest.mark.parametrize("shape, kernel, stride, padding, dilation", [
     ((2, 5, 12, 11), 3, 1, 2, 2), ((1, 3, 13, 60), (3, 2), (1, 1), (2, 1), (3, 2)), ((2, 6, 9, 9), 3, 2, 1, 2),
     ((2, 16, 8, 8), 3, 1, 2, 2), ((1, 4, 10, 10), 2, 1, 3, 2)])
@@ -123,6 +128,7 @@ def test_depthwise_loops_equal_the_batched_gemm_path(cin, cout, stride, dilation
     np.testing.assert_allclose(grouped_conv._data_grad(d, w, x.shape, st_, pads, dl, cin), dx, rtol=1e-12, atol=1e-12)
 
 
+@needs_torch
 def test_float32_stays_float32_and_is_close():
     op = conv((2, 8, 10, 10), 16, 3, 2, 1, 1, 8, "relu")
     rng = np.random.default_rng(3)
@@ -193,6 +199,7 @@ def test_tile_gradients_sum_to_the_whole(data):
         np.testing.assert_allclose(dp_sum[k], dp_full[k], rtol=1e-10, atol=1e-12)
 
 
+@needs_torch
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_torch_kernels_compute_the_array_kernels_tiles(data):
