@@ -409,11 +409,21 @@ def _strategy(text):
                                      "(taskrt search --out FILE writes one); no such file")
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless there is none or the help already names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="taskrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
                                 metavar="{run,search,profile,bench}")
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _Defaults
     run = sub.add_parser("run", help="train LeNet-5 on the bundled digits and report what happened",
                          description="Train LeNet-5 on scikit-learn's digits on local devices under a hand-written "
                                      "layer-wise strategy, printing the strategy, the bytes a step moves, the "
@@ -432,10 +442,13 @@ def build_parser() -> Parser:
     find.add_argument("--machine", default="simulated:4x4", type=_machine,
                       help="simulated:<nodes>x<per node>[:P100] or local:<n>")
     find.add_argument("--devices", type=POSITIVE, help="device count (checked against --machine)")
-    find.add_argument("--batch-per-device", type=POSITIVE, default=32)
+    find.add_argument("--batch-per-device", type=POSITIVE, default=32,
+                      help="images per device (the graph's batch is this times the device count)")
     find.add_argument("--image-size", type=POSITIVE, help="default: the network's published size")
     find.add_argument("--classes", type=POSITIVE, help="default: the network's published class count")
-    find.add_argument("--placement", choices=["first", "aligned"], default="first")
+    find.add_argument("--placement", choices=["first", "aligned"], default="first",
+                      help="first: a layer split P ways runs on devices 0..P-1; aligned: also on every block "
+                           "k*P..(k+1)*P-1")
     find.add_argument("--memory", type=_memory_budget, default=None,
                       help="memory budget per device (e.g. 16GiB, 512MiB, 2GB; off: none): the fastest strategy "
                            "whose predicted step fits (default: each device's own memory)")
@@ -461,8 +474,8 @@ def build_parser() -> Parser:
                       help="the Chrome trace (Perfetto, chrome://tracing)")
     prof.add_argument("--png", default="trace.png", type=_writable, help="the Gantt chart of the last step")
     prof.add_argument("--cache", type=_writable, help="cost cache file (default: ~/.cache/taskrt/costs.json)")
-    prof.add_argument("--lr", type=RATE, default=0.001)
-    prof.add_argument("--seed", type=COUNT, default=0)
+    prof.add_argument("--lr", type=RATE, default=0.001, help="learning rate (SGD)")
+    prof.add_argument("--seed", type=COUNT, default=0, help="initial weights and the batches")
     prof.add_argument("--serve", type=SECONDS, default=0.0, help="seconds to keep the dashboard up afterwards")
     prof.set_defaults(func=cmd_profile)
     sub.add_parser("bench", help="the benchmark runner: taskrt bench <name>|all [--quick] (= python -m taskrt.bench)",
