@@ -225,9 +225,6 @@ def test_the_simulators_fused_plan_is_the_graph_the_executor_submits(data):
     check_fused_plan(g, strategy)
 
 
-@pytest.mark.xfail(strict=True, reason="known: with the state carried from an earlier step's runs, the executor "
-                   "fuses device 0's forward into a run that fused_plan leaves unfused, where every layer but a "
-                   "loss on two other devices is on device 0")
 def test_the_simulators_fused_plan_where_only_the_loss_is_elsewhere():
     g = models.alexnet(batch=2, image_size=16, num_classes=5, width=1 / 32)
     strategy = Strategy({layer.name: P(devices=[0]) for layer in g if layer.name != "loss"} | {

@@ -197,7 +197,10 @@ def fuse(dsk: dict, device: dict, outputs: set, name, held=frozenset(), given=fr
         # where the client alone reads it, so holding it holds nothing more
         keep = () if any(k in read_by_tasks for k in keys) else tuple(k for k in keys if k in held)
         exports = tuple(k for k in keys if k in read_outside and k not in keep)
-        if len(exports) + 1 >= len(keys):  # fusing would not make fewer tasks: keep the group as it is
+        # fusing would not make fewer tasks: keep the group as it is.  Counted over the plan's own
+        # tasks, so a data tile carried in the step's graph (a task of `given`) decides nothing and the
+        # runs are the plan's (`fused_plan`, which the simulator schedules, has no such task)
+        if len(exports) + 1 >= sum(k not in given for k in keys):
             for key in keys:
                 fn, *args = dsk[key]
                 for a in args:
