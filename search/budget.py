@@ -31,7 +31,10 @@ ALTERNATIVES = 8  # the next fastest fitting strategies of the final front, trie
 
 class MemoryBudgetError(DeviceMemoryError):
     """No strategy's predicted step fits the memory budget (a taskrt.DeviceMemoryError, so a
-    MemoryError); `devices`: the device of the smallest peak found."""
+    MemoryError); `devices`: the device of the smallest peak found; `least`: the strategy holding it
+    (None where not known)."""
+
+    least = None
 
 
 def parse_memory(value) -> int | bool | None:
@@ -235,12 +238,14 @@ def nothing_fits(graph, machine, cost_model, tables, keep: dict, edges: list, bu
         again += f", though its measure, which the search must fit, is {_size(measure)}"
     if len(tried) > 1:
         again += f"; recomputation was tried for all {len(tried[1])} layers that allow it"
-    return MemoryBudgetError(
+    error = MemoryBudgetError(
         f"no strategy for {graph.name!r} fits in {_size(budget)} per device{where} on {machine.description}: "
         f"the smallest peak found is {_size(nbytes)} on device {device}"
         + (f" (most of it: {held})" if held else "") + again
         + f"; the budget is {_size(budget)} ({budget} bytes). Use more devices, a smaller batch, or a larger budget.",
         devices=(device,))
+    error.least = strategy_of_choice(tables, choice, recomputed)
+    return error
 
 
 def _least_memory_choice(graph, memory_tables, keep, edges, again, recomputed) -> tuple:

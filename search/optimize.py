@@ -68,11 +68,15 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     """
     cost_model = cost_model or CostModel(machine)
     budgets = budgeting.device_budgets(machine, memory)  # a bad value fails before any work
-    strategy = _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
-                         budgets)
+
+    def search_under(searched_budgets):
+        return _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
+                         searched_budgets)
+
     if budgets and not machine.is_simulated:
-        strategy = _fit_schedule(graph, machine, cost_model, strategy, budgets, lambda tighter: _optimize(
-            graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices, tighter))
+        strategy = _within_schedule(graph, machine, cost_model, budgets, search_under)
+    else:
+        strategy = search_under(budgets)
     strategy.replan = SearchAgain(check_by_simulation, fewer_devices, memory)
     return strategy
 
@@ -80,22 +84,86 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
 SCHEDULE_ROUNDS = 3  # searches under a tighter budget when the schedule's peak does not fit
 
 
-def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under):
+def _within_schedule(graph, machine, cost_model, budgets, search_under):
+    """On a Dask cluster: a strategy whose peak under the runtime's schedule fits `budgets`, the
+    peak a Trainer checks before its first step (taskrt.planning.peak, exact).  The search's own
+    count (search.memory) holds every value a step ever holds, 4-16% above that peak for the zoo's
+    networks, so a budget between the two would bind the search, or find nothing, where the
+    unconstrained optimum fits.  So: the unconstrained optimum when its schedule's peak fits;
+    otherwise the search under the budgets widened by how far its count is above its peak there
+    (the count's looseness for this network and machine), then checked and tightened by
+    `_fit_schedule`; and if that finds nothing, the search under the budgets themselves, as a
+    search without the widening would.  meta["memory_budget_searched"]: the budget the search's
+    count was held to (bytes per device, the smallest)."""
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+
+    free = search_under(None)
+    peaks = peak_memory(lower(graph, free, itemsize=cost_model.itemsize), cost_model.itemsize,
+                        len(cost_model.optimizer.slots))
+    counted = max(m["total"] for m in free.meta["memory_per_device"].values())
+    looseness = counted / max(p.needed for p in peaks.values())
+    if all(p.needed <= budgets.get(d, np.inf) for d, p in peaks.items()):
+        free.meta["memory_bound"] = False
+        free.meta["memory_budget_searched"] = None
+        return _fit_schedule(graph, machine, cost_model, free, budgets, search_under, peaks=peaks)
+    if looseness > 1:
+        widened = {d: int(b * looseness) for d, b in budgets.items()}
+        try:
+            strategy = search_under(widened)
+            strategy.meta["memory_budget_searched"] = budgeting.smallest(
+                widened, strategy.meta.get("device_count", machine.num_devices))
+            return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, widened)
+        except budgeting.MemoryBudgetError:
+            pass
+    try:
+        strategy = search_under(budgets)
+    except budgeting.MemoryBudgetError as error:
+        raise _with_schedule_peak(error, graph, cost_model, widened=looseness > 1) from None
+    strategy.meta["memory_budget_searched"] = strategy.meta.get("memory_budget")
+    return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under)
+
+
+def _with_schedule_peak(error, graph, cost_model, widened: bool):
+    """`error` (nothing fits by the search's count) saying what its least strategy needs under the
+    runtime's schedule, the peak a Trainer checks."""
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+
+    if error.least is None:
+        return error
+    peaks = peak_memory(lower(graph, error.least, itemsize=cost_model.itemsize), cost_model.itemsize,
+                        len(cost_model.optimizer.slots))
+    device = max(peaks, key=lambda d: peaks[d].needed)
+    out = budgeting.MemoryBudgetError(
+        f"{error} (Under the runtime's schedule, which a Trainer checks, that strategy needs "
+        f"{budgeting._size(peaks[device].needed)} on device {device}, its kernels' scratch "
+        f"{budgeting._size(peaks[device].scratch)} included"
+        + ("; the search, which counts every value a step ever holds, was also tried under the budget widened by "
+           "how far that count is above the schedule's peak" if widened else "") + ".)", devices=(device,))
+    out.least = error.least
+    return out
+
+
+def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, searched=None, peaks=None):
     """A strategy whose peak under the runtime's schedule (taskrt.planning.peak, what a Trainer
     checks before its first step) fits `budgets` as well as its step_memory does.  The search's
     sum counts one backward working set per device, where the schedule may hold several gradient
     pieces at once (a split over channels sends one from every device): if the peak is over, the
     search runs again with each budget scaled down by how far over it was, up to SCHEDULE_ROUNDS
     times.  The peak counted is the held values with the kernels' scratch on top
-    (`PeakMemory.needed`), as the Trainer's check counts it.  meta["schedule_peak_per_device"]: the
-    held peaks of the result, meta["schedule_scratch_per_device"]: the scratch on top of them."""
+    (`PeakMemory.needed`), as the Trainer's check counts it.  `searched`: the budgets `strategy` was
+    searched under where they are not `budgets` (the tighter ones are scaled from them); `peaks`:
+    the strategy's, where known.  meta["schedule_peak_per_device"]: the held peaks of the result,
+    meta["schedule_scratch_per_device"]: the scratch on top of them."""
     from taskrt.planning.lowering import lower
     from taskrt.planning.peak import peak_memory
 
-    tighter = dict(budgets)
-    for searched in range(SCHEDULE_ROUNDS + 1):
-        peaks = peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
-                            len(cost_model.optimizer.slots))
+    tighter = dict(searched or budgets)
+    for rounds in range(SCHEDULE_ROUNDS + 1):
+        if peaks is None or rounds:
+            peaks = peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
+                                len(cost_model.optimizer.slots))
         over = max(peaks[d].needed / budgets[d] for d in peaks if d in budgets)
         if over <= 1:
             strategy.meta["schedule_peak_per_device"] = {str(d): p.total for d, p in peaks.items()}
@@ -103,9 +171,11 @@ def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under):
             strategy.meta["memory_budget"] = budgeting.smallest(budgets, strategy.meta.get("device_count",
                                                                                              machine.num_devices))
             return strategy
-        if searched < SCHEDULE_ROUNDS:
+        if rounds < SCHEDULE_ROUNDS:
             tighter = {d: int(b / over) for d, b in tighter.items()}
             strategy = search_under(tighter)
+            strategy.meta["memory_budget_searched"] = budgeting.smallest(
+                tighter, strategy.meta.get("device_count", machine.num_devices))
     device = max(peaks, key=lambda d: peaks[d].needed / budgets.get(d, np.inf))
     raise budgeting.MemoryBudgetError(
         f"no strategy for {graph.name!r} found whose peak under the runtime's schedule fits "

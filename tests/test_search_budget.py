@@ -489,3 +489,74 @@ def test_a_result_over_budget_by_the_schedule_is_searched_again_under_a_tighter_
     assert len(asked) == SCHEDULE_ROUNDS
     assert asked[0] == {d: int(b / over) for d, b in budgets.items()}
     assert isinstance(raised.value, MemoryError)
+
+
+def _schedule_search(graph, machine):
+    """What optimize does on a Dask cluster (`_within_schedule`), on a simulated machine: the
+    searches it asks for, recorded."""
+    from taskrt.search.optimize import _optimize
+
+    cost_model = search.CostModel(machine, cache=False, progress=False)
+    asked = []
+
+    def search_under(budgets):
+        asked.append(budgets)
+        return _optimize(graph, machine, cost_model, False, False, False, budgets)
+
+    return cost_model, asked, search_under
+
+
+def _needed(graph, strategy):
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+
+    return max(p.needed for p in peak_memory(lower(graph, strategy), 4, 1).values())
+
+
+def test_on_a_cluster_the_unconstrained_optimum_is_kept_where_its_schedule_peak_fits_though_its_count_does_not():
+    """The search's count holds every value a step ever holds, above the schedule's peak the Trainer
+    checks: a budget between them keeps the fastest strategy rather than binding the search."""
+    from taskrt.search.optimize import _within_schedule
+
+    graph, machine = models.vgg16(batch=64, image_size=32, num_classes=10), Machine.simulated(1, 2)
+    cost_model, asked, search_under = _schedule_search(graph, machine)
+    free = search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False), memory=False)
+    counted = max(m["total"] for m in free.meta["memory_per_device"].values())
+    needed = _needed(graph, free)
+    assert needed < counted  # the case this is about
+    budget = (needed + counted) // 2
+    by_count = search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False), memory=budget)
+    assert by_count.meta["memory_bound"]  # the count alone binds there
+    kept = _within_schedule(graph, machine, cost_model, {0: budget, 1: budget}, search_under)
+    assert asked == [None] and kept.configs == free.configs
+    assert not kept.meta["memory_bound"] and kept.meta["memory_budget"] == budget
+    assert max(kept.meta["schedule_peak_per_device"].values()) <= budget
+
+
+def test_on_a_cluster_a_binding_budget_is_searched_widened_by_the_counts_looseness_and_its_result_fits():
+    from taskrt.search.optimize import _within_schedule
+
+    graph, machine = models.vgg16(batch=64, image_size=32, num_classes=10), Machine.simulated(1, 2)
+    cost_model, asked, search_under = _schedule_search(graph, machine)
+    free = search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False), memory=False)
+    counted = max(m["total"] for m in free.meta["memory_per_device"].values())
+    needed = _needed(graph, free)
+    budget = int(needed * 0.97)
+    fitted = _within_schedule(graph, machine, cost_model, {0: budget, 1: budget}, search_under)
+    assert asked[0] is None and asked[1] == {d: int(budget * counted / needed) for d in (0, 1)}
+    assert fitted.meta["memory_bound"] and fitted.configs != free.configs
+    assert _needed(graph, fitted) <= budget
+    assert fitted.meta["memory_budget"] == budget and fitted.meta["memory_budget_searched"] > budget
+
+
+def test_on_a_cluster_nothing_fitting_names_the_least_strategys_peak_under_the_schedule():
+    from taskrt.search.optimize import _within_schedule
+
+    graph, machine = models.vgg16(batch=64, image_size=32, num_classes=10), Machine.simulated(1, 2)
+    cost_model, asked, search_under = _schedule_search(graph, machine)
+    with pytest.raises(search.MemoryBudgetError, match=r"Under the runtime's schedule, which a Trainer checks, that "
+                       r"strategy needs [\d.]+ MiB on device \d, its kernels' scratch [\d.]+ MiB included; the "
+                       r"search.*widened") as raised:
+        _within_schedule(graph, machine, cost_model, {0: 2**20, 1: 2**20}, search_under)
+    assert raised.value.least is not None and _needed(graph, raised.value.least) > 2**20
+    assert asked[0] is None and asked[-1] == {0: 2**20, 1: 2**20}
