@@ -271,9 +271,15 @@ def cmd_search(args):
               + "\n  equation 1 adds the layers' costs up with nothing overlapping: "
               f"{meta['predicted_step_s'] * 1e3:.1f} ms, the search's objective for ranking strategies, "
               "not a step time")
-        print("\nmemory per device of one step (parameters, gradients, optimizer state, activations kept for "
-              "backward, largest backward working set):")
+        print("\nmemory per device of one step as the search counts it, every value a step ever holds (parameters, "
+              "gradients, optimizer state, activations kept for backward, largest backward working set):")
         print(memory_report(strategy.meta["memory_per_device"], machine))
+        schedule = meta.get("schedule_peak_per_device")
+        if schedule:
+            scratch = meta.get("schedule_scratch_per_device") or {}
+            print("peak under the runtime's schedule (what a trainer checks against the budget), kernels' scratch "
+                  "included: " + ", ".join(f"device {d} {(v + scratch.get(d, 0)) / 2**20:.1f} MiB"
+                                           for d, v in schedule.items()))
         if args.compare:
             print("\nequation 1 of the standard strategies under the same cost model:")
             for name, make in search.BASELINES.items():

@@ -43,3 +43,5 @@ def test_search_measures_the_candidates_on_a_local_machine(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "measured on the machine (median step of 3 rounds): " in text and "; chosen: " in text
     assert "ms simulated (its plan list-scheduled" in text and " ms measured" in text
+    # a local machine's workers have a memory limit: the budget is held against the schedule's peak
+    assert "peak under the runtime's schedule (what a trainer checks against the budget)" in text
