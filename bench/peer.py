@@ -17,11 +17,19 @@ device of the two) runs interleaved with the single-device strategy on the same 
 check is met where the search chose that strategy, or its median step is at most
 ONE_DEVICE_TOLERANCE above the single device's.
 
-PyTorch is optional (`pip install '.[torch]'`); without it the benchmark says so and skips.
+What a user would run instead (a comparison, no goal): PyTorch DistributedDataParallel on two
+one-thread processes over gloo (bench/torch_ddp.py), the same global batch split between them, in
+the same interleaved rounds as the two-thread runners and timed as they are (the client's wall
+time around a step, each rank's shard sent with it); the searched strategy's throughput against it.
+
+PyTorch is optional (`pip install '.[torch]'`); without it the benchmark says so and skips (and
+without torch.distributed's gloo backend, the DDP row alone).
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import tempfile
 import time
 
@@ -29,6 +37,7 @@ from taskrt import search
 from taskrt.bench.measure import LOCAL_MODELS, QUICK_MODELS, interleaved
 from taskrt.bench.overhead import data_parallel
 from taskrt.bench.report import markdown_table, write_result
+from taskrt.bench.torch_ddp import DDPRunner, DDPUnavailable
 from taskrt.machines.machine import Machine
 from taskrt.planning.params import init_parameters
 from taskrt.search.measured import random_batch
@@ -44,6 +53,8 @@ ONE_DEVICE_TOLERANCE = 0.05
 TWO_DEVICE_GOALS = {"vs_local1": 1.3, "vs_pytorch": 0.8}
 TWO_DEVICE_MODELS = ("alexnet32", "vgg16_32")
 HYPER = {"lr": 1e-4, "momentum": 0.9}
+DDP_PROCESSES = 2
+DDP_RUNNER = f"PyTorch DDP, {DDP_PROCESSES} one-thread processes (gloo)"
 
 
 def torch_step(graph, threads: int):
@@ -85,6 +96,14 @@ def one_thread_rows(chosen: dict, rounds: int) -> list[dict]:
     return rows
 
 
+def ddp_runner(graph, stack: contextlib.ExitStack):
+    """DDP on DDP_PROCESSES ranks, closed with `stack`; or the reason it cannot run here (a string)."""
+    try:
+        return stack.enter_context(DDPRunner(graph, DDP_PROCESSES, **HYPER))
+    except (DDPUnavailable, ValueError) as e:
+        return str(e)
+
+
 def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
     rows = []
     with Machine.local(2) as machine, Machine.local(1, probe=False) as single, tempfile.TemporaryDirectory() as tmp:
@@ -96,12 +115,15 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
             searched = search.optimize(graph, machine, cost_model, check_by_simulation=True)
             search_s = time.perf_counter() - start
             one_device = data_parallel(graph, 1).validated(graph, machine)  # every layer on device 0
-            runners = {"pytorch": torch_step(graph, 2),
-                       "local(1)": Trainer(graph, data_parallel(graph, 1), single, **HYPER).step,
-                       "local(2) data parallel": Trainer(graph, data_parallel(graph, 2), machine, **HYPER).step,
-                       "local(2) one device": Trainer(graph, one_device, machine, **HYPER).step,
-                       "local(2) searched": Trainer(graph, searched, machine, **HYPER).step}
-            med = interleaved(runners, x, y, rounds, f"{name}, two threads")
+            with contextlib.ExitStack() as stack:
+                ddp = ddp_runner(graph, stack)
+                runners = {"pytorch": torch_step(graph, 2),
+                           **({DDP_RUNNER: ddp.step} if isinstance(ddp, DDPRunner) else {}),
+                           "local(1)": Trainer(graph, data_parallel(graph, 1), single, **HYPER).step,
+                           "local(2) data parallel": Trainer(graph, data_parallel(graph, 2), machine, **HYPER).step,
+                           "local(2) one device": Trainer(graph, one_device, machine, **HYPER).step,
+                           "local(2) searched": Trainer(graph, searched, machine, **HYPER).step}
+                med = interleaved(runners, x, y, rounds, f"{name}, two threads")
             best = min(("local(2) data parallel", "local(2) one device", "local(2) searched"), key=med.get)
             batch = graph.inputs[0].shape[0]
             rows.append({"threads": 2, "model": name, "batch": batch, "pytorch_ms": med["pytorch"] * 1e3,
@@ -112,8 +134,19 @@ def two_thread_rows(chosen: dict, rounds: int) -> list[dict]:
                          "taskrt_vs_pytorch": med["pytorch"] / med[best],
                          **two_device_check(name, med["local(2) searched"], med["local(1)"], med["pytorch"]),
                          **one_device_check(graph, searched, one_device, med["local(2) searched"],
-                                            med["local(2) one device"])})
+                                            med["local(2) one device"]),
+                         **ddp_comparison(ddp, med.get(DDP_RUNNER), med["local(2) searched"])})
     return rows
+
+
+def ddp_comparison(ddp, ddp_s: float | None, searched_s: float) -> dict:
+    """The row's DDP entries: its step (timed as the other runners), rank 0's own time of its steps
+    after the warm-up (from a barrier to its update), and the searched strategy's throughput
+    against it; where DDP could not run, why."""
+    if not isinstance(ddp, DDPRunner):
+        return {"ddp_ms": None, "ddp_rank0_ms": None, "searched_vs_ddp": None, "ddp_skipped": ddp}
+    return {"ddp_ms": ddp_s * 1e3, "ddp_rank0_ms": statistics.median(ddp.rank0_times[1:]) * 1e3,
+            "searched_vs_ddp": ddp_s / searched_s, "ddp_skipped": None}
 
 
 def two_device_check(model: str, searched_s: float, local1_s: float, pytorch_s: float) -> dict:
@@ -168,6 +201,12 @@ def run(out_dir="results", quick=False):
                            f"{goal['vs_local1']}x), vs PyTorch on two threads {row['searched_vs_pytorch']:.2f}x "
                            f"(goal >= {goal['vs_pytorch']}x): {'met' if row['beats_one'] else 'MISSED'}")
     for row in two:
+        summary.append(f"{row['model']}, two threads: {DDP_RUNNER} skipped: {row['ddp_skipped']}"
+                       if row["ddp_skipped"] else
+                       f"{row['model']}, two threads: {DDP_RUNNER} {row['ddp_ms']:.0f} ms per step (rank 0's own "
+                       f"{row['ddp_rank0_ms']:.0f} ms); searched on local(2) {row['searched_ms']:.0f} ms = "
+                       f"{row['searched_vs_ddp']:.2f}x DDP's throughput (a comparison, no goal)")
+    for row in two:
         counts = ", ".join(f"{k}: {v:.0f} ms" for k, v in row["simulated_ms_per_count"].items())
         summary.append(f"{row['model']}, never slower than one device: the search kept {row['device_count']} of 2 "
                        f"devices (simulated {counts}); searched {row['searched_ms']:.0f} ms vs one device of "
@@ -182,7 +221,7 @@ def run(out_dir="results", quick=False):
                ("taskrt_vs_pytorch", "taskrt / PyTorch throughput"), ("goal", "goal")]
     md = write_result(out_dir, "peer", one + two, columns,
                       {"rounds": rounds, "torch": torch.__version__, "goals": GOALS,
-                       "two_device_goals": TWO_DEVICE_GOALS}, summary)
+                       "two_device_goals": TWO_DEVICE_GOALS, "ddp": DDP_RUNNER}, summary)
     detail_one = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("in_process_ms", "in-process ms"),
                   ("taskrt_ms", "local(1) ms"), ("in_process_vs_pytorch", "in-process / PyTorch throughput")]
     detail_two = [("model", "model"), ("pytorch_ms", "PyTorch ms"), ("local1_ms", "local(1) ms"),
@@ -193,6 +232,7 @@ def run(out_dir="results", quick=False):
                   ("never_slower", "never slower than one device"),
                   ("searched_vs_local1", "searched / local(1) throughput"),
                   ("searched_vs_pytorch", "searched / PyTorch throughput"), ("beats_one", "two devices beat one"),
+                  ("ddp_ms", "PyTorch DDP ms (2 processes)"), ("searched_vs_ddp", "searched / DDP throughput"),
                   ("search_s", "search s (costs measured)")]
     with md.open("a") as f:
         f.write("\n## One thread\n\n" + markdown_table(detail_one, one) + "\n")

@@ -7,6 +7,13 @@ parallelism and OWT, for AlexNet-32 and VGG-16-32 at the batches the two-core be
 rounds interleaved (`bench.measure`), medians reported.  Throughput is against `local(1)`'s
 single-device step.  The record is written after each device count, so a run stopped by a time
 limit keeps what it measured; device counts above the host's cores are skipped and said so.
+
+What a user would run instead (a comparison, no goal): per device count N, PyTorch
+DistributedDataParallel on N one-thread processes over gloo at the same global batch
+(bench/torch_ddp.py), measured right after that count's machine has stopped (bench.measure steps
+Trainers only, so not interleaved with them), rank 0's step times, their median reported; the
+summary gives the searched strategy's throughput against it.  Its rows are the record's
+"ddp_rows", apart from "rows", which the verdict judges.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ import os
 import statistics
 import tempfile
 
+import numpy as np
+
 from taskrt import search
 from taskrt.bench import measure as measured
 from taskrt.bench.measure import LOCAL_MODELS, measure
-from taskrt.bench.report import write_result
+from taskrt.bench.report import markdown_table, write_result
+from taskrt.bench.torch_ddp import DDPUnavailable, ddp_step_times
 from taskrt.bench.verdicts import searched_behind
 from taskrt.machines.machine import Machine
 
@@ -26,6 +36,8 @@ DEVICES = (1, 2, 4, 8)
 MODELS = {name: LOCAL_MODELS[name] for name in ("alexnet32", "vgg16_32")}
 QUICK_MODELS = {"alexnet32": LOCAL_MODELS["alexnet32"]}
 KEPT = ("single device", "data", "owt", "searched")  # of bench.measure's strategies
+DDP = "PyTorch DDP (gloo)"
+HYPER = {"lr": 1e-4, "momentum": 0.9}  # as bench.measure's Trainers
 
 
 def strategies_for(graph, machine, cost_model) -> dict:
@@ -47,7 +59,39 @@ def with_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]:
+def ddp_row(graph, label: str, devices: int, rounds: int, rows: list[dict]) -> dict:
+    """DDP on `devices` one-thread processes at the graph's global batch: its median step (rank 0's
+    times), and the searched strategy's throughput against it (from `rows`, the same count's; on
+    one device, the single device's); where it cannot run, why ("skipped")."""
+    row = {"model": label, "devices": devices, "strategy": DDP, "batch": graph.inputs[0].shape[0]}
+    try:
+        times = ddp_step_times(graph, devices, rounds, warmup=2, **HYPER)
+    except (DDPUnavailable, ValueError) as e:
+        return {**row, "skipped": str(e)}
+    measured = statistics.median(times)
+    q1, q3 = np.percentile(times, [25, 75])
+    searched = next((r for r in rows if (r["model"], r["devices"]) == (label, devices)
+                     and r["strategy"] in ("searched", "single device")), None)  # on one device, every one
+    return {**row, "skipped": None, "measured_ms": measured * 1e3, "iqr_ms": (q3 - q1) * 1e3,
+            "images_per_s": row["batch"] / measured, "step_times_ms": [t * 1e3 for t in times],
+            "searched_ms": searched["measured_ms"] if searched else None,
+            "searched_vs_ddp": measured * 1e3 / searched["measured_ms"] if searched else None}
+
+
+def ddp_lines(ddp_rows: list[dict]) -> list[str]:
+    """Per network, the searched strategy's throughput against DDP's on as many processes."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in ddp_rows):
+        parts = [f"{r['devices']}: skipped ({r['skipped']})" if r["skipped"] else
+                 f"{r['devices']}: DDP {r['measured_ms']:.0f} ms, searched "
+                 + (f"{r['searched_vs_ddp']:.2f}x DDP's throughput" if r["searched_vs_ddp"] else "not measured")
+                 for r in ddp_rows if r["model"] == model]
+        lines.append(f"{model}, the searched strategy against {DDP} on as many one-thread processes, same global "
+                     "batch (a comparison, no goal), by device count: " + "; ".join(parts))
+    return lines
+
+
+def summary_lines(rows: list[dict], skipped: list[int], cores: int, ddp_rows: list[dict] = ()) -> list[str]:
     lines = [f"{cores} cores on this host; workers single-threaded, one per device"]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
@@ -68,8 +112,10 @@ def summary_lines(rows: list[dict], skipped: list[int], cores: int) -> list[str]
         errors = [abs(r["simulated_error"]) for r in rows]
         lines.append(f"simulated against measured step time: median |error| {statistics.median(errors):.1%}, "
                      f"largest {max(errors):.1%}")
+    lines += ddp_lines(ddp_rows)
     if skipped:
-        lines.append(f"not run: {', '.join(map(str, skipped))} devices (more than the host's {cores} cores)")
+        lines.append(f"not run: {', '.join(map(str, skipped))} devices (more than the host's {cores} cores), nor DDP "
+                     "on as many processes")
     return lines
 
 
@@ -77,6 +123,9 @@ COLUMNS = [("devices", "devices"), ("model", "model"), ("strategy", "strategy"),
            ("iqr_ms", "IQR ms"), ("simulated_ms", "simulated ms"), ("simulated_error", "simulated error"),
            ("speedup", "vs one device"), ("simulated_speedup", "simulated vs one device"),
            ("images_per_s", "images/s"), ("bytes_per_step", "bytes per step"), ("search_pick", "search picked")]
+DDP_COLUMNS = [("devices", "processes"), ("model", "model"), ("measured_ms", "measured ms"), ("iqr_ms", "IQR ms"),
+               ("images_per_s", "images/s"), ("searched_ms", "searched ms"),
+               ("searched_vs_ddp", "searched / DDP throughput"), ("skipped", "skipped")]
 
 
 def run(out_dir="results", quick=False, devices=DEVICES):
@@ -88,7 +137,7 @@ def run(out_dir="results", quick=False, devices=DEVICES):
         raise RuntimeError(f"no device count of {list(devices)} fits this host's {cores} cores")
     skipped = [n for n in devices if n > cores]
     meta = {"rounds": rounds, "cores": cores, "devices": list(devices), "skipped": skipped}
-    rows = []
+    rows, ddp_rows = [], []
     for n in run_here:
         with Machine.local(n) as machine, tempfile.TemporaryDirectory() as tmp:
             cost_model = search.CostModel(machine, cache=f"{tmp}/costs.json", progress=False)
@@ -96,8 +145,12 @@ def run(out_dir="results", quick=False, devices=DEVICES):
                 graph = make()
                 rows += measure(machine, graph, strategies_for(graph, machine, cost_model), cost_model, rounds,
                                 label)
+        ddp_rows += [ddp_row(make(), label, n, rounds, rows) for label, make in chosen.items()]
         # after each device count: a run stopped by a time limit keeps what it measured
-        md = write_result(out_dir, "scaling_measured", with_speedups(rows), COLUMNS, meta,
-                          summary_lines(rows, skipped, cores))
+        md = write_result(out_dir, "scaling_measured", with_speedups(rows), COLUMNS, {**meta, "ddp_rows": ddp_rows},
+                          summary_lines(rows, skipped, cores, ddp_rows))
+        with md.open("a") as f:
+            f.write(f"\n## {DDP}, one-thread processes, the same global batch\n\n"
+                    + markdown_table(DDP_COLUMNS, ddp_rows) + "\n")
     print(md.read_text())
     return rows
