@@ -2,7 +2,8 @@
 meets, a strategy meeting it trained against one device, and the time recomputation costs a step,
 measured against the simulator's prediction.
 
-The budget: the search without recomputation (`least_keeping`) is met down to some budget B_keep;
+The budget, by the search's own count (`optimize(schedule=False)`): the search without
+recomputation (`least_keeping`) is met down to some budget B_keep;
 the same strategy with every layer that may be recomputed recomputed needs less, P_all. A budget
 between the two is met only by recomputing. The strategy for it is the search's
 (`search.optimize(..., memory=budget)`, when the search chooses recomputation), or else the least
@@ -76,7 +77,9 @@ def fitting(graph, machine, cost_model, budget: int, keep_only: bool):
     """The search's strategy under `budget`, or None when nothing fits (with `keep_only`, also
     when what fits recomputes)."""
     try:
-        strategy = search.optimize(graph, machine, cost_model, memory=int(budget))
+        # the search's own count of every value a step holds: on a cluster a budget otherwise holds the
+        # schedule's peak, which recomputation lowers only where the activations make it
+        strategy = search.optimize(graph, machine, cost_model, memory=int(budget), schedule=False)
     except search.MemoryBudgetError:
         return None
     return None if keep_only and recomputed_layers(strategy) else strategy

@@ -85,10 +85,12 @@ PAGES = {
         "A: each device's predicted peak (each device's program replayed, `taskrt.planning.peak`) against the "
         "peak its worker held (`taskrt.execution.held`) after a few steps, for bench accuracy's networks and "
         "strategies on `Machine.local(1)` and `local(2)`; B: the fastest strategy the search finds under "
-        "shrinking budgets (simulated step, peak under the schedule) beside data parallelism, OWT and SplitBrain, "
-        "drawn in memory.png; C: VGG-16-32 at batch 64 on `local(2)` with each worker's memory limit below data "
+        "shrinking budgets (on a cluster a budget holds the peak under the schedule with the kernels' scratch; "
+        "simulated step) beside data parallelism, OWT and SplitBrain, drawn in memory.png; C: VGG-16-32 at "
+        "batch 64 on `local(2)` with each worker's memory limit below data "
         "parallelism's need: refused, the search's strategy trained against one device; D: a budget only "
-        "recomputation meets, its strategy's loss and time cost against one device's and the simulator's.",
+        "recomputation meets (by the search's own count, `optimize(schedule=False)`), its strategy's loss and time "
+        "cost against one device's and the simulator's.",
         f"`python -m taskrt.bench memory` (about 20 minutes; {QUICK} LeNet-5 in A, VGG-16-32 alone in B and D, "
         "4 steps in C).",
         "every predicted peak within 10% of the measured; data parallelism refused where it does not fit and the "
@@ -200,7 +202,8 @@ PAGES = {
         "LeNet-5, AlexNet-32 and VGG-16-32 stepped by PyTorch on the CPU (`bench/torch_peer.py` builds the same "
         "network from the Graph): one thread against the runtime in-process and on `Machine.local(1)`, two "
         "threads against `Machine.local(2)` (data parallel, the searched strategy, and one device of it for the "
-        "searched strategy to be no slower than) and `Machine.local(1)`, all in the same interleaved rounds. "
+        "searched strategy to be no slower than), `Machine.local(1)` and PyTorch DDP on two one-thread processes "
+        "(gloo, the same global batch: what a user would run instead), all in the same interleaved rounds. "
         "Skips, saying so, without torch.",
         f"`python -m taskrt.bench peer` (needs `pip install '.[torch]'`; 9 rounds; {QUICK} LeNet-5 alone, 3 rounds).",
         "local(1) at least 0.8x PyTorch's one-thread throughput on AlexNet-32 and VGG-16-32; and the searched "

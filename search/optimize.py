@@ -17,7 +17,8 @@ from taskrt.search.recompute_search import fit_budget
 
 
 def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simulation: bool = False,
-             check_by_measurement: bool = False, fewer_devices: bool | None = None, memory=None) -> Strategy:
+             check_by_measurement: bool = False, fewer_devices: bool | None = None, memory=None,
+             schedule: bool | None = None) -> Strategy:
     """Node and edge elimination over the cost tables; exact for any graph.
 
     The returned Strategy's `meta` holds the predicted cost per layer (t_c, t_x, t_s, seconds),
@@ -63,6 +64,10 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     meta["search"]["budget_s"] the time the budget took (checking, and searching when it binds;
     meta["search"]["budget"] says how).
 
+    `schedule`: whether the budget holds the peak under the runtime's schedule (the one a Trainer
+    checks, `_within_schedule`) rather than the search's own count of every value a step ever
+    holds; None (the default): on a Dask cluster, not on simulated machines.
+
     The strategy's `replan` searches again (`SearchAgain`): after a lost worker, the Trainer
     asks it for a strategy on the devices left, under the same budget.
     """
@@ -73,11 +78,11 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
         return _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
                          searched_budgets)
 
-    if budgets and not machine.is_simulated:
+    if budgets and (not machine.is_simulated if schedule is None else schedule):
         strategy = _within_schedule(graph, machine, cost_model, budgets, search_under)
     else:
         strategy = search_under(budgets)
-    strategy.replan = SearchAgain(check_by_simulation, fewer_devices, memory)
+    strategy.replan = SearchAgain(check_by_simulation, fewer_devices, memory, schedule)
     return strategy
 
 
@@ -360,10 +365,11 @@ class SearchAgain:
     check_by_simulation: bool = False
     fewer_devices: bool | None = None
     memory: object = None  # the budget as optimize took it (None: each device's own memory)
+    schedule: bool | None = None  # optimize's
 
     def __call__(self, graph, machine) -> Strategy:
         return optimize(graph, machine, check_by_simulation=self.check_by_simulation,
-                        fewer_devices=self.fewer_devices, memory=self.memory)
+                        fewer_devices=self.fewer_devices, memory=self.memory, schedule=self.schedule)
 
 
 def memory_per_device(graph, strategy, itemsize=4, cost_model: CostModel | None = None) -> dict:
