@@ -131,7 +131,7 @@ def draw(curves: list[dict], path, machine_text: str) -> None:
                 ax.plot(p["sum_mib"], p["simulated_ms"], marker, color=color, ms=9, mfc="none", label=f"{name} (sum)")
         ax.axvline(c["least_budget_mib"], color="grey", linestyle=":", linewidth=1,
                    label=f"least budget met ({c['least_budget_mib']:.0f} MiB)")
-        ax.set_xlabel("MiB per device: peak under the schedule with scratch (filled), the search's sum (hollow)")
+        ax.set_xlabel("MiB per device (filled: the schedule's peak with scratch;\nhollow: the search's sum)")
         ax.set_ylabel("simulated step time (ms)")
         ax.set_title(f"{c['model']}, batch {c['batch']}, {c['devices']} devices")
         ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
