@@ -5,8 +5,9 @@
   b. training    training steps on one GPU, AlexNet, VGG-16, Inception-v3 and ResNet-50, fp32 and TF32:
                  taskrt's `fit` (data generated on the worker, CUDA graphs) against PyTorch eager, where the
                  step's time goes, peak GPU memory (bench.gpu_steps)
-  c. bf16        the same steps in bf16 against PyTorch's autocast, and bf16's loss after 200 steps of
-                 LeNet-5 on the digits against fp32's
+  c. bf16        the same steps in bf16 against PyTorch's autocast, and bf16 against fp32 after 200 steps of
+                 LeNet-5 on the digits: held-out accuracy and loss curve, beside another fp32 run's
+                 (bench.gpu_precision)
   d. strategies  data, model, OWT and the searched strategy on 2 and 4 workers sharing the one GPU:
                  loss against the single-device reference, bytes per step (plan vs workers' logs), step time
   e. transfer    a 64 MB device array between two workers sharing the GPU, through CUDA IPC and through
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from taskrt import models
-from taskrt.bench import gpu_steps
+from taskrt.bench import gpu_precision, gpu_steps
 from taskrt.bench.gpu_common import log, random_batch, release_gpu_memory
 from taskrt.bench.gpu_kernels import IMPLEMENTATIONS, kernel_part, kernel_summary
 from taskrt.bench.gpu_transfer import transfer_part, transfer_summary
@@ -278,7 +279,8 @@ def write_report(out_dir, rows: dict, meta: dict, errors: dict) -> Path:
     bf16_rows, strategy_rows = rows.get("bf16", []), rows.get("strategies", [])
     transfer_rows = rows.get("transfer", [])
     summary = (kernel_summary(kernel_rows) + gpu_steps.step_summary(training_rows)
-               + gpu_steps.step_summary(bf16_rows) + strategy_summary(strategy_rows)
+               + gpu_steps.step_summary(bf16_rows) + gpu_precision.precision_summary(bf16_rows)
+               + strategy_summary(strategy_rows)
                + transfer_summary(transfer_rows))
     summary += [f"part {name} FAILED: {error}" for name, error in errors.items()]
     meta = {**meta, "errors": errors, "kernels": kernel_rows, "bf16": bf16_rows, "strategies": strategy_rows,
@@ -419,9 +421,9 @@ def run(out_dir="results", quick=False, parts=PARTS, steps=None, eager=True):
 
 def bf16_part(rows: list, networks: dict, warmup: int, steps: int, lr, momentum, on_row=None) -> None:
     log("bf16: LeNet-5 on the digits, fp32 and bf16")
-    row = gpu_steps.bf16_loss_row()
+    row = gpu_precision.precision_row()
     rows.append(row)
-    log("  " + gpu_steps.step_summary([row])[-1])
+    log("  " + gpu_precision.precision_summary([row])[-1])
     if on_row is not None:
         on_row()
     gpu_steps.steps_part(rows, "bf16", networks, ("bf16",), warmup, steps, lr, momentum, eager_for=(), on_row=on_row)

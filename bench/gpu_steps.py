@@ -1,4 +1,5 @@
-"""Training steps on one GPU against PyTorch eager: parts "training" and "bf16" of `bench gpu`.
+"""Training steps on one GPU against PyTorch eager: parts "training" and "bf16" of `bench gpu` (bf16's
+precision check against fp32: bench.gpu_precision).
 
 What a user waits for: `trainer.fit` over a synthetic dataset that the GPU worker generates itself
 (`taskrt.data.datasets.Synthetic`: no batch crosses from the client), steps submitted ahead as `fit`
@@ -13,20 +14,15 @@ queueing its steps (reading the last loss only); the comparison takes the faster
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from taskrt.bench.goals import BF16_LOSS_GOAL, MEMORY_GOAL
 from taskrt.bench.goals import GPU_STEP_FLOOR as FLOOR
 from taskrt.bench.goals import GPU_STEP_GOAL as GOAL
+from taskrt.bench.goals import MEMORY_GOAL
 
 TIMELINE_STEPS = 4  # steps of fit under torch's profiler, per network and precision
-
-BF16_STEPS = 200
 
 
 # ---- on the worker ---------------------------------------------------------------------------------
@@ -332,15 +328,6 @@ def step_summary(rows) -> list[str]:
         worst = max(timed, key=lambda r: r["first_loss_rel_diff"])
         lines.append(f"first-step losses of taskrt and PyTorch differ by at most {worst['first_loss_rel_diff']:.1e} "
                      f"(relative; {worst['model']} {worst['precision']})")
-    for r in rows:
-        if "loss_rel_diff" in r:
-            noise = (f"; fp32 against fp32 run again: {r['loss_noise']:.2%}, last steps {r['last_noise']:.2%}"
-                     if "loss_noise" in r else "")
-            last = (f"; over the last {r['last']} steps {r['last_bf16']:.4f} against {r['last_fp32']:.4f} "
-                    f"({r['last_rel_diff']:.2%})" if "last_rel_diff" in r else "")
-            lines.append(f"bf16 against fp32, {r['model']}: mean loss over {r['steps']} steps {r['loss_bf16']:.4f} "
-                         f"against {r['loss_fp32']:.4f} ({r['loss_rel_diff']:.2%}; goal {BF16_LOSS_GOAL:.0%}: "
-                         f"{'met' if r['loss_rel_diff'] <= BF16_LOSS_GOAL else 'missed'}){last}{noise}")
     return lines
 
 
@@ -388,40 +375,3 @@ def steps_part(rows: list, part: str, networks: dict, precisions, warmup: int, s
                 log("  " + step_summary([row])[0])
                 if on_row is not None:
                     on_row()
-
-
-def bf16_loss_row(steps: int = BF16_STEPS, last: int = 20, lr=0.05, momentum=0.9, device="cuda") -> dict:
-    """LeNet-5 on the bundled digits (a fixed task that learns), `steps` steps at bf16 and twice at
-    fp32 on one GPU worker (`device` "cpu": a CPU worker, where bf16 changes nothing): the mean loss
-    over all steps and over the last `last`, bf16 against fp32, beside fp32 against itself (two
-    trajectories of the same training drift apart by the GPU's own nondeterminism: the noise)."""
-    from taskrt import models, search
-    from taskrt.data.arrays import epoch_batches, load_digits
-    from taskrt.machines.machine import Machine
-    from taskrt.training.trainer import Trainer
-
-    graph = models.lenet5(batch=64)
-    x_train, y_train, _, _ = load_digits(image_size=32, seed=0)
-    losses = {}
-    with Machine.local(1, gpu=device == "cuda") as machine:
-        for run, precision in (("fp32", "fp32"), ("bf16", "bf16"), ("fp32_again", "fp32")):
-            trainer = Trainer(graph, search.data_parallel(graph, machine), machine, lr=lr, momentum=momentum,
-                              precision=precision)
-            rng, futures = np.random.default_rng(0), []
-            while len(futures) < steps:
-                for xb, yb in epoch_batches(x_train, y_train, 64, rng):
-                    futures.append(trainer.submit(xb, yb))
-                    if len(futures) == steps:
-                        break
-            losses[run] = [f.result() for f in futures]
-
-    def rel(a, b):
-        return abs(a - b) / b
-
-    mean = {run: statistics.mean(values) for run, values in losses.items()}
-    tail = {run: statistics.mean(values[-last:]) for run, values in losses.items()}
-    return {"part": "bf16", "model": "lenet5 on digits", "steps": steps, "last": last,
-            "loss_fp32": mean["fp32"], "loss_bf16": mean["bf16"], "loss_rel_diff": rel(mean["bf16"], mean["fp32"]),
-            "loss_noise": rel(mean["fp32_again"], mean["fp32"]), "last_fp32": tail["fp32"], "last_bf16": tail["bf16"],
-            "last_rel_diff": rel(tail["bf16"], tail["fp32"]), "last_noise": rel(tail["fp32_again"], tail["fp32"]),
-            **{f"losses_{run}": values for run, values in losses.items()}}

@@ -258,8 +258,9 @@ PAGES = {
         "`python -m taskrt.bench gpu` on a machine with a CUDA GPU, cupy and torch (`--parts training,bf16` for some "
         "parts; the others keep their rows).",
         "steps at least 0.8x PyTorch's speed (none below 0.5x), peak memory at most 1.3x PyTorch's, conv kernels "
-        "at least 50% of cuDNN's rate, bf16's loss within 2% of fp32's, a 64 MB device array between two workers "
-        "at least 10 GB/s.",
+        "at least 50% of cuDNN's rate, bf16's held-out accuracy within 0.5 points of fp32's and its loss curve at "
+        "most 2x as far from fp32's as another fp32 run's, a 64 MB device array between two workers at least "
+        "100 GB/s.",
         gpu_verdict, gpu_on),
     "hypergraph": Page(
         "seed 003's hypergraph partitions of VGG-16",

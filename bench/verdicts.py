@@ -255,27 +255,28 @@ def data_verdict(record) -> str:
 
 
 def gpu_verdict(record) -> str:
-    from taskrt.bench.goals import BF16_LOSS_GOAL, MEMORY_GOAL
+    from taskrt.bench.goals import BF16_ACCURACY_POINTS, BF16_CURVE_FACTOR, MEMORY_GOAL
     from taskrt.bench.goals import GPU_STEP_GOAL as GOAL
     from taskrt.bench.goals import GPU_TRANSFER_RATE_GOAL as RATE_GOAL
 
     steps = [r for r in record["rows"] + record.get("bf16", []) if "runtime_ms" in r]
     kernels = [r["taskrt_of_cudnn"] for r in record.get("kernels", []) if r.get("taskrt_of_cudnn") is not None]
-    bf16 = [r for r in record.get("bf16", []) if "loss_rel_diff" in r]
+    bf16 = [r for r in record.get("bf16", []) if "curve_bf16" in r]
+    bf16_ok = all(r["accuracy_met"] and r["curve_met"] for r in bf16)
     parts = [f"steps at least {GOAL}x PyTorch's: {sum(r['of_torch'] >= GOAL for r in steps)} of {len(steps)}",
              f"peak memory at most {MEMORY_GOAL}x: "
              f"{sum(r.get('memory_of_torch', math.inf) <= MEMORY_GOAL for r in steps)} of {len(steps)}"]
     if kernels:
         parts.append(f"conv kernels at least 50% of cuDNN: {sum(v >= 0.5 for v in kernels)} of {len(kernels)}")
     if bf16:
-        parts.append("bf16's loss within " + f"{BF16_LOSS_GOAL:.0%} of fp32's: "
-                     + met(all(r["loss_rel_diff"] <= BF16_LOSS_GOAL for r in bf16)))
+        parts.append(f"bf16's held-out accuracy within {BF16_ACCURACY_POINTS} points of fp32's and its loss curve "
+                     f"at most {BF16_CURVE_FACTOR:g}x another fp32 run's distance: " + met(bf16_ok))
     transfers = [r for r in record.get("transfer", []) if r.get("goal")]
     if transfers:
         parts.append(f"a device array between workers at least {RATE_GOAL / 1e9:.0f} GB/s: "
                      + met(all(r["goal"] == "met" for r in transfers)))
     ok = (all(r["of_torch"] >= GOAL and r.get("memory_of_torch", math.inf) <= MEMORY_GOAL for r in steps)
-          and all(v >= 0.5 for v in kernels) and all(r["loss_rel_diff"] <= BF16_LOSS_GOAL for r in bf16)
+          and all(v >= 0.5 for v in kernels) and bf16_ok
           and all(r["goal"] == "met" for r in transfers))
     return f"{met(ok)}: " + "; ".join(parts)
 

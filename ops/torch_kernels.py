@@ -65,14 +65,34 @@ def backend(name: str):
         set_backend(previous)
 
 
+_deterministic = False
+
+
+def set_deterministic(on: bool = True) -> bool:
+    """cuDNN's deterministic algorithms, and not its autotuner (which may pick another algorithm in
+    each process): the same inputs then give the same bits run after run, for checks that compare
+    two runs (bench gpu's precision check).  For this process (`client.run` it on workers); returns
+    the previous choice."""
+    global _deterministic
+    previous, _deterministic = _deterministic, bool(on)
+    if _torch is not None:
+        _apply_algorithms(_torch)
+    return previous
+
+
+def _apply_algorithms(torch) -> None:
+    torch.backends.cudnn.benchmark = not _deterministic
+    torch.backends.cudnn.deterministic = _deterministic
+
+
 def load_torch():
-    """Import torch once and bring it in line with this process's precision choice."""
+    """Import torch once and bring it in line with this process's precision and algorithm choices."""
     global _torch
     if _torch is None:
         import torch
 
         precision.apply_to_torch(torch)
-        torch.backends.cudnn.benchmark = True
+        _apply_algorithms(torch)
         _torch = torch
     return _torch
 

@@ -126,11 +126,24 @@ def test_step_rows_and_summary():
                                   measured(0.016, 6.9, queued_s=0.015))
     assert windowed["steps_per_program"] == 12 and windowed["one_step_ms"] == pytest.approx(40.0)
     assert "12 steps to a program, against 40.0 ms with one step to a program" in gpu_steps.step_summary([windowed])[0]
-    loss_row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "last": 20, "loss_fp32": 0.5,
-                "loss_bf16": 0.505, "loss_rel_diff": 0.01, "loss_noise": 0.004, "last_fp32": 0.03, "last_bf16": 0.033,
-                "last_rel_diff": 0.1, "last_noise": 0.05}
-    line = gpu_steps.step_summary([loss_row])[0]
-    assert "1.00%; goal 2%: met" in line and "fp32 against fp32 run again: 0.40%, last steps 5.00%" in line
+
+
+def test_the_precision_checks_judge_bf16_by_another_fp32_runs_distance():
+    from taskrt.bench import gpu_precision
+
+    fp32 = [2.0 - 0.01 * k for k in range(40)]
+    assert gpu_precision.curve_distance(fp32, fp32, 10) == 0.0
+    shifted = [v + 0.02 for v in fp32]  # 0.02 from curves whose moving means average 1.655
+    assert gpu_precision.curve_distance(shifted, fp32, 10) == pytest.approx(0.02 / np.mean(
+        gpu_precision.moving_mean(fp32, 10)))
+    row = {"part": "bf16", "model": "lenet5 on digits", "steps": 200, "window": 20, "accuracy_fp32": 0.97,
+           "accuracy_bf16": 0.966, "accuracy_points": 0.4, "accuracy_met": True, "curve_bf16": 0.03,
+           "curve_reordered": 0.02, "curve_met": True, "fp32_repeat_max_diff": 0.0}
+    [line] = gpu_precision.precision_summary([row])
+    assert "held-out accuracy 96.60% against 97.00% (0.40 points; goal 0.5: met)" in line
+    assert "3.00% from fp32's, the same data in another order 2.00% (goal at most 2x: met)" in line
+    assert gpu_precision.met(row) and not gpu_precision.met({**row, "curve_met": False})
+    assert gpu_precision.precision_summary([{"part": "bf16", "runtime_ms": 1.0}]) == []
 
 
 def test_strategy_rows_and_summary():
@@ -243,11 +256,16 @@ def test_the_step_part_runs_end_to_end_on_cpu_workers(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_bf16_loss_check_runs_on_a_cpu_worker():
-    row = gpu_steps.bf16_loss_row(steps=12, last=4, device="cpu")
-    assert len(row["losses_fp32"]) == len(row["losses_bf16"]) == len(row["losses_fp32_again"]) == 12
-    assert row["loss_rel_diff"] == row["loss_noise"] == 0.0  # CPU kernels ignore the precision, and repeat
-    assert "goal 2%: met" in gpu_steps.step_summary([row])[0]
+def test_the_precision_check_runs_on_a_cpu_worker():
+    from taskrt.bench import gpu_precision
+
+    row = gpu_precision.precision_row(steps=12, window=4, device="cpu")
+    assert all(len(row[f"losses_{run}"]) == 12 for run in gpu_precision.RUNS)
+    # CPU kernels ignore the precision and repeat: bf16 is fp32 there, the reordered run is not
+    assert row["curve_bf16"] == row["fp32_repeat_max_diff"] == row["accuracy_points"] == 0.0
+    assert row["curve_reordered"] > 0 and gpu_precision.met(row)
+    assert 0.1 < row["accuracy_fp32"] <= 1.0
+    assert "goal 0.5: met" in gpu_precision.precision_summary([row])[0]
 
 
 def test_transfer_part_on_cpu_workers():

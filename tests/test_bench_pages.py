@@ -59,7 +59,11 @@ def test_the_goals_say_the_numbers_the_benchmarks_judge_by():
     assert all(f"{v:g}x" in PAGES["overhead"].goal for v in {*overhead.GOALS.values(), overhead.HOP_GOAL})
     assert all(f"{v:g}x" in PAGES["peer"].goal for v in {*peer.GOALS.values(), *peer.TWO_DEVICE_GOALS.values()})
     assert f"{gpu_steps.GOAL}x" in PAGES["gpu"].goal and f"{gpu_steps.MEMORY_GOAL}x" in PAGES["gpu"].goal
-    assert f"{gpu_steps.BF16_LOSS_GOAL:.0%}" in PAGES["gpu"].goal
+    from taskrt.bench.goals import BF16_ACCURACY_POINTS, BF16_CURVE_FACTOR, GPU_TRANSFER_RATE_GOAL
+
+    assert f"within {BF16_ACCURACY_POINTS} points" in PAGES["gpu"].goal
+    assert f"at most {BF16_CURVE_FACTOR:g}x as far" in PAGES["gpu"].goal
+    assert f"{GPU_TRANSFER_RATE_GOAL / 1e9:g} GB/s" in PAGES["gpu"].goal
     from taskrt.bench import accuracy, scaling
 
     assert f"{scaling.GOAL_RATIO:g}x" in PAGES["scaling"].goal
