@@ -42,10 +42,10 @@ def curve_distance(losses, reference, window: int) -> float:
 
 def precision_row(steps: int = STEPS, window: int = WINDOW, lr=0.05, momentum=0.9, device="cuda") -> dict:
     """The four runs (RUNS: precision and the data order's seed) and the checks' figures."""
-    from taskrt.ops.torch_kernels import set_deterministic
     from taskrt import models, search
     from taskrt.data.arrays import epoch_batches, load_digits
     from taskrt.machines.machine import Machine
+    from taskrt.ops.torch_kernels import set_deterministic
     from taskrt.training.trainer import Trainer
 
     graph = models.lenet5(batch=64)
