@@ -89,44 +89,62 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
 SCHEDULE_ROUNDS = 3  # searches under a tighter budget when the schedule's peak does not fit
 
 
+SCHEDULE_PROBES = 6  # searches under budgets from the widened one down, SCHEDULE_STEP apart
+SCHEDULE_STEP = 0.01
+
+
 def _within_schedule(graph, machine, cost_model, budgets, search_under):
     """On a Dask cluster: a strategy whose peak under the runtime's schedule fits `budgets`, the
     peak a Trainer checks before its first step (taskrt.planning.peak, exact).  The search's own
     count (search.memory) holds every value a step ever holds, 4-16% above that peak for the zoo's
     networks, so a budget between the two would bind the search, or find nothing, where the
     unconstrained optimum fits.  So: the unconstrained optimum when its schedule's peak fits;
-    otherwise the search under the budgets widened by how far its count is above its peak there
-    (the count's looseness for this network and machine), then checked and tightened by
-    `_fit_schedule`; and if that finds nothing, the search under the budgets themselves, as a
-    search without the widening would.  meta["memory_budget_searched"]: the budget the search's
-    count was held to (bytes per device, the smallest)."""
-    from taskrt.planning.lowering import lower
-    from taskrt.planning.peak import peak_memory
-
+    otherwise the search's count is held to the given budgets widened by how far the optimum's
+    count is above its peak (the count's looseness for this network and machine), then to budgets
+    SCHEDULE_STEP of that smaller each, down to the given ones, at most SCHEDULE_PROBES searches:
+    the first result whose schedule fits is kept (the search is exact by its count, so a larger
+    count budget's result is no slower), and the scan stops where nothing fits the count (nothing
+    fits a smaller one either).  A smaller count does not always hold less under the schedule:
+    recomputed copies alive in backward can raise it.  If no result fits, the search under the
+    budgets themselves, as a search without the widening would, checked and tightened by
+    `_fit_schedule`.  meta["memory_budget_searched"]: the budget the search's count was held to
+    (bytes per device, the smallest)."""
     free = search_under(None)
-    peaks = peak_memory(lower(graph, free, itemsize=cost_model.itemsize), cost_model.itemsize,
-                        len(cost_model.optimizer.slots))
+    peaks = _schedule_peaks(graph, cost_model, free)
     counted = max(m["total"] for m in free.meta["memory_per_device"].values())
     looseness = counted / max(p.needed for p in peaks.values())
     if all(p.needed <= budgets.get(d, np.inf) for d, p in peaks.items()):
         free.meta["memory_bound"] = False
         free.meta["memory_budget_searched"] = None
         return _fit_schedule(graph, machine, cost_model, free, budgets, search_under, peaks=peaks)
-    if looseness > 1:
-        widened = {d: int(b * looseness) for d, b in budgets.items()}
+    for probe in range(SCHEDULE_PROBES):
+        scale = looseness * (1 - SCHEDULE_STEP * probe)
+        if scale <= 1:
+            break
+        searched = {d: int(b * scale) for d, b in budgets.items()}
         try:
-            strategy = search_under(widened)
-            strategy.meta["memory_budget_searched"] = budgeting.smallest(
-                widened, strategy.meta.get("device_count", machine.num_devices))
-            return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, widened)
+            strategy = search_under(searched)
         except budgeting.MemoryBudgetError:
-            pass
+            break
+        found = _schedule_peaks(graph, cost_model, strategy)
+        if all(p.needed <= budgets.get(d, np.inf) for d, p in found.items()):
+            strategy.meta["memory_budget_searched"] = budgeting.smallest(
+                searched, strategy.meta.get("device_count", machine.num_devices))
+            return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, peaks=found)
     try:
         strategy = search_under(budgets)
     except budgeting.MemoryBudgetError as error:
         raise _with_schedule_peak(error, graph, cost_model, widened=looseness > 1) from None
     strategy.meta["memory_budget_searched"] = strategy.meta.get("memory_budget")
     return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under)
+
+
+def _schedule_peaks(graph, cost_model, strategy) -> dict:
+    from taskrt.planning.lowering import lower
+    from taskrt.planning.peak import peak_memory
+
+    return peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
+                       len(cost_model.optimizer.slots))
 
 
 def _with_schedule_peak(error, graph, cost_model, widened: bool):
