@@ -74,12 +74,17 @@ def optimize(graph, machine, cost_model: CostModel | None = None, check_by_simul
     cost_model = cost_model or CostModel(machine)
     budgets = budgeting.device_budgets(machine, memory)  # a bad value fails before any work
 
-    def search_under(searched_budgets):
-        return _optimize(graph, machine, cost_model, check_by_simulation, check_by_measurement, fewer_devices,
+    def search_under(searched_budgets, measure=check_by_measurement):
+        return _optimize(graph, machine, cost_model, check_by_simulation, measure, fewer_devices,
                          searched_budgets)
 
     if budgets and (not machine.is_simulated if schedule is None else schedule):
-        strategy = _within_schedule(graph, machine, cost_model, budgets, search_under)
+        # the searches it makes do not measure: the one result and the baselines that fit are
+        # measured once at the end
+        strategy = _within_schedule(graph, machine, cost_model, budgets,
+                                    lambda searched: search_under(searched, measure=False))
+        if check_by_measurement:
+            strategy = _measured_within_schedule(graph, machine, cost_model, strategy, budgets)
     else:
         strategy = search_under(budgets)
     strategy.replan = SearchAgain(check_by_simulation, fewer_devices, memory, schedule)
@@ -433,17 +438,29 @@ def _fits(graph, cost_model, strategy, budgets) -> bool:
                                      cost_model.channel_params, len(cost_model.optimizer.slots)), budgets)
 
 
-def _check_by_measurement(graph, machine, cost_model, optimum: Strategy, budgets=None) -> Strategy:
+def _measured_within_schedule(graph, machine, cost_model, strategy, budgets) -> Strategy:
+    """`_check_by_measurement` where the budget holds the schedule's peak (`_within_schedule`): the
+    baselines measured are those whose schedule's peak fits; the result keeps its peaks in meta."""
+    def fits(candidate):
+        return all(p.needed <= budgets.get(d, np.inf) for d, p in _schedule_peaks(graph, cost_model, candidate).items())
+
+    chosen = _check_by_measurement(graph, machine, cost_model, strategy, budgets, fits=fits)
+    if chosen.configs != strategy.configs:
+        chosen.meta["memory_per_device"] = memory_per_device(graph, chosen, cost_model.itemsize, cost_model)
+    return _fit_schedule(graph, machine, cost_model, chosen, budgets, lambda tighter: chosen)
+
+
+def _check_by_measurement(graph, machine, cost_model, optimum: Strategy, budgets=None, fits=None) -> Strategy:
     """The fastest on the machine of the optimum and the baselines that fit `budgets` (each distinct
-    one timed once)."""
+    one timed once); `fits(strategy)`: whether a baseline fits, where not by the search's count."""
     from taskrt.search.baselines import BASELINES
     from taskrt.search.measured import pick_by_measurement
 
+    fits = fits or (lambda strategy: _fits(graph, cost_model, strategy, budgets))
     pool = {"layer-wise": optimum.validated(graph, machine)}
     for name, make in BASELINES.items():
         strategy = make(graph, machine).validated(graph, machine)
-        if all(strategy.configs != other.configs for other in pool.values()) and _fits(graph, cost_model, strategy,
-                                                                                        budgets):
+        if all(strategy.configs != other.configs for other in pool.values()) and fits(strategy):
             pool[name] = strategy
     measured = pick_by_measurement(graph, machine, pool).meta["chosen_by_measurement"]
     chosen = pool[measured["chosen"]]

@@ -560,3 +560,24 @@ def test_on_a_cluster_nothing_fitting_names_the_least_strategys_peak_under_the_s
         _within_schedule(graph, machine, cost_model, {0: 2**20, 1: 2**20}, search_under)
     assert raised.value.least is not None and _needed(graph, raised.value.least) > 2**20
     assert asked[0] is None and asked[-1] == {0: 2**20, 1: 2**20}
+
+
+def test_on_a_cluster_a_binding_budget_measures_once_and_only_what_fits_its_schedule():
+    """With check_by_measurement, the searches the scan makes do not train anything: the result and
+    the baselines whose schedule's peak fits are measured once at the end."""
+    graph, machine = models.vgg16(batch=64, image_size=32, num_classes=10), Machine.simulated(1, 2)
+    free = search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False), memory=False)
+    budget = int(_needed(graph, free) * 0.995)
+    pools = []
+
+    def pick(graph, machine, pool):
+        pools.append(pool)
+        return Strategy({}, meta={"chosen_by_measurement": {"chosen": "layer-wise", "median_step_s": {}}})
+
+    with mock.patch("taskrt.search.measured.pick_by_measurement", pick):
+        strategy = search.optimize(graph, machine, search.CostModel(machine, cache=False, progress=False),
+                                   memory=budget, schedule=True, check_by_measurement=True)
+    [pool] = pools
+    assert all(_needed(graph, s) <= budget for s in pool.values()) and "data" not in pool  # data: 600 MiB
+    assert pool["layer-wise"].configs == strategy.configs and strategy.meta["memory_bound"]
+    assert max(strategy.meta["schedule_peak_per_device"].values()) <= budget
