@@ -67,7 +67,7 @@ def without_recompute(strategy) -> Strategy:
 
 def memory_of(graph, strategy, machine, itemsize: int = 4, slots: int = 1) -> dict:
     """The most any device holds by the search's sum (`plan_memory`) and under the runtime's
-    schedule (`peak_memory`), in bytes: a budget on a Dask cluster must hold both."""
+    schedule (`peak_memory`), in bytes: `by_hand`'s strategy must fit both."""
     plan = lower(graph, strategy.validated(graph, machine), itemsize=itemsize)
     return {"sum": max(m.total for m in plan_memory(plan, itemsize, slots).values()),
             "schedule": max(p.total for p in peak_memory(plan, itemsize, slots).values())}

@@ -118,8 +118,7 @@ def _within_schedule(graph, machine, cost_model, budgets, search_under):
     peaks = _schedule_peaks(graph, cost_model, free)
     counted = max(m["total"] for m in free.meta["memory_per_device"].values())
     looseness = counted / max(p.needed for p in peaks.values())
-    if all(p.needed <= budgets.get(d, np.inf) for d, p in peaks.items()):
-        free.meta["memory_bound"] = False
+    if _schedule_fits(peaks, budgets):
         free.meta["memory_budget_searched"] = None
         return _fit_schedule(graph, machine, cost_model, free, budgets, search_under, peaks=peaks)
     for probe in range(SCHEDULE_PROBES):
@@ -132,7 +131,7 @@ def _within_schedule(graph, machine, cost_model, budgets, search_under):
         except budgeting.MemoryBudgetError:
             break
         found = _schedule_peaks(graph, cost_model, strategy)
-        if all(p.needed <= budgets.get(d, np.inf) for d, p in found.items()):
+        if _schedule_fits(found, budgets):
             strategy.meta["memory_budget_searched"] = budgeting.smallest(
                 searched, strategy.meta.get("device_count", machine.num_devices))
             return _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, peaks=found)
@@ -145,6 +144,7 @@ def _within_schedule(graph, machine, cost_model, budgets, search_under):
 
 
 def _schedule_peaks(graph, cost_model, strategy) -> dict:
+    """{device: PeakMemory} of `strategy` under the runtime's schedule (taskrt.planning.peak)."""
     from taskrt.planning.lowering import lower
     from taskrt.planning.peak import peak_memory
 
@@ -152,16 +152,17 @@ def _schedule_peaks(graph, cost_model, strategy) -> dict:
                        len(cost_model.optimizer.slots))
 
 
+def _schedule_fits(peaks: dict, budgets: dict) -> bool:
+    """Whether each device's peak with its kernels' scratch (what a Trainer checks) fits its budget."""
+    return all(p.needed <= budgets.get(d, np.inf) for d, p in peaks.items())
+
+
 def _with_schedule_peak(error, graph, cost_model, widened: bool):
     """`error` (nothing fits by the search's count) saying what its least strategy needs under the
     runtime's schedule, the peak a Trainer checks."""
-    from taskrt.planning.lowering import lower
-    from taskrt.planning.peak import peak_memory
-
     if error.least is None:
         return error
-    peaks = peak_memory(lower(graph, error.least, itemsize=cost_model.itemsize), cost_model.itemsize,
-                        len(cost_model.optimizer.slots))
+    peaks = _schedule_peaks(graph, cost_model, error.least)
     device = max(peaks, key=lambda d: peaks[d].needed)
     out = budgeting.MemoryBudgetError(
         f"{error} (Under the runtime's schedule, which a Trainer checks, that strategy needs "
@@ -173,25 +174,20 @@ def _with_schedule_peak(error, graph, cost_model, widened: bool):
     return out
 
 
-def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, searched=None, peaks=None):
+def _fit_schedule(graph, machine, cost_model, strategy, budgets, search_under, peaks=None):
     """A strategy whose peak under the runtime's schedule (taskrt.planning.peak, what a Trainer
     checks before its first step) fits `budgets` as well as its step_memory does.  The search's
     sum counts one backward working set per device, where the schedule may hold several gradient
     pieces at once (a split over channels sends one from every device): if the peak is over, the
     search runs again with each budget scaled down by how far over it was, up to SCHEDULE_ROUNDS
     times.  The peak counted is the held values with the kernels' scratch on top
-    (`PeakMemory.needed`), as the Trainer's check counts it.  `searched`: the budgets `strategy` was
-    searched under where they are not `budgets` (the tighter ones are scaled from them); `peaks`:
-    the strategy's, where known.  meta["schedule_peak_per_device"]: the held peaks of the result,
-    meta["schedule_scratch_per_device"]: the scratch on top of them."""
-    from taskrt.planning.lowering import lower
-    from taskrt.planning.peak import peak_memory
-
-    tighter = dict(searched or budgets)
+    (`PeakMemory.needed`), as the Trainer's check counts it.  `peaks`: the strategy's, where known.
+    meta["schedule_peak_per_device"]: the held peaks of the result, meta["schedule_scratch_per_device"]:
+    the scratch on top of them."""
+    tighter = dict(budgets)
     for rounds in range(SCHEDULE_ROUNDS + 1):
         if peaks is None or rounds:
-            peaks = peak_memory(lower(graph, strategy, itemsize=cost_model.itemsize), cost_model.itemsize,
-                                len(cost_model.optimizer.slots))
+            peaks = _schedule_peaks(graph, cost_model, strategy)
         over = max(peaks[d].needed / budgets[d] for d in peaks if d in budgets)
         if over <= 1:
             strategy.meta["schedule_peak_per_device"] = {str(d): p.total for d, p in peaks.items()}
@@ -442,7 +438,7 @@ def _measured_within_schedule(graph, machine, cost_model, strategy, budgets) -> 
     """`_check_by_measurement` where the budget holds the schedule's peak (`_within_schedule`): the
     baselines measured are those whose schedule's peak fits; the result keeps its peaks in meta."""
     def fits(candidate):
-        return all(p.needed <= budgets.get(d, np.inf) for d, p in _schedule_peaks(graph, cost_model, candidate).items())
+        return _schedule_fits(_schedule_peaks(graph, cost_model, candidate), budgets)
 
     chosen = _check_by_measurement(graph, machine, cost_model, strategy, budgets, fits=fits)
     if chosen.configs != strategy.configs:
